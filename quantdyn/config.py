@@ -1,0 +1,195 @@
+"""Typed, frozen configuration: dataclasses <-> dicts/YAML, dotted overrides.
+
+Every config in quantdyn is a frozen dataclass with a docstring per field and
+validation in ``__post_init__``.  This module turns nested dicts (from YAML or
+``key=value`` overrides) into those dataclasses, refusing unknown keys with a
+did-you-mean, and back into plain dicts for saving into every artifact.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from quantdyn.errors import QuantdynError, did_you_mean
+
+C = TypeVar("C")
+
+
+def _field_types(cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Convert a YAML/CLI value into the annotated type (nested dataclasses,
+    Optional, tuples, floats written as ints)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        last: Exception | None = None
+        for a in args:
+            try:
+                return _coerce(value, a, where)
+            except (QuantdynError, TypeError, ValueError) as e:  # try the next member
+                last = e
+        raise QuantdynError(f"{where}: cannot read {value!r} as {tp}") from last
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise QuantdynError(f"{where}: expected a mapping, got {value!r}")
+        return from_dict(tp, value, where)
+    if origin in (tuple, list):
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v != ""]
+        if not isinstance(value, (list, tuple)):
+            value = [value]
+        args = typing.get_args(tp)
+        inner = args[0] if args else Any
+        out = [_coerce(v, inner, where) for v in value]
+        return tuple(out) if origin is tuple else out
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise QuantdynError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is float:
+        if isinstance(value, bool):
+            raise QuantdynError(f"{where}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise QuantdynError(f"{where}: expected a number, got {value!r}") from None
+    if tp is int:
+        if isinstance(value, bool):
+            raise QuantdynError(f"{where}: expected an integer, got {value!r}")
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(float(value)) if float(value).is_integer() else int(value)
+            except ValueError:
+                raise QuantdynError(f"{where}: expected an integer, got {value!r}") from None
+        if not isinstance(value, int):
+            raise QuantdynError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        if not isinstance(value, bool):
+            raise QuantdynError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, (str, int, float)):
+            raise QuantdynError(f"{where}: expected a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def from_dict(cls: type[C], data: dict[str, Any] | None, where: str = "") -> C:
+    """Build dataclass ``cls`` from a nested dict; unknown keys are an error."""
+    data = dict(data or {})
+    types_ = _field_types(cls)
+    unknown = [k for k in data if k not in types_]
+    if unknown:
+        k = unknown[0]
+        key = f"{where}.{k}" if where else k
+        raise QuantdynError(
+            f"unknown config key '{key}'{did_you_mean(k, types_)}; valid keys"
+            f"{' under ' + where if where else ''}: {', '.join(sorted(types_))}"
+        )
+    kwargs = {}
+    for k, v in data.items():
+        key = f"{where}.{k}" if where else k
+        kwargs[k] = _coerce(v, types_[k], key)
+    try:
+        return cls(**kwargs)
+    except QuantdynError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise QuantdynError(f"{where or cls.__name__}: {e}") from None
+
+
+def to_dict(cfg: Any) -> Any:
+    """Dataclass (possibly nested) -> plain JSON/YAML-ready dict."""
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, (list, tuple)):
+        return [to_dict(v) for v in cfg]
+    if isinstance(cfg, dict):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    if isinstance(cfg, Path):
+        return str(cfg)
+    return cfg
+
+
+def config_hash(cfg: Any, n: int = 12) -> str:
+    """Stable short hash of a config (dataclass or dict)."""
+    blob = json.dumps(to_dict(cfg), sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:n]
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'optim.lr=3e-3' -> (['optim', 'lr'], 0.003); values parsed as YAML."""
+    if "=" not in text:
+        raise QuantdynError(f"override '{text}' is not of the form key=value (e.g. optim.lr=3e-3)")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise QuantdynError(f"override '{text}' has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def set_dotted(data: dict, path: list[str], value: Any) -> dict:
+    """Return a copy of nested dict ``data`` with ``path`` set to ``value``."""
+    out = dict(data)
+    node = out
+    for p in path[:-1]:
+        child = node.get(p)
+        child = dict(child) if isinstance(child, dict) else {}
+        node[p] = child
+        node = child
+    node[path[-1]] = value
+    return out
+
+
+def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
+    for o in overrides:
+        path, value = parse_override(o)
+        data = set_dotted(data, path, value)
+    return data
+
+
+def load_yaml(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise QuantdynError(f"config file '{p}' does not exist; pass the path of a YAML file (see configs/)")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        raise QuantdynError(f"config file '{p}' is not valid YAML{at}; fix the syntax") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise QuantdynError(f"config file '{p}' must hold a mapping of keys, not {type(data).__name__}")
+    return data
+
+
+def dump_yaml(data: Any) -> str:
+    return yaml.safe_dump(to_dict(data), sort_keys=False)

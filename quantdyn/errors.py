@@ -1,0 +1,29 @@
+"""User-facing errors.
+
+Every error a user can cause (bad path, unknown key, bad bit width, corrupt
+checkpoint, empty data) is raised as :class:`QuantdynError` with a message that
+says what is wrong and what to do.  The CLI prints it as one line and exits 2;
+library callers can catch it like any exception.
+"""
+from __future__ import annotations
+
+import difflib
+from typing import Iterable
+
+
+class QuantdynError(Exception):
+    """An error caused by input the user can fix; the message says how."""
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """Return ' (did you mean 'x'?)' for the closest choice, or ''."""
+    close = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1, cutoff=0.5)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def unknown_name(kind: str, name: str, choices: Iterable[str]) -> QuantdynError:
+    """Build the standard 'unknown X' error with did-you-mean and the valid names."""
+    choices = sorted(choices)
+    return QuantdynError(
+        f"unknown {kind} '{name}'{did_you_mean(name, choices)}; choose one of: {', '.join(choices)}"
+    )

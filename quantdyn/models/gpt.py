@@ -1,0 +1,248 @@
+"""The GPT-NeoX / Pythia model, in one file (nanoGPT's spirit).
+
+Architecture (Black et al. 2022; Biderman et al. 2023):
+  x = embed_in(idx)
+  for each block:  x = x + attn(ln1(x)) + mlp(ln2(x))      (parallel residual)
+                   or x = x + attn(ln1(x)); x = x + mlp(ln2(x))  (sequential)
+  logits = embed_out(final_layer_norm(x))                    (untied by default)
+Attention uses rotary embeddings on the first ``rotary_pct`` of each head's
+dimensions, with the "rotate half" convention, and PyTorch SDPA.
+
+Module and parameter names equal those of transformers' GPTNeoXForCausalLM,
+so ``state_dict()`` *is* an HF checkpoint (see ``models/hf_io.py``) and
+``transformers`` loads it as GPTNeoXForCausalLM with equal logits
+(tests/test_model.py asserts it).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from quantdyn.errors import QuantdynError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a GPT-NeoX/Pythia model."""
+
+    preset: str | None = None
+    """Name of a preset (see PRESETS); explicit fields below override it."""
+    vocab_size: int = 0
+    """Vocabulary size; 0 = take it from the tokenizer (rounded up to a multiple of 64)."""
+    n_layer: int = 4
+    """Number of transformer blocks."""
+    d_model: int = 128
+    """Residual width (hidden_size)."""
+    n_head: int = 4
+    """Attention heads; must divide d_model."""
+    d_ff: int = 0
+    """MLP width; 0 = 4 * d_model (Pythia)."""
+    max_seq_len: int = 2048
+    """Largest context (max_position_embeddings)."""
+    rotary_pct: float = 0.25
+    """Fraction of each head's dimensions that get rotary embeddings (Pythia: 0.25)."""
+    rotary_base: float = 10000.0
+    """RoPE base (rotary_emb_base)."""
+    parallel_residual: bool = True
+    """Pythia's parallel attention+MLP residual."""
+    tie_embeddings: bool = False
+    """Share input embedding and output head (Pythia: untied)."""
+    layer_norm_eps: float = 1e-5
+    """LayerNorm epsilon."""
+    init_std: float = 0.02
+    """Std of the normal initialisation; output projections get init_std / sqrt(2 * n_layer)."""
+
+    def __post_init__(self):
+        if self.n_layer < 1 or self.d_model < 1 or self.n_head < 1:
+            raise QuantdynError("model: n_layer, d_model and n_head must be positive")
+        if self.d_model % self.n_head:
+            raise QuantdynError(f"model: n_head={self.n_head} must divide d_model={self.d_model}")
+        if not 0.0 <= self.rotary_pct <= 1.0:
+            raise QuantdynError(f"model: rotary_pct={self.rotary_pct} must lie in [0, 1]")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def ff_dim(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.rotary_pct)
+
+
+# Pythia's published shapes (Biderman et al. 2023, Table 1) and tiny CPU shapes.
+PRESETS: dict[str, dict] = {
+    "pythia-14m": dict(n_layer=6, d_model=128, n_head=4, max_seq_len=2048, vocab_size=50304),
+    "pythia-70m": dict(n_layer=6, d_model=512, n_head=8, max_seq_len=2048, vocab_size=50304),
+    "pythia-160m": dict(n_layer=12, d_model=768, n_head=12, max_seq_len=2048, vocab_size=50304),
+    "pythia-410m": dict(n_layer=24, d_model=1024, n_head=16, max_seq_len=2048, vocab_size=50304),
+    "tiny-2x64": dict(n_layer=2, d_model=64, n_head=2, max_seq_len=512),
+    "tiny-4x128": dict(n_layer=4, d_model=128, n_head=4, max_seq_len=512),
+    "tiny-4x256": dict(n_layer=4, d_model=256, n_head=4, max_seq_len=512),
+}
+
+
+def resolve_model_config(cfg: ModelConfig, vocab_size: int | None = None) -> ModelConfig:
+    """Apply the preset (explicit non-default fields win) and fill vocab_size."""
+    import dataclasses
+
+    base = ModelConfig()
+    fields = {}
+    if cfg.preset is not None:
+        if cfg.preset not in PRESETS:
+            from quantdyn.errors import unknown_name
+
+            raise unknown_name("model preset", cfg.preset, PRESETS)
+        fields.update(PRESETS[cfg.preset])
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if f.name != "preset" and v != getattr(base, f.name):
+            fields[f.name] = v
+    if fields.get("vocab_size", 0) == 0:
+        if vocab_size is None:
+            raise QuantdynError("model.vocab_size is 0 and no tokenizer gives it; set model.vocab_size")
+        fields["vocab_size"] = int(math.ceil(vocab_size / 64) * 64)
+    return dataclasses.replace(base, preset=cfg.preset, **fields)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for positions 0..T-1 over the rotary dimensions."""
+
+    def __init__(self, rotary_dim: int, base: float):
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, T: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        t = torch.arange(T, device=device, dtype=torch.float32)
+        freqs = torch.outer(t, self.inv_freq.to(device))  # (T, rd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, rd)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_head, self.head_dim, self.rotary_dim = cfg.n_head, cfg.head_dim, cfg.rotary_dim
+        self.query_key_value = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.dense = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        B, T, C = x.shape
+        # GPT-NeoX packs q,k,v per head: (B, T, H, 3*hd) -> (B, H, T, 3*hd)
+        qkv = self.query_key_value(x).view(B, T, self.n_head, 3 * self.head_dim).transpose(1, 2)
+        q, k, v = qkv.chunk(3, dim=-1)  # each (B, H, T, hd)
+        rd = self.rotary_dim
+        if rd:
+            cos, sin = rope  # (T, rd)
+            q = torch.cat((q[..., :rd] * cos + rotate_half(q[..., :rd]) * sin, q[..., rd:]), dim=-1)
+            k = torch.cat((k[..., :rd] * cos + rotate_half(k[..., :rd]) * sin, k[..., rd:]), dim=-1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, hd)
+        return self.dense(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.dense_h_to_4h = nn.Linear(cfg.d_model, cfg.ff_dim)
+        self.dense_4h_to_h = nn.Linear(cfg.ff_dim, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.parallel = cfg.parallel_residual
+        self.input_layernorm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.post_attention_layernorm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.attention = Attention(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        a = self.attention(self.input_layernorm(x), rope)
+        if self.parallel:
+            return x + a + self.mlp(self.post_attention_layernorm(x))
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Trunk(nn.Module):
+    """Named like transformers' GPTNeoXModel so parameter names match."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_in = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
+        self.final_layer_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rotary_base)
+
+
+class GPT(nn.Module):
+    """GPT-NeoX causal LM. ``forward(idx)`` returns full logits (B, T, V)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.vocab_size <= 0:
+            raise QuantdynError("GPT needs a resolved config (vocab_size > 0); call resolve_model_config")
+        self.config = cfg
+        self.gpt_neox = Trunk(cfg)
+        self.embed_out = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.embed_out.weight = self.gpt_neox.embed_in.weight
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = self.config.init_std
+        out_std = std / math.sqrt(2 * self.config.n_layer)
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                if name.endswith("layernorm.weight") or name.endswith("final_layer_norm.weight"):
+                    nn.init.ones_(p)
+                else:
+                    nn.init.zeros_(p)
+            elif name.endswith("attention.dense.weight") or name.endswith("dense_4h_to_h.weight"):
+                nn.init.normal_(p, 0.0, out_std)
+            else:
+                nn.init.normal_(p, 0.0, std)
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.gpt_neox.layers
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        B, T = idx.shape
+        if T > self.config.max_seq_len:
+            raise QuantdynError(f"sequence of {T} tokens exceeds model.max_seq_len={self.config.max_seq_len}")
+        x = self.gpt_neox.embed_in(idx)  # (B, T, C)
+        rope = self.gpt_neox.rotary(T, x.device, x.dtype)
+        for block in self.gpt_neox.layers:
+            x = block(x, rope)
+        return self.embed_out(self.gpt_neox.final_layer_norm(x))  # (B, T, V)
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.gpt_neox.embed_in.weight.numel()
+        return n
+
+
+def logits_of(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    """Full logits (B, T, V) from a quantdyn GPT or any HF causal LM."""
+    out = model(idx)
+    if isinstance(out, torch.Tensor):
+        return out
+    return out.logits

@@ -1,0 +1,59 @@
+"""One registry type for every pluggable family (quantizers, schedules,
+optimizers, data sources, metrics, model adapters).
+
+    SCHEDULES = Registry("schedule")
+
+    @SCHEDULES.register("wsd")
+    def wsd(step, cfg): ...
+
+    SCHEDULES.get("wds")   # QuantdynError: unknown schedule 'wds' (did you mean 'wsd'?)
+
+Registration happens when the module defining the entries is imported; each
+family's package imports its entry modules in its ``__init__`` so that
+``get`` sees every built-in name.
+"""
+from __future__ import annotations
+
+from typing import Callable, Generic, Iterator, TypeVar
+
+from quantdyn.errors import QuantdynError, unknown_name
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """Name -> object map with a duplicate-name error and did-you-mean lookup."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._entries: dict[str, T] = {}
+
+    def register(self, name: str) -> Callable[[T], T]:
+        def deco(obj: T) -> T:
+            self.add(name, obj)
+            return obj
+
+        return deco
+
+    def add(self, name: str, obj: T) -> None:
+        if name in self._entries:
+            raise ValueError(f"{self.kind} '{name}' is registered twice")
+        self._entries[name] = obj
+
+    def get(self, name: str) -> T:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise unknown_name(self.kind, name, self._entries) from None
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._entries))
+
+    def __len__(self) -> int:
+        return len(self._entries)

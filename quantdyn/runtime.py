@@ -1,0 +1,98 @@
+"""Process-wide runtime settings, set in one place and logged.
+
+Nothing in quantdyn changes seeds, threads, TF32 or devices at import time;
+commands call :func:`setup_runtime` once and record what it returns.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import random
+import subprocess
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger("quantdyn")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Process-wide settings."""
+
+    seed: int = 0
+    """Seed for python, numpy and torch RNGs."""
+    threads: int = 0
+    """torch intra-op threads; 0 = all cores for training/eval (see quantize_threads for GPTQ)."""
+    device: str = "auto"
+    """'auto' (cuda if available else cpu), 'cpu', 'cuda', 'cuda:1', ..."""
+    tf32: bool = True
+    """Allow TF32 matmuls on Ampere+ GPUs."""
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        from quantdyn.errors import QuantdynError
+
+        raise QuantdynError(f"device '{name}' was asked for but no CUDA GPU is visible; use device=cpu")
+    return dev
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def setup_runtime(cfg: RuntimeConfig | None = None) -> dict:
+    """Apply seeds, threads and TF32; return (and log) what was set."""
+    cfg = cfg or RuntimeConfig()
+    seed_everything(cfg.seed)
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+        torch.backends.cudnn.allow_tf32 = cfg.tf32
+    info = {
+        "seed": cfg.seed,
+        "threads": torch.get_num_threads(),
+        "device": str(resolve_device(cfg.device)),
+        "tf32": cfg.tf32,
+    }
+    log.info("runtime: %s", info)
+    return info
+
+
+@lru_cache(maxsize=1)
+def git_sha() -> str:
+    """SHA of the quantdyn source tree (with '-dirty' if modified), or 'unknown'."""
+    here = Path(__file__).resolve().parent.parent
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+        if not sha:
+            return "unknown"
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here, capture_output=True, text=True, timeout=5,
+        ).stdout.strip()
+        return sha[:12] + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+@lru_cache(maxsize=1)
+def hardware() -> str:
+    """Short description of the machine for provenance."""
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
+    cpu = platform.processor() or platform.machine()
+    return f"cpu {cpu} x{os.cpu_count()} threads={torch.get_num_threads()}"
