@@ -76,6 +76,11 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.rotary_pct)
 
+    def shape(self) -> tuple:
+        """What makes two configs' weights interchangeable (ignores preset name and init)."""
+        return (self.vocab_size, self.n_layer, self.d_model, self.n_head, self.ff_dim, self.rotary_dim,
+                self.rotary_base, self.parallel_residual, self.tie_embeddings, self.layer_norm_eps)
+
 
 # Pythia's published shapes (Biderman et al. 2023, Table 1) and tiny CPU shapes.
 PRESETS: dict[str, dict] = {

@@ -1,0 +1,295 @@
+"""Tokenize once into memory-mapped token shards with a manifest.
+
+    data = prepare_data(DataConfig(source="builtin:kjv", tokenizer="bpe:4096"))
+    data.train, data.val, data.calib      # np.memmap of token ids (EOS between documents)
+    data.eval_windows(128, 400)           # LongTensor [n, 128], non-overlapping, from val
+    data.calib_windows(32, 128, seed=0)   # LongTensor [32, 128] from the calibration split
+
+Documents are split into train / validation / calibration by a seeded hash of
+their text, so the split is deterministic, independent of document order and
+streaming, and evaluation text is never trained on.  Everything lands in a
+cache directory named by the hash of (source identity, text field, split,
+tokenizer spec, budget); training, calibration and evaluation all read the
+same shards, so nothing is re-tokenized per evaluation.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from quantdyn.config import config_hash, to_dict
+from quantdyn.data.sources import SourceInfo, resolve_source
+from quantdyn.data.tokenizer import (
+    gpt2_tokenizer,
+    load_pretrained_tokenizer,
+    parse_tokenizer_spec,
+    tokenizer_hash,
+    train_bpe,
+)
+from quantdyn.errors import QuantdynError
+from quantdyn.models.hf_io import atomic_dir, write_json_atomic
+
+SPLITS = ("train", "val", "calib")
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("QUANTDYN_CACHE", ".cache/quantdyn")) / "data"
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where text comes from and how it becomes token shards."""
+
+    source: str = "builtin:kjv"
+    """builtin:kjv, a .txt/.jsonl/.parquet path, or hf:NAME[:CONFIG]."""
+    text_field: str = "text"
+    """Field holding the text in .jsonl/.parquet/hf rows."""
+    tokenizer: str = "bpe:4096"
+    """bpe:VOCAB (trained on the train split), gpt2, or an HF tokenizer name/path."""
+    val_fraction: float = 0.05
+    """Fraction of documents held out for validation/evaluation."""
+    calib_fraction: float = 0.02
+    """Fraction of documents held out for PTQ calibration."""
+    split_seed: int = 1234
+    """Seed of the document-level split hash."""
+    max_tokens: int = 0
+    """Token budget for the train split (0 = all). Streaming sources stop reading at ~5 chars/token."""
+    bpe_train_chars: int = 20_000_000
+    """At most this many characters of train text are used to learn a bpe tokenizer."""
+    cache_dir: str = ""
+    """Shard cache directory ('' = $QUANTDYN_CACHE/data or .cache/quantdyn/data)."""
+
+    def __post_init__(self):
+        if not (0 < self.val_fraction < 1 and 0 < self.calib_fraction < 1):
+            raise QuantdynError("data.val_fraction and data.calib_fraction must lie in (0, 1)")
+        if self.val_fraction + self.calib_fraction >= 0.9:
+            raise QuantdynError("data.val_fraction + data.calib_fraction must leave room for training (< 0.9)")
+        if self.max_tokens < 0:
+            raise QuantdynError("data.max_tokens must be >= 0")
+
+
+def split_of(text: str, seed: int, val_fraction: float, calib_fraction: float) -> str:
+    """Deterministic split of one document by a seeded hash of its text."""
+    h = hashlib.blake2b(f"{seed}\x00{text}".encode("utf-8", "replace"), digest_size=8).digest()
+    u = int.from_bytes(h, "big") / 2**64
+    if u < val_fraction:
+        return "val"
+    if u < val_fraction + calib_fraction:
+        return "calib"
+    return "train"
+
+
+@dataclass
+class TokenData:
+    """Token shards of one (source, tokenizer, split) on disk."""
+
+    directory: Path
+    manifest: dict
+    tokenizer: object = field(repr=False)
+    _mm: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def eos_id(self) -> int:
+        return int(self.manifest["eos_id"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.manifest["vocab_size"])
+
+    @property
+    def data_hash(self) -> str:
+        return self.manifest["key"]
+
+    def split(self, name: str) -> np.ndarray:
+        if name not in SPLITS:
+            raise QuantdynError(f"unknown split '{name}'; use one of {SPLITS}")
+        if name not in self._mm:
+            n = self.manifest["splits"][name]["tokens"]
+            dtype = np.dtype(self.manifest["dtype"])
+            if n == 0:
+                self._mm[name] = np.zeros(0, dtype=dtype)
+            else:
+                self._mm[name] = np.memmap(self.directory / f"{name}.bin", dtype=dtype, mode="r", shape=(n,))
+        return self._mm[name]
+
+    @property
+    def train(self) -> np.ndarray:
+        return self.split("train")
+
+    @property
+    def val(self) -> np.ndarray:
+        return self.split("val")
+
+    @property
+    def calib(self) -> np.ndarray:
+        return self.split("calib")
+
+    def eval_windows(self, seq_len: int, max_windows: int = 0, split: str = "val") -> torch.Tensor:
+        """Non-overlapping windows [n, seq_len] of a split, in order (paper A's eval blocks)."""
+        toks = self.split(split)
+        n = len(toks) // seq_len
+        if max_windows:
+            n = min(n, max_windows)
+        if n == 0:
+            raise QuantdynError(
+                f"the {split} split has {len(toks)} tokens, fewer than one window of {seq_len}; "
+                "use more data, a larger data.val_fraction, or a shorter sequence length"
+            )
+        return torch.from_numpy(np.asarray(toks[: n * seq_len], dtype=np.int64).reshape(n, seq_len))
+
+    def calib_windows(self, n: int, seq_len: int, seed: int = 0) -> torch.Tensor:
+        """``n`` random windows [n, seq_len] from the calibration split (seeded)."""
+        toks = self.split("calib")
+        if len(toks) <= seq_len:
+            raise QuantdynError(
+                f"the calibration split has {len(toks)} tokens, too few for windows of {seq_len}; "
+                "use more data or a larger data.calib_fraction"
+            )
+        if n <= 0:
+            raise QuantdynError("calibration set is empty: ask for at least 1 calibration sample")
+        rng = np.random.default_rng(seed)
+        starts = rng.integers(0, len(toks) - seq_len, size=n)
+        return torch.from_numpy(np.stack([np.asarray(toks[s : s + seq_len], dtype=np.int64) for s in starts]))
+
+    def token_hash(self, split: str, seq_len: int, max_windows: int = 0) -> str:
+        """Identity of an evaluation set: shard key + split + windowing."""
+        return hashlib.sha1(f"{self.data_hash}:{split}:{seq_len}:{max_windows}".encode()).hexdigest()[:12]
+
+
+def _iter_split(docs: Iterator[str], cfg: DataConfig, want: str) -> Iterator[str]:
+    for d in docs:
+        if split_of(d, cfg.split_seed, cfg.val_fraction, cfg.calib_fraction) == want:
+            yield d
+
+
+def _limited(docs: Iterator[str], max_chars: int) -> Iterator[str]:
+    seen = 0
+    for d in docs:
+        yield d
+        seen += len(d)
+        if max_chars and seen >= max_chars:
+            return
+
+
+def _build_tokenizer(cfg: DataConfig, doc_factory):
+    kind, vocab = parse_tokenizer_spec(cfg.tokenizer)
+    if kind == "bpe":
+        texts = _limited(_iter_split(doc_factory(), cfg, "train"), cfg.bpe_train_chars)
+        return train_bpe(texts, vocab)
+    if kind == "gpt2":
+        return gpt2_tokenizer()
+    return load_pretrained_tokenizer(cfg.tokenizer)
+
+
+def _write_split_tokens(tok, docs: Iterator[str], path: Path, dtype, eos: int, budget: int, progress) -> int:
+    n = 0
+    batch: list[str] = []
+    with path.open("wb") as f:
+
+        def flush():
+            nonlocal n
+            if not batch:
+                return False
+            enc = tok(batch, add_special_tokens=False)["input_ids"]
+            for ids in enc:
+                arr = np.asarray(ids + [eos], dtype=dtype)
+                if budget and n + len(arr) > budget:
+                    arr = arr[: budget - n]
+                f.write(arr.tobytes())
+                n += len(arr)
+                progress.update(len(arr))
+                if budget and n >= budget:
+                    return True
+            batch.clear()
+            return False
+
+        for d in docs:
+            batch.append(d)
+            if len(batch) >= 256 and flush():
+                return n
+        flush()
+    return n
+
+
+def prepare_data(cfg: DataConfig, progress: bool = True) -> TokenData:
+    """Tokenize ``cfg.source`` into cached shards (once) and open them."""
+    from tqdm import tqdm
+
+    info, doc_factory = resolve_source(cfg.source, cfg.text_field)
+    key_fields = {k: v for k, v in to_dict(cfg).items() if k != "cache_dir"}
+    key = config_hash({"source": info.identity, **key_fields})
+    root = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
+    directory = root / key
+    manifest_path = directory / "manifest.json"
+    if manifest_path.is_file():
+        return _open(directory)
+
+    max_chars = cfg.max_tokens * 5 if (cfg.max_tokens and info.kind == "hf") else 0
+
+    def docs():
+        return _limited(doc_factory(), max_chars) if max_chars else doc_factory()
+
+    tok = _build_tokenizer(cfg, docs)
+    eos = tok.convert_tokens_to_ids(tok.eos_token)
+    vocab = len(tok)
+    dtype = np.uint16 if vocab <= 65535 else np.uint32
+    with atomic_dir(directory) as tmp:
+        splits = {}
+        with tqdm(desc=f"tokenizing {cfg.source}", unit="tok", disable=not progress, unit_scale=True) as bar:
+            for s in SPLITS:
+                budget = cfg.max_tokens if s == "train" else 0
+                n = _write_split_tokens(tok, _iter_split(docs(), cfg, s), tmp / f"{s}.bin", dtype, eos, budget, bar)
+                splits[s] = {"tokens": n}
+        if splits["train"]["tokens"] == 0:
+            raise QuantdynError(
+                f"data source '{cfg.source}' gave no training text; check that it is not empty and that "
+                f"data.text_field='{cfg.text_field}' names the text"
+            )
+        for s in ("val", "calib"):
+            if splits[s]["tokens"] == 0:
+                raise QuantdynError(
+                    f"data source '{cfg.source}' has too few documents for a {s} split; add documents or raise "
+                    f"data.{'val' if s == 'val' else 'calib'}_fraction"
+                )
+        tok.save_pretrained(str(tmp / "tokenizer"))
+        manifest = {
+            "key": key,
+            "source": info.spec,
+            "source_kind": info.kind,
+            "source_identity": info.identity,
+            "config": to_dict(cfg),
+            "tokenizer": cfg.tokenizer,
+            "tokenizer_hash": tokenizer_hash(tok),
+            "vocab_size": vocab,
+            "eos_id": eos,
+            "dtype": np.dtype(dtype).name,
+            "splits": splits,
+        }
+        write_json_atomic(tmp / "manifest.json", manifest)
+    return _open(directory)
+
+
+def _open(directory: Path) -> TokenData:
+    from transformers import AutoTokenizer
+
+    try:
+        manifest = json.loads((directory / "manifest.json").read_text())
+        tok = AutoTokenizer.from_pretrained(str(directory / "tokenizer"))
+    except (json.JSONDecodeError, OSError) as e:
+        raise QuantdynError(f"token cache '{directory}' is corrupt ({type(e).__name__}); delete it and rerun") from None
+    return TokenData(directory=directory, manifest=manifest, tokenizer=tok)
+
+
+def open_token_data(directory: str | Path) -> TokenData:
+    """Open an existing shard directory (e.g. the one a run recorded)."""
+    d = Path(directory)
+    if not (d / "manifest.json").is_file():
+        raise QuantdynError(f"'{d}' is not a quantdyn token cache (no manifest.json); run prepare_data first")
+    return _open(d)

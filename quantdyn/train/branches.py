@@ -1,0 +1,89 @@
+"""Cooldown branches: the "same model, cooldowns at different token budgets"
+experiment of paper A (Figure 5), with constant-LR control twins.
+
+From a stable-phase checkpoint at step S of a parent run, each branch decays
+the LR to lr_end over D steps (a WSD schedule with decay_start = S); its
+control twin continues at the constant peak LR for the same D steps.  A
+decayed endpoint and its control share weights, optimizer state, data order
+and token count, so their quantization errors differ only by the decay.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from quantdyn.config import from_dict, load_yaml
+from quantdyn.errors import QuantdynError
+from quantdyn.train.checkpoint import checkpoint_dir, latest_resumable, list_checkpoints, read_meta, CheckpointInfo
+from quantdyn.train.config import RunConfig
+from quantdyn.train.schedules import ScheduleConfig, _steps, lr_at
+
+
+def load_run_config(run_dir: Path) -> RunConfig:
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise QuantdynError(f"'{run_dir}' is not a quantdyn run directory (no config.yaml); pass RUN_DIR of a training run")
+    return from_dict(RunConfig, load_yaml(run_dir / "config.yaml"))
+
+
+def branch_configs(parent: RunConfig, from_step: int, decay_steps: int, shape: str) -> tuple[RunConfig, RunConfig]:
+    """(cooldown, control) configs for one decay length."""
+    total = parent.train.steps
+    warmup = _steps(parent.schedule.warmup, total)
+    peak = parent.optim.lr
+    if abs(lr_at(from_step - 1, peak, parent.schedule, total) - peak) > 1e-12 * max(peak, 1.0):
+        raise QuantdynError(
+            f"step {from_step} is not in the parent's stable phase (LR {lr_at(from_step - 1, peak, parent.schedule, total):.3g}"
+            f" != peak {peak:.3g}); branch from a checkpoint after warmup and before the decay"
+        )
+    if decay_steps < 1:
+        raise QuantdynError("--decay-steps must be positive")
+    steps = from_step + decay_steps
+    train = replace(parent.train, steps=steps, checkpoint_tokens=())
+    sched = ScheduleConfig(name="wsd", warmup=warmup, decay=decay_steps, decay_start=from_step,
+                           decay_shape=shape, lr_end=parent.schedule.lr_end)
+    cool = replace(parent, name=f"cooldown-s{from_step}-d{decay_steps}-{shape}", schedule=sched, train=train)
+    ctrl = replace(parent, name=f"control-s{from_step}-d{decay_steps}",
+                   schedule=ScheduleConfig(name="constant", warmup=warmup), train=train)
+    return cool, ctrl
+
+
+def run_branch(cfg: RunConfig, branch_dir: Path, source: CheckpointInfo, parent: dict, progress: bool = True) -> Path:
+    """Train one branch from ``source``; resume or skip if it already ran."""
+    done = [c for c in list_checkpoints(branch_dir) if c.step >= cfg.train.steps]
+    if done:
+        return branch_dir
+    from quantdyn.train.trainer import train
+
+    partial = latest_resumable(branch_dir)
+    if partial is not None and partial.step > source.step:
+        return train(cfg, branch_dir, resume=partial, parent=parent, progress=progress)
+    return train(cfg, branch_dir, init_from=source, parent=parent, progress=progress)
+
+
+def cooldown(
+    run_dir: Path, from_step: int, decay_steps: list[int], shape: str = "linear", control: bool = False,
+    progress: bool = True,
+) -> list[Path]:
+    """Start cooldown branches (and control twins) from the run's checkpoint at ``from_step``."""
+    run_dir = Path(run_dir)
+    parent_cfg = load_run_config(run_dir)
+    ckpt = checkpoint_dir(run_dir, from_step)
+    if not (ckpt / "training_state.pt").is_file():
+        have = [c.step for c in list_checkpoints(run_dir)]
+        raise QuantdynError(
+            f"run '{run_dir}' has no resumable checkpoint at step {from_step} (checkpoints: {have}); "
+            "pick one of those steps with --from-step"
+        )
+    meta = read_meta(ckpt)
+    source = CheckpointInfo(ckpt, from_step, int(meta.get("tokens", 0)), meta.get("lr"), meta)
+    out = []
+    for d in decay_steps:
+        cool, ctrl = branch_configs(parent_cfg, from_step, d, shape)
+        pairs = [(cool, "cooldown")] + ([(ctrl, "control")] if control else [])
+        for cfg, kind in pairs:
+            bdir = run_dir / "branches" / cfg.name
+            parent = {"run_dir": "../..", "run": parent_cfg.name, "from_step": from_step, "kind": kind,
+                      "decay_steps": d, "shape": shape if kind == "cooldown" else "constant"}
+            out.append(run_branch(cfg, bdir, source, parent, progress))
+    return out

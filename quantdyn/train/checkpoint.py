@@ -1,0 +1,104 @@
+"""Checkpoint directories of a run.
+
+    RUN_DIR/
+      config.yaml                 resolved RunConfig
+      run.json                    run identity, parent link (cooldown branches), data cache
+      metrics.jsonl               one row per log/eval event
+      checkpoints/step-0000400/   HF checkpoint: config.json, model.safetensors, tokenizer files,
+                                  quantdyn.json (step, tokens, lr, schedule, config, git SHA),
+                                  training_state.pt (optimizer, step, RNG; loaded weights_only)
+      branches/NAME/              child runs (cooldowns, constant-LR controls), same layout
+      averages/NAME/              averaged checkpoints (LAWA, EMA, soups) as HF checkpoints
+
+Every checkpoint is written to a temporary directory and renamed into place,
+so a crash never leaves a half-written checkpoint under its final name.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from quantdyn.errors import QuantdynError
+from quantdyn.models.hf_io import atomic_dir, save_hf_into, write_json_atomic
+
+META = "quantdyn.json"
+STATE = "training_state.pt"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: Path
+    step: int
+    tokens: int
+    lr: float | None
+    meta: dict
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step-{step:07d}"
+
+
+def save_checkpoint(
+    directory: Path,
+    model: torch.nn.Module,
+    meta: dict,
+    tokenizer=None,
+    training_state: dict | None = None,
+) -> Path:
+    """Atomically write an HF checkpoint + quantdyn metadata (+ training state)."""
+    directory = Path(directory)
+    with atomic_dir(directory) as tmp:
+        eos = getattr(tokenizer, "eos_token_id", None)
+        if eos is not None and hasattr(model, "config") and not hasattr(model, "save_pretrained"):
+            save_hf_into(model, tmp, bos_token_id=eos, eos_token_id=eos)
+        else:
+            save_hf_into(model, tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        write_json_atomic(tmp / META, {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **meta})
+        if training_state is not None:
+            torch.save(training_state, tmp / STATE)
+    return directory
+
+
+def read_meta(ckpt: Path) -> dict:
+    p = Path(ckpt) / META
+    if not p.is_file():
+        return {}
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError:
+        raise QuantdynError(f"'{p}' is corrupt (invalid JSON); delete the checkpoint directory and re-create it") from None
+
+
+def load_training_state(ckpt: Path) -> dict:
+    p = Path(ckpt) / STATE
+    if not p.is_file():
+        raise QuantdynError(f"checkpoint '{ckpt}' has no {STATE}; it cannot be resumed (choose another checkpoint)")
+    try:
+        return torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises several types for a truncated/corrupt file
+        raise QuantdynError(f"'{p}' is corrupt ({type(e).__name__}); resume from an earlier checkpoint") from None
+
+
+def list_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
+    """The run's own checkpoints (not its branches), sorted by step."""
+    root = Path(run_dir) / "checkpoints"
+    out = []
+    if root.is_dir():
+        for d in sorted(root.iterdir()):
+            if d.is_dir() and d.name.startswith("step-") and (d / "model.safetensors").is_file():
+                meta = read_meta(d)
+                out.append(CheckpointInfo(d, int(meta.get("step", d.name[5:])), int(meta.get("tokens", 0)), meta.get("lr"), meta))
+    return sorted(out, key=lambda c: c.step)
+
+
+def latest_resumable(run_dir: Path) -> CheckpointInfo | None:
+    for c in reversed(list_checkpoints(run_dir)):
+        if (c.path / STATE).is_file():
+            return c
+    return None

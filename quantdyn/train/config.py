@@ -1,0 +1,123 @@
+"""The run configuration: everything a training run needs, typed and saved
+with every checkpoint (``config.yaml`` in the run directory)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from quantdyn.config import from_dict
+from quantdyn.data.prepare import DataConfig
+from quantdyn.errors import QuantdynError
+from quantdyn.models.gpt import ModelConfig
+from quantdyn.train.optimizers import OptimConfig
+from quantdyn.train.schedules import ScheduleConfig
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """The training loop."""
+
+    steps: int = 1000
+    """Optimizer steps in total."""
+    batch_size: int = 32
+    """Sequences per micro-batch per process."""
+    seq_len: int = 128
+    """Tokens per training sequence."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (paper A: 1.0; 0 = off)."""
+    eval_every: int = 100
+    """Validation loss every N steps (0 = only at checkpoints)."""
+    eval_windows: int = 200
+    """Held-out windows of seq_len tokens for validation loss."""
+    checkpoint_every: int = 0
+    """Checkpoint every N steps (0 = only checkpoint_tokens and the final step)."""
+    checkpoint_tokens: tuple[int, ...] = ()
+    """Also checkpoint as soon as these token counts are reached."""
+    log_every: int = 10
+    """Train-loss rows every N steps."""
+    dtype: str = "auto"
+    """auto (bf16 autocast on GPU, float32 on CPU) | float32 | bfloat16."""
+    compile: bool = False
+    """torch.compile the model."""
+    device: str = "auto"
+    """auto | cpu | cuda | cuda:N (under torchrun: cuda:LOCAL_RANK)."""
+    threads: int = 0
+    """CPU threads (0 = torch default)."""
+
+    def __post_init__(self):
+        for k in ("steps", "batch_size", "seq_len", "grad_accum", "eval_windows"):
+            if getattr(self, k) < 1:
+                raise QuantdynError(f"train.{k} must be >= 1")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise QuantdynError(f"train.dtype '{self.dtype}' must be auto, float32 or bfloat16")
+
+
+@dataclass(frozen=True)
+class AveragingConfig:
+    """Online weight averaging in the trainer (paper A: LAWA, EMA)."""
+
+    lawa_window: int = 0
+    """LAWA: average of the last K snapshots (0 = off)."""
+    lawa_every: int = 0
+    """LAWA: take a snapshot every P steps."""
+    ema_decay: float = 0.0
+    """EMA decay per step (0 = off), e.g. 0.999."""
+    ema_half_life_tokens: int = 0
+    """Alternative to ema_decay: half-life in tokens (decay = 0.5 ** (tokens_per_step / half_life))."""
+
+    def __post_init__(self):
+        if self.lawa_window < 0 or self.lawa_every < 0:
+            raise QuantdynError("averaging.lawa_window and lawa_every must be >= 0")
+        if bool(self.lawa_window) != bool(self.lawa_every):
+            raise QuantdynError("averaging: set both lawa_window (K) and lawa_every (P), or neither")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise QuantdynError("averaging.ema_decay must lie in [0, 1)")
+        if self.ema_decay and self.ema_half_life_tokens:
+            raise QuantdynError("averaging: give ema_decay or ema_half_life_tokens, not both")
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """In-training quantization monitor: Δ CE of chosen quantizers every N steps."""
+
+    every: int = 0
+    """Steps between measurements (0 = off)."""
+    quantizers: tuple[str, ...] = ("rtn4",)
+    """Quantizer specs (e.g. rtn4, gptq3)."""
+    calib_samples: int = 16
+    """Calibration windows for GPTQ/AWQ."""
+    eval_windows: int = 64
+    """Held-out windows for Δ CE."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A training run."""
+
+    name: str = "run"
+    """Run name; the run directory is out_dir/name."""
+    out_dir: str = "runs"
+    """Parent directory of run directories."""
+    seed: int = 0
+    """Seed for initialisation and data order."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: LoopConfig = field(default_factory=LoopConfig)
+    averaging: AveragingConfig = field(default_factory=AveragingConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+
+    def __post_init__(self):
+        if not self.name or "/" in self.name:
+            raise QuantdynError(f"run name '{self.name}' must be non-empty and contain no '/'")
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens per optimizer step for ONE process (the trainer multiplies by world size)."""
+        return self.train.batch_size * self.train.seq_len * self.train.grad_accum
+
+
+def run_config_from_dict(d: dict) -> RunConfig:
+    return from_dict(RunConfig, d)
