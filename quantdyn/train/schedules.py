@@ -83,7 +83,7 @@ def _anneal(step: int, peak: float, cfg: ScheduleConfig, total: int, shape: str)
     if w is not None:
         return w
     start = _steps(cfg.warmup, total)
-    p = min(1.0, max(0.0, (step - start) / max(1, total - start)))
+    p = min(1.0, max(0.0, (step - start) / max(1, total - 1 - start)))
     return cfg.lr_end + (peak - cfg.lr_end) * DECAY_SHAPES[shape](p)
 
 

