@@ -72,6 +72,145 @@ def cooldown(
         typer.echo(f"branch: {p}")
 
 
+# --------------------------------------------------------------- quantize
+@app.command()
+def quantize(
+    model: str = typer.Argument(..., help="Local HF dir, quantdyn checkpoint, or hub-id[@revision]."),
+    method: str = typer.Option("gptq", "--method", help="rtn | gptq | awq"),
+    bits: int = typer.Option(4, "--bits", help="2..8"),
+    group_size: int = typer.Option(128, "--group-size", help="0 = one group per row"),
+    preset: Optional[str] = typer.Option(None, "--preset", help="reference | gptqmodel | gptqmodel-v5"),
+    calib_data: str = typer.Option("builtin:kjv", "--calib-data", help="Any quantdyn data source."),
+    calib_samples: int = typer.Option(32, "--calib-samples"),
+    calib_seq_len: int = typer.Option(128, "--calib-seq-len"),
+    eval_data: Optional[str] = typer.Option(None, "--eval-data", help="Default: same as --calib-data."),
+    eval_tokens: int = typer.Option(25600, "--eval-tokens", help="Held-out tokens for the error."),
+    eval_seq_len: int = typer.Option(128, "--eval-seq-len"),
+    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Default: the model's own tokenizer."),
+    save: Optional[Path] = typer.Option(None, "--save", help="Write the fake-quantized model + codes here."),
+    device: str = typer.Option("auto", "--device"),
+    as_json: bool = typer.Option(False, "--json", help="Print the result row as one JSON object."),
+):
+    """Quantize one model and measure Δ CE, Δ PPL, KL and agreement on held-out text."""
+    from quantdyn.study.single import quantize_one
+
+    row = quantize_one(model, method=method, bits=bits, group_size=group_size, preset=preset, calib_data=calib_data,
+                       calib_samples=calib_samples, calib_seq_len=calib_seq_len, eval_data=eval_data,
+                       eval_tokens=eval_tokens, eval_seq_len=eval_seq_len, tokenizer=tokenizer, save=save,
+                       device=device, progress=not as_json)
+    if as_json:
+        _echo_json({k: v for k, v in row.items() if k != "window_delta"})
+        return
+    typer.echo(f"model {model}  quantizer {row['quantizer']}  ({row['n_windows']} windows x {eval_seq_len} tokens)")
+    typer.echo(f"  {'':<12}{'FP':>10}{'quantized':>12}{'delta':>12}")
+    typer.echo(f"  {'CE (nats)':<12}{row['ce_fp']:>10.4f}{row['ce_q']:>12.4f}{row['delta_ce']:>+12.4f}  ± {row['delta_ce_se']:.4f}")
+    import math as _m
+    typer.echo(f"  {'perplexity':<12}{_m.exp(row['ce_fp']):>10.3f}{_m.exp(row['ce_q']):>12.3f}{row['delta_ppl']:>+12.3f}")
+    typer.echo(f"  KL(FP||Q) {row['kl']:.5f} nats/token   top-1 agreement {row['top1_agree']:.4f}   "
+               f"quantize {row['t_quantize']:.1f}s")
+    if save:
+        typer.echo(f"saved: {save}")
+
+
+# ------------------------------------------------------------------ sweep
+@app.command()
+def sweep(
+    spec: Optional[Path] = typer.Argument(None, help="Sweep spec YAML."),
+    run: Optional[str] = typer.Option(None, "--run", help="Trajectory: a quantdyn run directory."),
+    checkpoints: Optional[List[str]] = typer.Option(None, "--checkpoint", help="Trajectory: checkpoint dirs/globs."),
+    hub: Optional[str] = typer.Option(None, "--hub", help="Trajectory: hub model id."),
+    revisions: Optional[str] = typer.Option(None, "--revisions", help="Comma-separated hub revisions."),
+    revision_pattern: Optional[str] = typer.Option(None, "--revision-pattern", help="Regex over hub refs."),
+    quantizers: Optional[str] = typer.Option(None, "--quantizers", help="e.g. gptq3,gptq4,rtn4"),
+    store: Optional[str] = typer.Option(None, "--store", help="Results store directory."),
+    shard: Optional[str] = typer.Option(None, "--shard", help="i/n (default: torchrun rank or SLURM array)."),
+    quiet: bool = typer.Option(False, "--quiet"),
+):
+    """Quantize every checkpoint of a trajectory with a grid of quantizers; rows go to the store."""
+    from quantdyn.config import load_yaml
+    from quantdyn.study.sweep import SweepConfig, run_sweep
+    from quantdyn.config import from_dict
+
+    data = load_yaml(spec) if spec else {}
+    traj = dict(data.get("trajectory", {}))
+    if run or checkpoints or hub:
+        traj = {k: v for k, v in traj.items() if k == "schedule"}
+        traj.update({"run": run or "", "checkpoints": list(checkpoints or []), "hub": hub or "",
+                     "revisions": [r for r in (revisions or "").split(",") if r], "revision_pattern": revision_pattern or ""})
+    if traj:
+        data["trajectory"] = traj
+    if quantizers:
+        data["quantizers"] = [q for q in quantizers.split(",") if q]
+    if store:
+        data["store"] = store
+    if not spec and not traj:
+        raise QuantdynError("give a sweep spec YAML or a trajectory (--run, --checkpoint or --hub)")
+    cfg = from_dict(SweepConfig, data)
+    out = run_sweep(cfg, shard=shard, progress=not quiet)
+    typer.echo(f"sweep: {out['written']} rows written, {out['skipped']} already done, store {cfg.store}")
+
+
+@app.command()
+def results(
+    store: str = typer.Option("results", "--store", help="Results store directory."),
+    where: Optional[str] = typer.Option(None, "--where", help="SQL condition, e.g. \"bits = 3 AND branch = 'main'\""),
+    csv: Optional[Path] = typer.Option(None, "--csv", help="Also write the rows as CSV."),
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON array of rows."),
+    all_columns: bool = typer.Option(False, "--all", help="Every column (default: the main ones)."),
+):
+    """Print result rows (default: the store `make demo` wrote)."""
+    from quantdyn.results.store import ResultStore
+
+    st = ResultStore(store, create=False)
+    main_cols = ("run, branch, kind, step, tokens, lr, quantizer, ce_fp, ce_q, delta_ce, delta_ce_se, kl, top1_agree")
+    cols, rows = st.query(where, "* EXCLUDE (window_delta)" if (all_columns or as_json or csv) else main_cols,
+                          order="run, branch, tokens, quantizer")
+    recs = [dict(zip(cols, r)) for r in rows]
+    if csv:
+        import csv as _csv
+
+        with open(csv, "w", newline="") as f:
+            w = _csv.DictWriter(f, fieldnames=cols)
+            w.writeheader()
+            w.writerows(recs)
+    if as_json:
+        typer.echo(json.dumps(recs, default=str))
+        return
+    if not recs:
+        typer.echo("no rows")
+        return
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return "" if v is None else str(v)
+    widths = [max(len(c), *(len(fmt(r[c])) for r in recs)) for c in cols]
+    typer.echo("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for r in recs:
+        typer.echo("  ".join(fmt(r[c]).ljust(w) for c, w in zip(cols, widths)))
+    typer.echo(f"({len(recs)} rows)")
+
+
+@app.command()
+def report(
+    store_or_run: Path = typer.Argument(Path("results"), help="A results store or a run directory."),
+    out: Path = typer.Option(Path("report"), "--out", help="Output directory for index.html and PNGs."),
+    store: Optional[str] = typer.Option(None, "--store", help="Store to read when given a run directory."),
+):
+    """Write the static HTML report with the papers' figures."""
+    from quantdyn.report.html import write_report
+
+    page = write_report(store_or_run, out, store=store)
+    typer.echo(f"report: {page}")
+
+
+@app.command()
+def demo(quiet: bool = typer.Option(False, "--quiet")):
+    """The embedded default study: train, cooldowns + controls, sweep, report, summary."""
+    from quantdyn.study.demo import run_demo
+
+    run_demo(progress=not quiet, echo=typer.echo)
+
+
 def main() -> None:
     import logging
 

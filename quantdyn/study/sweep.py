@@ -1,0 +1,307 @@
+"""The trajectory sweep: every checkpoint of a trajectory × every quantizer
+-> result rows with provenance, resumable and shardable.
+
+    quantdyn sweep SPEC.yaml [--shard i/n]
+
+Per checkpoint the model is loaded once and its full-precision per-window CE
+computed once (and cached on disk), then each quantizer runs on a copy.
+Calibration and evaluation windows come from cached token shards, prepared
+once per tokenizer.  Each row's ``key`` = hash(checkpoint weights, quantizer
+config, eval-data hash): a rerun skips finished rows, an interrupted sweep
+resumes without duplicates or losses.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from quantdyn.config import config_hash, from_dict, load_yaml, to_dict
+from quantdyn.data.prepare import DataConfig, TokenData, prepare_data
+from quantdyn.errors import QuantdynError
+from quantdyn.results.store import ResultStore
+from quantdyn.runtime import git_sha, hardware, resolve_device
+from quantdyn.study.trajectory import (
+    Point,
+    ScheduleSpec,
+    checkpoint_hash,
+    points_of_checkpoints,
+    points_of_hub,
+    points_of_run,
+)
+
+
+@dataclass(frozen=True)
+class TrajectoryConfig:
+    """Which checkpoints to visit (give exactly one of run / checkpoints / hub)."""
+
+    run: str = ""
+    """A quantdyn run directory (with its branches and averages)."""
+    checkpoints: tuple[str, ...] = ()
+    """Local HF checkpoint directories or globs."""
+    hub: str = ""
+    """A hub model id whose revisions form the trajectory."""
+    revisions: tuple[str, ...] = ()
+    """Explicit hub revisions."""
+    revision_pattern: str = ""
+    """Regex matched against the hub repo's branches and tags."""
+    schedule: ScheduleSpec = field(default_factory=ScheduleSpec)
+    """LR schedule for checkpoints without quantdyn metadata (public models)."""
+    include_branches: bool = True
+    """For a run: also visit cooldown/control branches."""
+    include_averages: bool = True
+    """For a run: also visit averaged checkpoints (LAWA, EMA, soups)."""
+
+    def __post_init__(self):
+        given = [bool(self.run), bool(self.checkpoints), bool(self.hub)]
+        if sum(given) != 1:
+            raise QuantdynError("sweep trajectory: give exactly one of run, checkpoints or hub")
+
+
+@dataclass(frozen=True)
+class SweepDataConfig:
+    """Calibration and evaluation tokens."""
+
+    source: str = ""
+    """Data source; '' = the run's own data (for a run) or builtin:kjv."""
+    tokenizer: str = ""
+    """'' = the run's tokenizer, or the first checkpoint's own tokenizer for HF models."""
+    calib_samples: int = 32
+    """Calibration sequences (paper A used 1024 C4 documents)."""
+    calib_seq_len: int = 128
+    """Tokens per calibration sequence."""
+    calib_seed: int = 0
+    """Seed for drawing calibration windows."""
+    eval_windows: int = 200
+    """Held-out non-overlapping windows for the error."""
+    eval_seq_len: int = 128
+    """Tokens per evaluation window (paper A: 2048)."""
+
+    def __post_init__(self):
+        if self.calib_samples < 1:
+            raise QuantdynError("sweep data.calib_samples must be >= 1 (the calibration set is empty)")
+        if self.eval_windows < 1:
+            raise QuantdynError("sweep data.eval_windows must be >= 1")
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """A sweep: trajectory × quantizers -> results store."""
+
+    trajectory: TrajectoryConfig = field(default_factory=lambda: TrajectoryConfig(run="runs/tiny"))
+    quantizers: tuple[str, ...] = ("gptq3", "gptq4", "rtn4")
+    """Quantizer specs (gptq3, rtn4g64, awq4, or dicts of QuantConfig fields)."""
+    data: SweepDataConfig = field(default_factory=SweepDataConfig)
+    store: str = "results"
+    """Results store directory."""
+    device: str = "auto"
+    """Compute device."""
+    batch_size: int = 16
+    """Evaluation batch size."""
+    quantize_threads: int = 1
+    """torch threads while quantizing on CPU (the GPTQ column loop is fastest single-threaded)."""
+    analysis: tuple[str, ...] = ()
+    """Extra per-checkpoint metrics: hessian, outliers, propagation."""
+    eval_tasks: tuple[str, ...] = ()
+    """lm-eval tasks for downstream accuracy (needs the eval extra)."""
+
+
+def parse_shard(text: str | None) -> tuple[int, int]:
+    """'i/n' -> (i, n); None -> from torchrun RANK/WORLD_SIZE or SLURM_ARRAY_TASK_ID/COUNT, else (0, 1)."""
+    if text:
+        try:
+            i, n = (int(x) for x in text.split("/"))
+        except ValueError:
+            raise QuantdynError(f"--shard '{text}' must look like i/n, e.g. 0/4") from None
+        if not (n >= 1 and 0 <= i < n):
+            raise QuantdynError(f"--shard {text}: need 0 <= i < n")
+        return i, n
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        return int(os.environ.get("RANK", 0)), int(os.environ["WORLD_SIZE"])
+    if "SLURM_ARRAY_TASK_ID" in os.environ and "SLURM_ARRAY_TASK_COUNT" in os.environ:
+        lo = int(os.environ.get("SLURM_ARRAY_TASK_MIN", 0))
+        return int(os.environ["SLURM_ARRAY_TASK_ID"]) - lo, int(os.environ["SLURM_ARRAY_TASK_COUNT"])
+    return 0, 1
+
+
+def load_sweep_config(path: str | Path | None, overrides: dict | None = None) -> SweepConfig:
+    data = load_yaml(path) if path else {}
+    for k, v in (overrides or {}).items():
+        if v not in (None, (), [], ""):
+            data[k] = v
+    return from_dict(SweepConfig, data)
+
+
+def plan_points(cfg: SweepConfig) -> list[Point]:
+    t = cfg.trajectory
+    if t.run:
+        pts = points_of_run(Path(t.run))
+        if not t.include_branches:
+            pts = [p for p in pts if p.branch == "main" or p.kind in ("lawa", "ema", "soup", "average")]
+        if not t.include_averages:
+            pts = [p for p in pts if p.kind not in ("lawa", "ema", "soup", "average", "interpolation")]
+    elif t.checkpoints:
+        pts = points_of_checkpoints(list(t.checkpoints), t.schedule)
+    else:
+        pts = points_of_hub(t.hub, list(t.revisions), t.revision_pattern or None, t.schedule)
+    if not pts:
+        raise QuantdynError("the trajectory has no checkpoints; train first or fix the trajectory spec")
+    return pts
+
+
+def sweep_data(cfg: SweepConfig, points: list[Point]) -> TokenData:
+    d = cfg.data
+    if cfg.trajectory.run:
+        from quantdyn.train.branches import load_run_config
+
+        base = load_run_config(Path(cfg.trajectory.run)).data
+        over = {k: v for k, v in (("source", d.source), ("tokenizer", d.tokenizer)) if v}
+        dc = from_dict(DataConfig, {**to_dict(base), **over})
+    else:
+        tok = d.tokenizer or (points[0].ref.split("@")[0] if not points[0].is_local else points[0].ref)
+        dc = DataConfig(source=d.source or "builtin:kjv", tokenizer=tok)
+    return prepare_data(dc)
+
+
+def row_key(ckpt_hash: str, what: str, eval_hash: str) -> str:
+    return hashlib.sha256(f"{ckpt_hash}|{what}|{eval_hash}".encode()).hexdigest()[:24]
+
+
+def provenance() -> dict:
+    return {"git_sha": git_sha(), "hardware": hardware(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def point_fields(p: Point, ckpt_hash: str) -> dict:
+    return {"run": p.run, "branch": p.branch, "ckpt_kind": p.kind, "checkpoint": p.ref, "checkpoint_hash": ckpt_hash,
+            "step": p.step, "tokens": p.tokens, "lr": p.lr, "decaying": p.decaying,
+            "peak_lr": p.meta.get("peak_lr"), "seed": p.meta.get("seed"),
+            "parent_step": (p.meta.get("parent") or {}).get("from_step")}
+
+
+def _load(ref: str, device):
+    from quantdyn.models.hf_io import load_causal_lm
+
+    return load_causal_lm(ref, device=device)
+
+
+def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True) -> dict:
+    """Run (or resume) a sweep; returns counts of rows written and skipped."""
+    from tqdm import tqdm
+
+    from quantdyn.quantize.config import parse_quantizer
+
+    # fail on a bad quantizer before any work; rows carry the spec as the user wrote it
+    qcfgs = {(q if isinstance(q, str) else parse_quantizer(q).name): parse_quantizer(q) for q in cfg.quantizers}
+    if cfg.analysis:
+        from quantdyn.study.metrics_rows import check_analysis_names
+
+        check_analysis_names(cfg.analysis)
+    points = plan_points(cfg)
+    i, n = parse_shard(shard)
+    device = resolve_device(cfg.device)
+    store = ResultStore(cfg.store)
+    data = sweep_data(cfg, points)
+    d = cfg.data
+    eval_ids = data.eval_windows(d.eval_seq_len, d.eval_windows)
+    calib_ids = data.calib_windows(d.calib_samples, d.calib_seq_len, d.calib_seed)
+    eval_hash = data.token_hash("val", d.eval_seq_len, d.eval_windows)
+    calib_hash = hashlib.sha1(f"{data.data_hash}:{d.calib_samples}:{d.calib_seq_len}:{d.calib_seed}".encode()).hexdigest()[:12]
+    done = store.keys()
+    written = skipped = 0
+    timings = []
+    mine = [p for k, p in enumerate(points) if k % n == i]
+    bar = tqdm(mine, desc=f"sweep {i}/{n}", disable=not progress, unit="ckpt")
+    for p in bar:
+        t0 = time.perf_counter()
+        h = checkpoint_hash(p.ref)
+        base = {**point_fields(p, h), "eval_hash": eval_hash, "calib_hash": calib_hash, "data_key": data.data_hash}
+        fp_key = row_key(h, "fp", eval_hash)
+        q_keys = {label: row_key(h, f"ptq:{config_hash(qc)}:{calib_hash}", eval_hash) for label, qc in qcfgs.items()}
+        a_keys = {a: row_key(h, f"analysis:{a}", eval_hash) for a in cfg.analysis}
+        if fp_key in done and all(k in done for k in q_keys.values()) and all(k in done for k in a_keys.values()):
+            skipped += 1 + len(q_keys) + len(a_keys)
+            continue
+        model = _load(p.ref, device)
+        t_load = time.perf_counter() - t0
+        fp_ce = _fp_window_ce(model, eval_ids, h, eval_hash, cfg.batch_size)
+        if fp_key not in done:
+            from quantdyn.evaluate.quant_error import _se
+
+            store.append([{"key": fp_key, "kind": "fp", **base, "ce_fp": float(fp_ce.mean()), "ce_fp_se": _se(fp_ce),
+                           "n_windows": len(fp_ce), **provenance()}])
+            written += 1
+        else:
+            skipped += 1
+        for label, key in q_keys.items():
+            if key in done:
+                skipped += 1
+                continue
+            row = quantize_and_measure(model, qcfgs[label], calib_ids, eval_ids, fp_ce, cfg, device)
+            row["quantizer"] = label
+            store.append([{"key": key, "kind": "ptq", **base, **row, "t_load": t_load, **provenance()}])
+            written += 1
+        for name, key in a_keys.items():
+            if key in done:
+                skipped += 1
+                continue
+            from quantdyn.study.metrics_rows import analysis_rows
+
+            vals = analysis_rows(name, model, data, calib_ids, eval_ids, list(qcfgs.values()), cfg)
+            store.append([{"key": key, "kind": "analysis", "analysis": name, **base, **vals, **provenance()}])
+            written += 1
+        timings.append(time.perf_counter() - t0)
+        del model
+    return {"written": written, "skipped": skipped, "checkpoints": len(mine), "seconds": timings}
+
+
+def _fp_window_ce(model, eval_ids, ckpt_hash: str, eval_hash: str, batch_size: int) -> torch.Tensor:
+    """Per-window FP CE, cached on disk per (checkpoint, eval set)."""
+    from quantdyn.data.prepare import default_cache_dir
+    from quantdyn.evaluate.loss import window_losses
+
+    cache = default_cache_dir().parent / "fp" / f"{ckpt_hash}-{eval_hash}.pt"
+    if cache.is_file():
+        try:
+            return torch.load(cache, weights_only=True)
+        except Exception:  # a corrupt cache entry is recomputed
+            cache.unlink(missing_ok=True)
+    ce = window_losses(model, eval_ids, batch_size)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(f".tmp{os.getpid()}")
+    torch.save(ce, tmp)
+    os.replace(tmp, cache)
+    return ce
+
+
+def quantize_and_measure(model, qc, calib_ids, eval_ids, fp_ce, cfg: SweepConfig, device) -> dict:
+    """Quantize a copy of ``model`` with ``qc`` and measure it against ``model``."""
+    from quantdyn.evaluate.quant_error import compare_models
+    from quantdyn.quantize.apply import num_threads, quantize_model
+
+    qmodel = copy.deepcopy(model)
+    t0 = time.perf_counter()
+    threads = cfg.quantize_threads if device.type == "cpu" else torch.get_num_threads()
+    with num_threads(threads):
+        res = quantize_model(qmodel, calib_ids, qc, device=device, progress=False)
+    t_q = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    m = compare_models(model, qmodel, eval_ids, fp_window_ce=fp_ce, batch_size=cfg.batch_size)
+    t_e = time.perf_counter() - t0
+    layer_losses = [r.get("loss") for r in getattr(res, "rows", []) if r.get("loss") is not None]
+    return {
+        "quantizer": qc.name,
+        "method": qc.method,
+        "bits": qc.bits,
+        "group_size": qc.group_size,
+        "quant_config": to_dict(qc),
+        "quant_config_hash": config_hash(qc),
+        **m,
+        "layer_loss_sum": float(sum(layer_losses)) if layer_losses else None,
+        "t_quantize": t_q,
+        "t_eval": t_e,
+    }
