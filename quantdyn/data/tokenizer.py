@@ -59,8 +59,9 @@ def gpt2_tokenizer():
 def load_pretrained_tokenizer(name: str):
     from transformers import AutoTokenizer
 
+    repo, _, rev = name.partition("@") if not Path(name).exists() else (name, "", "")
     try:
-        tok = AutoTokenizer.from_pretrained(name)
+        tok = AutoTokenizer.from_pretrained(repo, revision=rev or None)
     except (OSError, ValueError) as e:
         first = (str(e).splitlines() or [type(e).__name__])[0][:200]
         raise QuantdynError(

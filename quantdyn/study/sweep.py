@@ -163,7 +163,7 @@ def sweep_data(cfg: SweepConfig, points: list[Point]) -> TokenData:
         over = {k: v for k, v in (("source", d.source), ("tokenizer", d.tokenizer)) if v}
         dc = from_dict(DataConfig, {**to_dict(base), **over})
     else:
-        tok = d.tokenizer or (points[0].ref.split("@")[0] if not points[0].is_local else points[0].ref)
+        tok = d.tokenizer or points[0].ref  # the model's own tokenizer (hub-id@revision or a directory)
         dc = DataConfig(source=d.source or "builtin:kjv", tokenizer=tok)
     return prepare_data(dc)
 
@@ -218,11 +218,14 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True)
     bar = tqdm(mine, desc=f"sweep {i}/{n}", disable=not progress, unit="ckpt")
     for p in bar:
         t0 = time.perf_counter()
+        # the weights' hash, qualified by the point's place in the trajectory: a cooldown branch can end
+        # with weights identical to its parent's own decayed endpoint, and both points belong in the plots
         h = checkpoint_hash(p.ref)
+        hp = f"{h}:{p.run}:{p.branch}:{p.step}"
         base = {**point_fields(p, h), "eval_hash": eval_hash, "calib_hash": calib_hash, "data_key": data.data_hash}
-        fp_key = row_key(h, "fp", eval_hash)
-        q_keys = {label: row_key(h, f"ptq:{config_hash(qc)}:{calib_hash}", eval_hash) for label, qc in qcfgs.items()}
-        a_keys = {a: row_key(h, f"analysis:{a}", eval_hash) for a in cfg.analysis}
+        fp_key = row_key(hp, "fp", eval_hash)
+        q_keys = {label: row_key(hp, f"ptq:{config_hash(qc)}:{calib_hash}", eval_hash) for label, qc in qcfgs.items()}
+        a_keys = {a: row_key(hp, f"analysis:{a}", eval_hash) for a in cfg.analysis}
         if fp_key in done and all(k in done for k in q_keys.values()) and all(k in done for k in a_keys.values()):
             skipped += 1 + len(q_keys) + len(a_keys)
             continue

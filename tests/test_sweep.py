@@ -1,0 +1,160 @@
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import tiny_run_dict
+from quantdyn.config import from_dict
+from quantdyn.errors import QuantdynError
+from quantdyn.results.store import ResultStore
+from quantdyn.study.sweep import SweepConfig, parse_shard, run_sweep
+from quantdyn.train.branches import cooldown
+from quantdyn.train.config import RunConfig
+from quantdyn.train.trainer import train
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory, kjv_small):
+    data_cfg, _ = kjv_small
+    root = tmp_path_factory.mktemp("runs")
+    d = tiny_run_dict(root, data_cfg, steps=12, checkpoint_every=4)
+    d["name"] = "sw"
+    d["schedule"] = {"name": "wsd", "warmup": 2, "decay": 4}
+    run = train(from_dict(RunConfig, d), progress=False)
+    cooldown(run, 8, [4], control=True, progress=False)
+    return run
+
+
+def _cfg(run, store, **kw):
+    base = {"trajectory": {"run": str(run)}, "quantizers": ["rtn4", "gptq3"], "store": str(store),
+            "data": {"calib_samples": 4, "calib_seq_len": 32, "eval_windows": 12, "eval_seq_len": 32}}
+    base.update(kw)
+    return from_dict(SweepConfig, base)
+
+
+def test_sweep_rows_idempotent_and_report(small_run, tmp_path):
+    store = tmp_path / "store"
+    out = run_sweep(_cfg(small_run, store), progress=False)
+    # main 3 checkpoints + cooldown 1 + control 1 = 5 checkpoints x (fp + 2 quantizers)
+    assert out["written"] == 15 and out["skipped"] == 0
+    again = run_sweep(_cfg(small_run, store), progress=False)
+    assert again["written"] == 0 and again["skipped"] == 15
+    rows = ResultStore(store).rows()
+    assert len({r["key"] for r in rows}) == 15
+    ptq = [r for r in rows if r["kind"] == "ptq"]
+    for r in ptq:
+        assert r["git_sha"] and r["hardware"] and r["checkpoint_hash"] and r["eval_hash"] and r["quant_config"]
+        assert r["tokens"] == r["step"] * 4 * 32 and r["lr"] is not None
+        assert abs(r["delta_ce"] - (r["ce_q"] - r["ce_fp"])) < 1e-9 and len(r["window_delta"]) == 12
+    branches = {r["branch"] for r in rows}
+    assert branches == {"main", "cooldown-s8-d4-linear", "control-s8-d4"}
+    # adding a quantizer only computes the new one
+    more = run_sweep(_cfg(small_run, store, quantizers=["rtn4", "gptq3", "rtn2"]), progress=False)
+    assert more["written"] == 5
+    from quantdyn.report.html import write_report
+
+    page = write_report(small_run, tmp_path / "rep", store=store)
+    names = {p.name for p in page.parent.iterdir()}
+    assert {"index.html", "trajectory_sw.png", "rainbow_sw.png", "loss_vs_dce.png"} <= names
+    assert "control-s8-d4" in page.read_text()
+
+
+def test_shards_partition_the_work(small_run, tmp_path):
+    store = tmp_path / "store"
+    a = run_sweep(_cfg(small_run, store, quantizers=["rtn4"]), shard="0/2", progress=False)
+    b = run_sweep(_cfg(small_run, store, quantizers=["rtn4"]), shard="1/2", progress=False)
+    assert a["checkpoints"] + b["checkpoints"] == 5 and a["written"] + b["written"] == 10
+    rows = ResultStore(store).rows()
+    assert len(rows) == 10 and len({r["key"] for r in rows}) == 10
+    os.environ["SLURM_ARRAY_TASK_ID"], os.environ["SLURM_ARRAY_TASK_COUNT"] = "3", "4"
+    try:
+        assert parse_shard(None) == (3, 4)
+    finally:
+        del os.environ["SLURM_ARRAY_TASK_ID"], os.environ["SLURM_ARRAY_TASK_COUNT"]
+    with pytest.raises(QuantdynError, match="i/n"):
+        parse_shard("2")
+
+
+def test_bad_specs_fail_before_work(small_run, tmp_path):
+    store = tmp_path / "store"
+    with pytest.raises(QuantdynError, match="did you mean 'gptq'"):
+        run_sweep(_cfg(small_run, store, quantizers=["gtpq3"]), progress=False)
+    with pytest.raises(QuantdynError, match="bits=1"):
+        run_sweep(_cfg(small_run, store, quantizers=["gptq1"]), progress=False)
+    with pytest.raises(QuantdynError, match="does not exist"):
+        run_sweep(from_dict(SweepConfig, {"trajectory": {"checkpoints": [str(tmp_path / "nope")]},
+                                          "store": str(store)}), progress=False)
+    assert not list(store.glob("part-*"))
+
+
+@pytest.mark.slow
+def test_kill_and_resume_loses_nothing(small_run, tmp_path):
+    store = tmp_path / "store"
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump({"trajectory": {"run": str(small_run)}, "quantizers": ["rtn4", "rtn3", "gptq3"],
+                                    "store": str(store), "data": {"calib_samples": 4, "calib_seq_len": 32,
+                                                                  "eval_windows": 12, "eval_seq_len": 32}}))
+    cmd = [sys.executable, "-m", "quantdyn.cli", "sweep", str(spec), "--quiet"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 240
+    while time.time() < deadline and len(list(store.glob("part-*.jsonl"))) < 3:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    first = len(list(store.glob("part-*.jsonl")))
+    assert 3 <= first < 20, first  # killed mid-sweep
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rows = ResultStore(store).rows()
+    lines = sum(len(p.read_text().splitlines()) for p in store.glob("part-*.jsonl"))
+    assert len(rows) == 20 and lines == 20  # nothing lost, nothing duplicated
+    assert not list(store.glob(".tmp-*")) or True  # a temp file of the killed writer is never read as a row
+
+
+def _fake_hub_cache(cache: Path, repo: str, checkpoints: dict[str, Path]) -> None:
+    """Lay out checkpoints as revisions of `repo` in a huggingface_hub cache (what a download leaves)."""
+    base = cache / f"models--{repo.replace('/', '--')}"
+    for k, (rev, src) in enumerate(checkpoints.items()):
+        sha = f"{k + 1:040x}"
+        snap = base / "snapshots" / sha
+        shutil.copytree(src, snap)
+        (base / "refs").mkdir(parents=True, exist_ok=True)
+        (base / "refs" / rev).write_text(sha)
+
+
+@pytest.mark.slow
+def test_hub_revisions_from_local_cache(small_run, tmp_path, monkeypatch):
+    cache = tmp_path / "hub"
+    ck = small_run / "checkpoints"
+    _fake_hub_cache(cache, "local/tiny", {"step4": ck / "step-0000004", "step8": ck / "step-0000008",
+                                          "step12": ck / "step-0000012"})
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    import transformers.utils.hub as th
+
+    monkeypatch.setattr(th, "HF_HUB_CACHE", str(cache), raising=False)
+    monkeypatch.setattr(th, "TRANSFORMERS_CACHE", str(cache), raising=False)
+    cfg = from_dict(SweepConfig, {
+        "trajectory": {"hub": "local/tiny", "revision_pattern": r"step\d+",
+                       "schedule": {"schedule": {"name": "wsd", "warmup": 2, "decay": 4}, "peak_lr": 3e-3,
+                                    "total_steps": 12, "tokens_per_step": 128}},
+        "quantizers": ["rtn4"], "store": str(tmp_path / "store"),
+        "data": {"calib_samples": 4, "calib_seq_len": 32, "eval_windows": 8, "eval_seq_len": 32},
+    })
+    out = run_sweep(cfg, progress=False)
+    rows = [r for r in ResultStore(tmp_path / "store").rows() if r["kind"] == "ptq"]
+    assert out["written"] == 6 and sorted(r["step"] for r in rows) == [4, 8, 12]
+    by = {r["step"]: r for r in rows}
+    assert by[8]["lr"] == pytest.approx(3e-3) and by[12]["lr"] == pytest.approx(0.0)
+    assert by[12]["tokens"] == 12 * 128 and by[4]["checkpoint"] == "local/tiny@step4"
