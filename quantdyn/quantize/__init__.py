@@ -1,0 +1,13 @@
+"""Post-training weight quantization: pure tensor algorithms (rtn, gptq, awq)
+on the grid of ``primitives``, configured by ``QuantConfig``; ``apply`` walks a
+model block by block.
+
+Importing this package registers every built-in quantizer in QUANTIZERS.
+"""
+from quantdyn.quantize.config import PRESETS, QUANTIZERS, QuantConfig, parse_quantizer, quant_preset
+from quantdyn.quantize.primitives import QuantResult, num_threads
+from quantdyn.quantize import rtn as _rtn  # noqa: F401  (registers 'rtn')
+from quantdyn.quantize import gptq as _gptq  # noqa: F401  (registers 'gptq')
+from quantdyn.quantize import awq as _awq  # noqa: F401  (registers 'awq')
+
+__all__ = ["PRESETS", "QUANTIZERS", "QuantConfig", "QuantResult", "num_threads", "parse_quantizer", "quant_preset"]
