@@ -1,0 +1,161 @@
+"""GPTQ speed: quantdyn vs a textbook column-by-column GPTQ vs the reference.
+
+    .venv/bin/python bench/gptq_speed.py [--reference-dir /tmp/gptqref] [--quick]
+
+Per layer (pythia-70m shapes, W random, H from correlated random inputs):
+seconds of quantdyn's ``gptq`` at 1 and 2 threads, of the textbook version in
+tests/test_gptq.py, and — when ``--reference-dir`` holds IST-DASLab/gptq's
+``gptq.py`` and ``quant.py`` (not part of quantdyn; fetch them yourself) — of
+the reference ``GPTQ.fasterquant`` on identical inputs, with a check that the
+outputs are equal. Then the whole-model time of ``quantize_model`` on a
+pythia-70m-shaped quantdyn GPT at 1 and 2 threads. Everything is printed as
+seconds and ratios from one run of this script (per-layer numbers: best of
+``--repeat`` calls; on a shared machine they are noisy).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from quantdyn.quantize import QuantConfig, num_threads  # noqa: E402
+from quantdyn.quantize.gptq import gptq  # noqa: E402
+
+LAYERS = {  # pythia-70m: d_model 512, d_ff 2048
+    "query_key_value": (1536, 512),
+    "attention.dense": (512, 512),
+    "dense_h_to_4h": (2048, 512),
+    "dense_4h_to_h": (512, 2048),
+}
+
+
+def layer_inputs(R: int, C: int, tokens: int = 4096, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(R, C, generator=g) * 0.02
+    X = torch.randn(tokens, C, generator=g) * (0.2 + torch.rand(C, generator=g))
+    X = X @ (torch.eye(C) + 0.3 * torch.randn(C, C, generator=g) / C**0.5)
+    return W, (2 / tokens) * X.T @ X
+
+
+def load_reference(path: Path):
+    """Import the reference's gptq.py/quant.py from a directory outside the repo."""
+    if not (path / "gptq.py").is_file() or not (path / "quant.py").is_file():
+        raise SystemExit(f"--reference-dir {path}: needs gptq.py and quant.py of IST-DASLab/gptq")
+    if not torch.cuda.is_available():
+        torch.cuda.synchronize = lambda *a, **k: None  # the reference syncs CUDA unconditionally
+    sys.path.insert(0, str(path))
+    with contextlib.redirect_stdout(io.StringIO()):
+        import gptq as ref_gptq  # type: ignore
+        import quant as ref_quant  # type: ignore
+    return ref_gptq, ref_quant
+
+
+def run_reference(ref, W, H, cfg: QuantConfig):
+    ref_gptq, ref_quant = ref
+    layer = torch.nn.Linear(W.shape[1], W.shape[0], bias=False)
+    layer.weight.data = W.clone()
+    g = ref_gptq.GPTQ(layer)
+    g.H = H.clone()
+    g.quantizer = ref_quant.Quantizer()
+    g.quantizer.configure(cfg.bits, perchannel=True, sym=cfg.sym, mse=cfg.mse)
+    t = time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()):
+        g.fasterquant(blocksize=cfg.block_size, percdamp=cfg.damp_percent, groupsize=cfg.group_size or -1,
+                      actorder=cfg.act_order, static_groups=cfg.static_groups)
+    return time.perf_counter() - t, layer.weight.data
+
+
+def timed(fn, repeat: int = 1):
+    """(best seconds over ``repeat`` calls, last output)."""
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t)
+    return best, out
+
+
+def bench_layers(args, ref) -> None:
+    cfg = QuantConfig(bits=4, group_size=128)
+    print(f"per layer, {cfg.name} (best of {args.repeat} calls, seconds; qd/ref = quantdyn / reference)")
+    head = f"{'layer':>16} {'shape':>10} {'qd 1T':>7} {'qd 2T':>7} {'textbk 1T':>9}"
+    if ref:
+        head += f" {'ref 1T':>7} {'ref 2T':>7} {'qd/ref 1T':>9} {'qd/ref 2T':>9} {'qd1T/ref2T':>10} {'equal':>5}"
+    print(head)
+    layers = dict(list(LAYERS.items())[:2]) if args.quick else LAYERS
+    for name, (R, C) in layers.items():
+        W, H = layer_inputs(R, C)
+        gptq(W[:8], H, cfg)  # warm-up
+        with num_threads(1):
+            t1, r1 = timed(lambda: gptq(W, H, cfg), args.repeat)
+        with num_threads(2):
+            t2, _ = timed(lambda: gptq(W, H, cfg), args.repeat)
+        tb = float("nan")
+        if not args.no_textbook:
+            from test_gptq import textbook_gptq
+
+            with num_threads(1):
+                tb, _ = timed(lambda: textbook_gptq(W, H, cfg.bits, cfg.sym, cfg.group_size))
+        line = f"{name:>16} {R:>4}x{C:<5} {t1:7.2f} {t2:7.2f} {tb:9.2f}"
+        if ref:
+            with num_threads(1):
+                rt1 = min(run_reference(ref, W, H, cfg)[0] for _ in range(args.repeat))
+                Q1 = run_reference(ref, W, H, cfg)[1]
+            with num_threads(2):
+                rt2 = min(run_reference(ref, W, H, cfg)[0] for _ in range(args.repeat))
+            equal = torch.equal(Q1, r1.weight)
+            line += f" {rt1:7.2f} {rt2:7.2f} {t1 / rt1:9.2f} {t2 / rt2:9.2f} {t1 / rt2:10.2f} {str(equal):>5}"
+        print(line, flush=True)
+
+
+def bench_model(args) -> None:
+    from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config
+    from quantdyn.quantize.apply import quantize_model
+
+    torch.manual_seed(0)
+    model = GPT(resolve_model_config(ModelConfig(preset="pythia-70m")))
+    ids = torch.randint(0, model.config.vocab_size, (args.n_calib, args.seq_len))
+    cfg = QuantConfig(bits=4, group_size=128, true_sequential=True)
+    print(f"\nwhole model: pythia-70m shape, {cfg.name}, calibration {args.n_calib} x {args.seq_len} tokens")
+    times = {}
+    for th in (1, 2):
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        with num_threads(th):
+            t, res = timed(lambda: quantize_model(model, ids, cfg, progress=False))
+        model.load_state_dict(state)
+        gptq_s = sum(r["seconds"] for r in res.rows)
+        times[th] = t
+        print(f"  {th} thread(s): {t:6.2f} s total, {gptq_s:6.2f} s inside gptq(), {len(res.rows)} layers")
+    print(f"  ratio 1 thread / 2 threads: {times[1] / times[2]:.2f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--reference-dir", type=Path, default=None, help="directory with IST-DASLab gptq.py + quant.py")
+    p.add_argument("--quick", action="store_true", help="two layers and a short calibration set")
+    p.add_argument("--no-textbook", action="store_true", help="skip the slow textbook timing")
+    p.add_argument("--no-model", action="store_true", help="skip the whole-model timing")
+    p.add_argument("--repeat", type=int, default=3, help="per-layer timings: best of this many calls")
+    p.add_argument("--n-calib", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=256)
+    args = p.parse_args()
+    if args.quick:
+        args.n_calib, args.seq_len = 4, 64
+    ref = load_reference(args.reference_dir) if args.reference_dir else None
+    print(f"torch {torch.__version__}, default threads {torch.get_num_threads()}")
+    bench_layers(args, ref)
+    if not args.no_model:
+        bench_model(args)
+
+
+if __name__ == "__main__":
+    main()

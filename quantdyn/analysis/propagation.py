@@ -1,0 +1,296 @@
+"""Error propagation through the blocks (paper B, "Beyond Outliers", §error propagation).
+
+For a full-precision network with blocks f_ℓ and its quantized copy with
+blocks f^q_ℓ, run four forward passes per block ℓ = 1..L from the FP hidden
+state h_{ℓ−1} and the quantized one h^q_{ℓ−1}:
+
+    h_ℓ            = f_ℓ(h_{ℓ−1})          FP block, FP input
+    f_ℓ(h^q_{ℓ−1})                          FP block, quantized input
+    f^q_ℓ(h_{ℓ−1})                          quantized block, FP input
+    h^q_ℓ          = f^q_ℓ(h^q_{ℓ−1})      quantized block, quantized input
+
+With the error vectors (all tensors flattened; ‖·‖ is the Frobenius norm over
+every token of every sequence, ⟨·,·⟩ the matching inner product)
+
+    e = h^q_ℓ − h_ℓ                       total error
+    a = f_ℓ(h^q_{ℓ−1}) − h_ℓ              error carried in from earlier blocks
+    b = f^q_ℓ(h_{ℓ−1}) − h_ℓ              new error of quantizing block ℓ
+    d = e − a − b                         interaction (0 if the block is affine
+                                          in (input, weights) jointly)
+
+the relative errors are
+
+    R_ℓ = ‖e‖²/‖h_ℓ‖²,  A_ℓ = ‖a‖²/‖h_ℓ‖²,  B_ℓ = ‖b‖²/‖h_ℓ‖²,
+    C_ℓ = (2⟨a,b⟩ + 2⟨a+b, d⟩ + ‖d‖²) / ‖h_ℓ‖²
+        = C_cross + C_interaction  with  C_cross = 2⟨a,b⟩/‖h_ℓ‖²,
+                                        C_interaction = (2⟨a+b,d⟩ + ‖d‖²)/‖h_ℓ‖²,
+
+so that, since e = a + b + d, ‖e‖² = ‖a‖² + ‖b‖² + 2⟨a,b⟩ + 2⟨a+b,d⟩ + ‖d‖²
+and **R_ℓ = A_ℓ + B_ℓ + C_ℓ exactly** (C is computed from its own formula, not
+as a difference, so the identity is a check; sums are in float64).  The gain
+G_ℓ = A_ℓ / R_{ℓ−1} measures how block ℓ amplifies (> 1) or damps (< 1) the
+incoming relative error, with R_0 = ‖h^q_0 − h_0‖²/‖h_0‖² the error of the
+block inputs (0 when the embedding is not quantized: then G_1 is undefined and
+reported as None, as is any G_ℓ with R_{ℓ−1} = 0).
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+from quantdyn.errors import QuantdynError
+
+BlockFn = Callable[[torch.Tensor], torch.Tensor]
+
+_SUMS = ("hh", "ee", "aa", "bb", "ab", "abd", "dd")
+
+
+def propagation_sums(
+    fp_blocks: Sequence[BlockFn],
+    q_blocks: Sequence[BlockFn],
+    h0: torch.Tensor,
+    h0_q: torch.Tensor | None = None,
+) -> list[dict[str, float]]:
+    """Raw float64 sums behind :func:`error_propagation` for one batch.
+
+    Entry 0 describes the block inputs ({'hh': ‖h_0‖², 'ee': ‖h^q_0 − h_0‖²});
+    entry ℓ >= 1 holds ‖h‖², ‖e‖², ‖a‖², ‖b‖², ⟨a,b⟩, ⟨a+b,d⟩, ‖d‖² of block ℓ.
+    Sums over batches add, so callers with many batches accumulate these and
+    call :func:`finalize_propagation` once.
+    """
+    if len(fp_blocks) != len(q_blocks):
+        raise QuantdynError(
+            f"error propagation: {len(fp_blocks)} full-precision blocks but {len(q_blocks)} quantized ones; "
+            "the quantized model must have the same architecture"
+        )
+    if not fp_blocks:
+        raise QuantdynError("error propagation: no blocks given")
+    h = h0
+    hq = h0 if h0_q is None else h0_q
+    if hq.shape != h.shape:
+        raise QuantdynError(f"error propagation: h0_q shape {tuple(hq.shape)} differs from h0 shape {tuple(h.shape)}")
+    d0 = (hq - h).double()
+    out = [{"hh": _sq(h), "ee": float((d0 * d0).sum())}]
+    for f, fq in zip(fp_blocks, q_blocks):
+        h_next = f(h)  # FP block, FP input
+        f_hq = f(hq)  # FP block, quantized input
+        fq_h = fq(h)  # quantized block, FP input
+        hq_next = fq(hq)  # quantized block, quantized input
+        H = h_next.double()
+        e = hq_next.double() - H
+        a = f_hq.double() - H
+        b = fq_h.double() - H
+        d = e - a - b
+        out.append(
+            {
+                "hh": float((H * H).sum()),
+                "ee": float((e * e).sum()),
+                "aa": float((a * a).sum()),
+                "bb": float((b * b).sum()),
+                "ab": float((a * b).sum()),
+                "abd": float(((a + b) * d).sum()),
+                "dd": float((d * d).sum()),
+            }
+        )
+        h, hq = h_next, hq_next
+    return out
+
+
+def _sq(x: torch.Tensor) -> float:
+    x = x.double()
+    return float((x * x).sum())
+
+
+def add_sums(total: list[dict[str, float]] | None, new: list[dict[str, float]]) -> list[dict[str, float]]:
+    """Element-wise sum of two :func:`propagation_sums` results (None = empty)."""
+    if total is None:
+        return [dict(s) for s in new]
+    return [{k: t[k] + n[k] for k in t} for t, n in zip(total, new)]
+
+
+def finalize_propagation(sums: list[dict[str, float]]) -> list[dict]:
+    """Turn accumulated sums into one row per block (see the module docstring).
+
+    Row keys: block (0-based index), R, A, B, C, C_cross, C_interaction,
+    R_prev (R_{ℓ−1}; R_0 for the first block), gain (A / R_prev, None when
+    R_prev = 0), h_norm_sq (‖h_ℓ‖²)."""
+    rows = []
+    r_prev = sums[0]["ee"] / sums[0]["hh"] if sums[0]["hh"] > 0 else 0.0
+    for i, s in enumerate(sums[1:]):
+        hh = s["hh"]
+        if hh == 0:
+            raise QuantdynError(f"error propagation: block {i} output is all zeros; relative errors are undefined")
+        c_cross = 2 * s["ab"] / hh
+        c_inter = (2 * s["abd"] + s["dd"]) / hh
+        A = s["aa"] / hh
+        R = s["ee"] / hh
+        rows.append(
+            {
+                "block": i,
+                "R": R,
+                "A": A,
+                "B": s["bb"] / hh,
+                "C": c_cross + c_inter,
+                "C_cross": c_cross,
+                "C_interaction": c_inter,
+                "R_prev": r_prev,
+                "gain": A / r_prev if r_prev > 0 else None,
+                "h_norm_sq": hh,
+            }
+        )
+        r_prev = R
+    return rows
+
+
+def error_propagation(
+    fp_blocks: Sequence[BlockFn],
+    q_blocks: Sequence[BlockFn],
+    h0: torch.Tensor,
+    h0_q: torch.Tensor | None = None,
+) -> list[dict]:
+    """Per-block R, A, B, C and gain (module docstring) for one input batch.
+
+    ``fp_blocks[ℓ]`` and ``q_blocks[ℓ]`` are callables h -> h of the FP and
+    quantized block ℓ (bind rope / masks into them); ``h0`` is the FP input of
+    the first block and ``h0_q`` the quantized one (default: ``h0``).  Call it
+    under ``torch.no_grad()`` for models.
+    """
+    return finalize_propagation(propagation_sums(fp_blocks, q_blocks, h0, h0_q))
+
+
+def gpt_error_propagation(
+    fp_model: nn.Module,
+    q_model: nn.Module,
+    ids: torch.Tensor,
+    batch_size: int = 8,
+) -> list[dict]:
+    """:func:`error_propagation` for two quantdyn GPTs of the same shape.
+
+    ``ids``: LongTensor [N, T]; run in chunks of ``batch_size`` in eval mode
+    under ``torch.no_grad`` (modes restored after), sums accumulated over all
+    tokens.  h_0 = ``fp_model``'s embedding of ``ids``, h^q_0 = ``q_model``'s
+    (equal unless the quantizer touched the embedding).  Blocks are
+    ``model.gpt_neox.layers`` called as ``block(h, rope)``.
+    """
+    from quantdyn.models.gpt import GPT
+
+    for m, what in ((fp_model, "full-precision"), (q_model, "quantized")):
+        if not isinstance(m, GPT):
+            raise QuantdynError(f"error propagation: the {what} model is a {type(m).__name__}, not a quantdyn GPT")
+    if fp_model.config.n_layer != q_model.config.n_layer or fp_model.config.d_model != q_model.config.d_model:
+        raise QuantdynError("error propagation: the quantized model's shape differs from the full-precision model's")
+    if ids.dim() != 2 or ids.size(0) == 0:
+        raise QuantdynError(f"error propagation: ids must be token ids shaped [N, T], got {tuple(ids.shape)}")
+    if batch_size < 1:
+        raise QuantdynError(f"error propagation: batch_size={batch_size} must be >= 1")
+    modes = (fp_model.training, q_model.training)
+    device = fp_model.embed_out.weight.device
+    total = None
+    try:
+        fp_model.eval()
+        q_model.eval()
+        with torch.no_grad():
+            for i in range(0, ids.size(0), batch_size):
+                x = ids[i : i + batch_size].to(device)
+                h0 = fp_model.gpt_neox.embed_in(x)
+                h0_q = q_model.gpt_neox.embed_in(x)
+                rope = fp_model.gpt_neox.rotary(x.size(1), h0.device, h0.dtype)
+                fp = [_bind(b, rope) for b in fp_model.gpt_neox.layers]
+                qb = [_bind(b, rope) for b in q_model.gpt_neox.layers]
+                total = add_sums(total, propagation_sums(fp, qb, h0, h0_q))
+    finally:
+        fp_model.train(modes[0])
+        q_model.train(modes[1])
+    return finalize_propagation(total)
+
+
+def _bind(block: nn.Module, rope) -> BlockFn:
+    return lambda h: block(h, rope)
+
+
+class _StopForward(Exception):
+    """Raised by the block-0 pre-hook once its inputs are captured."""
+
+
+def _block0_inputs(model: nn.Module, blocks: nn.ModuleList, ids: torch.Tensor) -> tuple[torch.Tensor, tuple, dict]:
+    """(hidden, other positional args, kwargs) with which ``model`` calls its first block on ``ids``."""
+    from quantdyn.models.gpt import GPT
+
+    got: list[tuple[torch.Tensor, tuple, dict]] = []
+
+    def hook(module, args, kwargs):
+        if args:
+            got.append((args[0], tuple(args[1:]), dict(kwargs)))
+        else:
+            kwargs = dict(kwargs)
+            got.append((kwargs.pop("hidden_states"), (), kwargs))
+        raise _StopForward
+
+    handle = blocks[0].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        if isinstance(model, GPT):
+            model(ids)
+        else:
+            model(input_ids=ids, use_cache=False)
+    except _StopForward:
+        pass
+    finally:
+        handle.remove()
+    if not got:
+        raise QuantdynError(f"error propagation: {type(model).__name__} never called its first block")
+    return got[0]
+
+
+def _call(block: nn.Module, rest: tuple, kwargs: dict) -> BlockFn:
+    def f(h: torch.Tensor) -> torch.Tensor:
+        out = block(h, *rest, **kwargs)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    return f
+
+
+def model_error_propagation(
+    fp_model: nn.Module,
+    q_model: nn.Module,
+    ids: torch.Tensor,
+    batch_size: int = 8,
+) -> list[dict]:
+    """:func:`error_propagation` for any model with a block adapter
+    (``quantdyn.models.adapters``: quantdyn GPT, HF GPT-NeoX, Llama-like,
+    GPT-2, ...) and its quantized copy of the same architecture.
+
+    The inputs of block 0 (hidden states and the extra arguments the model
+    passes to every block: rotary tables / ``position_embeddings``, masks) are
+    captured with a pre-hook that stops each forward there; h_0 and h^q_0 come
+    from each model's own embedding, the extra arguments from ``fp_model`` and
+    are passed unchanged to every block of both.  Chunks of ``batch_size``
+    sequences, eval mode, ``torch.no_grad``; sums accumulated over all tokens.
+    """
+    from quantdyn.models.adapters import adapter_for
+
+    if ids.dim() != 2 or ids.size(0) == 0:
+        raise QuantdynError(f"error propagation: ids must be token ids shaped [N, T], got {tuple(ids.shape)}")
+    if batch_size < 1:
+        raise QuantdynError(f"error propagation: batch_size={batch_size} must be >= 1")
+    fp_blocks = adapter_for(fp_model).get_blocks(fp_model)
+    q_blocks = adapter_for(q_model).get_blocks(q_model)
+    device = next(fp_model.parameters()).device
+    modes = (fp_model.training, q_model.training)
+    total = None
+    try:
+        fp_model.eval()
+        q_model.eval()
+        with torch.no_grad():
+            for i in range(0, ids.size(0), batch_size):
+                x = ids[i : i + batch_size].to(device)
+                h0, rest, kwargs = _block0_inputs(fp_model, fp_blocks, x)
+                h0_q = _block0_inputs(q_model, q_blocks, x)[0]
+                fp = [_call(b, rest, kwargs) for b in fp_blocks]
+                qb = [_call(b, rest, kwargs) for b in q_blocks]
+                total = add_sums(total, propagation_sums(fp, qb, h0, h0_q))
+    finally:
+        fp_model.train(modes[0])
+        q_model.train(modes[1])
+    return finalize_propagation(total)

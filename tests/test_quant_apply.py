@@ -1,0 +1,148 @@
+"""quantize_model on tiny transformers models and quantdyn's GPT; adapters; saving."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+from quantdyn.errors import QuantdynError
+from quantdyn.models.adapters import ADAPTERS, adapter_for, get_weight
+from quantdyn.models.gpt import GPT, ModelConfig, logits_of, resolve_model_config
+from quantdyn.quantize import QuantConfig
+from quantdyn.quantize.apply import quantize_model, save_quantized
+from quantdyn.quantize.rtn import rtn
+
+V = 128
+
+
+def tiny(kind: str) -> nn.Module:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    kw = dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+              max_position_embeddings=64)
+    gqa = dict(kw, num_key_value_heads=2)
+    if kind == "gpt_neox":
+        m = tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**kw))
+    elif kind == "llama":
+        m = tf.LlamaForCausalLM(tf.LlamaConfig(**gqa))
+    elif kind == "qwen2":
+        m = tf.Qwen2ForCausalLM(tf.Qwen2Config(**gqa))
+    elif kind == "olmo2":
+        m = tf.Olmo2ForCausalLM(tf.Olmo2Config(**gqa))
+    elif kind == "gpt2":
+        m = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=V, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                             bos_token_id=0, eos_token_id=0))
+    elif kind == "quantdyn":
+        m = GPT(resolve_model_config(ModelConfig(preset="tiny-2x64", vocab_size=V)))
+    else:
+        raise ValueError(kind)
+    return m.eval()
+
+
+def calib(n=8, L=24, seed=0):
+    return torch.randint(0, V, (n, L), generator=torch.Generator().manual_seed(seed))
+
+
+def block_linears(model):
+    ad = adapter_for(model)
+    return {f"{ad.blocks}.{b}.{n}": m for b, blk in enumerate(ad.get_blocks(model))
+            for grp in ad.linear_groups(blk) for n, m in grp}
+
+
+@pytest.mark.parametrize("kind", ["gpt_neox", "llama", "gpt2", "qwen2", "olmo2", "quantdyn"])
+def test_quantize_model_on_tiny_models(kind):
+    fp = tiny(kind)
+    ids = calib()
+    for spec, tol in [("gptq8", 0.02), ("gptq3-gptqmodel", None)]:
+        q = copy.deepcopy(fp)
+        res = quantize_model(q, ids, spec, progress=False)
+        lin_fp, lin_q = block_linears(fp), block_linears(q)
+        assert len(res.rows) == len(lin_q) and {r["layer"] for r in res.rows} == set(lin_q)
+        for name in lin_q:  # every block linear changed, each onto its packed grid
+            assert not torch.equal(lin_q[name].weight, lin_fp[name].weight), name
+            assert res.packed[f"{name}.codes"].dtype == torch.uint8
+        ad = adapter_for(q)
+        for a, b in zip(ad.get_pre_block(fp), ad.get_pre_block(q)):
+            for pa, pb in zip(a.parameters(), b.parameters()):
+                assert torch.equal(pa, pb)
+        assert torch.equal(ad.get_head(fp).weight, ad.get_head(q).weight)
+        assert all(r["output_error"] is not None and r["output_error"] >= 0 for r in res.rows)
+        if tol is not None:
+            with torch.no_grad():
+                a, b = logits_of(fp, ids), logits_of(q, ids)
+            assert float((a - b).norm() / a.norm()) < tol
+
+
+def test_gpt2_conv1d_transposition():
+    fp = tiny("gpt2")
+    q = copy.deepcopy(fp)
+    cfg = QuantConfig(method="rtn", bits=4, group_size=32)
+    res = quantize_model(q, None, cfg, progress=False)  # RTN without data: no forward pass
+    c_attn_fp, c_attn_q = fp.transformer.h[0].attn.c_attn, q.transformer.h[0].attn.c_attn
+    assert c_attn_fp.weight.shape == (64, 192)  # Conv1D stores (in, out)
+    direct = rtn(c_attn_fp.weight.data.t(), cfg)
+    assert torch.equal(c_attn_q.weight.data, direct.weight.t())
+    assert torch.equal(get_weight(c_attn_q), direct.weight)
+    assert torch.equal(res.packed["transformer.h.0.attn.c_attn.codes"], direct.codes)
+    assert res.rows[0]["out_features"] == 192 and res.rows[0]["output_error"] is None
+
+
+def test_true_sequential_awq_head_and_save(tmp_path):
+    from quantdyn.models.hf_io import load_gpt
+
+    fp = tiny("quantdyn")
+    q = copy.deepcopy(fp)
+    cfg = QuantConfig(method="awq", bits=4, group_size=32, true_sequential=True, quantize_head=True)
+    res = quantize_model(q, calib(), cfg, progress=False, batch_size=3)
+    assert not torch.equal(q.embed_out.weight, fp.embed_out.weight)
+    assert torch.equal(q.gpt_neox.embed_in.weight, fp.gpt_neox.embed_in.weight)
+    assert "embed_out.awq_scales" in res.packed and res.rows[-1]["block"] == -1
+    out = save_quantized(q, res, None, tmp_path / "q")
+    files = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "quant_codes.safetensors", "quant_config.json"} <= files
+    meta = json.loads((out / "quant_config.json").read_text())
+    assert meta["quantizer"]["method"] == "awq" and len(meta["rows"]) == len(res.rows)
+    back = load_gpt(out)
+    ids = calib(2, 16, seed=1)
+    with torch.no_grad():
+        torch.testing.assert_close(logits_of(back, ids), logits_of(q, ids))
+
+
+def test_gpt2_tied_head_is_untied_when_quantized():
+    q = tiny("gpt2")
+    emb = q.transformer.wte.weight.detach().clone()
+    quantize_model(q, calib(), QuantConfig(method="gptq", bits=4, quantize_head=True), progress=False)
+    assert torch.equal(q.transformer.wte.weight, emb)
+    assert not torch.equal(q.lm_head.weight, emb)
+
+
+def test_user_errors():
+    class Mamba(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = type("Cfg", (), {"model_type": "mamba"})()
+            self.lin = nn.Linear(4, 4)
+
+    with pytest.raises(QuantdynError, match="register one with"):
+        quantize_model(Mamba(), calib(), "gptq4", progress=False)
+    m = tiny("quantdyn")
+    for bad in (None, torch.zeros(0, 8, dtype=torch.long), torch.randint(0, V, (0,))):
+        with pytest.raises(QuantdynError, match="calibration"):
+            quantize_model(copy.deepcopy(m), bad, "gptq4", progress=False)
+    with pytest.raises(QuantdynError, match="vocabulary"):
+        quantize_model(copy.deepcopy(m), torch.full((2, 8), V + 5), "gptq4", progress=False)
+    bad_w = copy.deepcopy(m)
+    with torch.no_grad():
+        bad_w.gpt_neox.layers[1].mlp.dense_h_to_4h.weight[0, 0] = float("nan")
+    with pytest.raises(QuantdynError, match="layers.1.mlp.dense_h_to_4h"):
+        quantize_model(bad_w, calib(), "gptq4", progress=False)
+    bad_act = copy.deepcopy(m)
+    with torch.no_grad():
+        bad_act.gpt_neox.embed_in.weight[3] = float("inf")
+    with pytest.raises(QuantdynError, match="NaN or Inf"):
+        quantize_model(bad_act, torch.full((2, 8), 3), "gptq4", progress=False)
+    assert {"gpt_neox", "llama", "olmo", "olmo2", "gpt2", "qwen2"} <= set(ADAPTERS.names())
