@@ -159,3 +159,32 @@ def test_ddp_two_processes_match_single(tmp_path, kjv_small):
     la = [l for _, l in _losses(tmp_path / "single")]
     lb = [l for _, l in _losses(tmp_path / "ddp")]
     assert la == pytest.approx(lb, rel=1e-4)
+
+
+def test_in_training_monitor_logs_delta_ce(tmp_path, kjv_small):
+    data_cfg, _ = kjv_small
+    d = tiny_run_dict(tmp_path, data_cfg, steps=8, checkpoint_every=8)
+    d["name"] = "mon"
+    d["monitor"] = {"every": 4, "quantizers": ["rtn2", "rtn8"], "calib_samples": 4, "eval_windows": 8}
+    run = train(from_dict(RunConfig, d), progress=False)
+    rows = [r for r in read_metrics(run) if "dce_rtn2" in r]
+    assert [r["step"] for r in rows] == [4, 8]
+    # the logged value is what an independent measurement of the step-8 checkpoint gives
+    import copy
+
+    from quantdyn.data.prepare import prepare_data
+    from quantdyn.evaluate.quant_error import compare_models
+    from quantdyn.quantize.apply import quantize_model
+    from quantdyn.quantize.config import parse_quantizer
+
+    data = prepare_data(data_cfg, progress=False)
+    fp = load_gpt(run / "checkpoints" / "step-0000008")
+    q = copy.deepcopy(fp)
+    quantize_model(q, data.calib_windows(4, 32, seed=0), parse_quantizer("rtn2"), progress=False)
+    m = compare_models(fp, q, data.eval_windows(32, 8))
+    assert rows[-1]["dce_rtn2"] == pytest.approx(m["delta_ce"], abs=1e-6)
+    assert rows[-1]["dce_rtn2_se"] == pytest.approx(m["delta_ce_se"], rel=1e-4)
+    assert all(abs(r["dce_rtn8"]) < 2e-3 for r in rows) and rows[-1]["dce_rtn2_se"] > 0
+    d["monitor"]["quantizers"] = ["rtm4"]
+    with pytest.raises(QuantdynError, match="did you mean"):
+        from_dict(RunConfig, d)

@@ -90,6 +90,15 @@ class MonitorConfig:
     eval_windows: int = 64
     """Held-out windows for Δ CE."""
 
+    def __post_init__(self):
+        if self.every < 0:
+            raise QuantdynError("monitor.every must be >= 0")
+        if self.every:
+            from quantdyn.quantize.config import parse_quantizer
+
+            for q in self.quantizers:
+                parse_quantizer(q)  # an unknown quantizer fails before training starts
+
 
 @dataclass(frozen=True)
 class RunConfig:
