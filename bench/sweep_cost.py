@@ -1,0 +1,79 @@
+"""Cost per checkpoint of a sweep, split into load / quantize / evaluate, and
+its growth from 5 to 20 checkpoints (should be linear: tokens are prepared
+once, never per checkpoint).
+
+    .venv/bin/python bench/sweep_cost.py [--quantizers gptq3,rtn4] [--windows 100]
+
+Trains a tiny run with 20 checkpoints in a temporary directory, then sweeps
+the first 5 and all 20 into fresh stores and prints the per-checkpoint cost
+of each and their ratio (goal ~1.0).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from quantdyn.config import from_dict
+from quantdyn.results.store import ResultStore
+from quantdyn.study.sweep import SweepConfig, run_sweep
+from quantdyn.train.checkpoint import list_checkpoints
+from quantdyn.train.config import RunConfig
+from quantdyn.train.trainer import train
+
+
+def sweep_cost(ckpts: list[str], store: Path, quantizers: list[str], windows: int) -> dict:
+    cfg = from_dict(SweepConfig, {"trajectory": {"checkpoints": ckpts}, "quantizers": quantizers, "store": str(store),
+                                  "data": {"calib_samples": 16, "calib_seq_len": 128, "eval_windows": windows,
+                                           "eval_seq_len": 128}})
+    t0 = time.perf_counter()
+    out = run_sweep(cfg, progress=False)
+    wall = time.perf_counter() - t0
+    rows = [r for r in ResultStore(store).rows() if r["kind"] == "ptq"]
+    per = {
+        "load": statistics.mean({r["checkpoint"]: r["t_load"] for r in rows}.values()),
+        "quantize": sum(r["t_quantize"] for r in rows) / len(ckpts),
+        "evaluate": sum(r["t_eval"] for r in rows) / len(ckpts),
+    }
+    return {"wall": wall, "per_ckpt": wall / len(ckpts), "parts": per, "n": len(ckpts), "written": out["written"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quantizers", default="gptq3,rtn4")
+    ap.add_argument("--windows", type=int, default=100)
+    ap.add_argument("--threads", type=int, default=0)
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    qs = [q for q in a.quantizers.split(",") if q]
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = from_dict(RunConfig, {
+            "name": "cost", "out_dir": tmp, "model": {"n_layer": 4, "d_model": 128, "n_head": 4, "max_seq_len": 256},
+            "schedule": {"name": "constant", "warmup": 0},
+            "train": {"steps": 40, "batch_size": 8, "seq_len": 128, "eval_every": 0, "eval_windows": 4,
+                      "checkpoint_every": 2, "log_every": 10},
+        })
+        t0 = time.perf_counter()
+        run = train(cfg, progress=False)
+        t_train = time.perf_counter() - t0
+        ckpts = [str(c.path) for c in list_checkpoints(run)]
+        # warm the token cache so both sweeps measure only per-checkpoint work
+        sweep_cost(ckpts[:1], Path(tmp) / "warm", qs, a.windows)
+        c5 = sweep_cost(ckpts[:5], Path(tmp) / "s5", qs, a.windows)
+        c20 = sweep_cost(ckpts[:20], Path(tmp) / "s20", qs, a.windows)
+    print(f"threads {torch.get_num_threads()}  quantizers {qs}  eval {a.windows} windows x 128 tokens  "
+          f"(training the 20-checkpoint run took {t_train:.1f}s)")
+    for c in (c5, c20):
+        p = c["parts"]
+        print(f"{c['n']:>2} checkpoints: {c['wall']:7.1f}s total, {c['per_ckpt']:6.2f}s/ckpt "
+              f"(load {p['load']:.2f}  quantize {p['quantize']:.2f}  evaluate {p['evaluate']:.2f})")
+    print(f"per-checkpoint cost, 20 vs 5: ratio {c20['per_ckpt'] / c5['per_ckpt']:.3f}  (goal ~1.0: linear growth)")
+
+
+if __name__ == "__main__":
+    main()
