@@ -224,6 +224,12 @@ def prepare_data(cfg: DataConfig, progress: bool = True) -> TokenData:
 
     info, doc_factory = resolve_source(cfg.source, cfg.text_field)
     key_fields = {k: v for k, v in to_dict(cfg).items() if k != "cache_dir"}
+    pretrained = None
+    if parse_tokenizer_spec(cfg.tokenizer)[0] == "hf":
+        # a pretrained tokenizer is identified by its content, not its path: every checkpoint
+        # directory of a run carries the same tokenizer, and they share one token cache
+        pretrained = load_pretrained_tokenizer(cfg.tokenizer)
+        key_fields["tokenizer"] = f"hf:{tokenizer_hash(pretrained)}"
     key = config_hash({"source": info.identity, **key_fields})
     root = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
     directory = root / key
@@ -236,7 +242,7 @@ def prepare_data(cfg: DataConfig, progress: bool = True) -> TokenData:
     def docs():
         return _limited(doc_factory(), max_chars) if max_chars else doc_factory()
 
-    tok = _build_tokenizer(cfg, docs)
+    tok = pretrained if pretrained is not None else _build_tokenizer(cfg, docs)
     eos = tok.convert_tokens_to_ids(tok.eos_token)
     vocab = len(tok)
     dtype = np.uint16 if vocab <= 65535 else np.uint32

@@ -1,0 +1,80 @@
+"""`quantdyn quantize` end to end on a quantdyn checkpoint and on locally saved
+HF LLaMA- and GPT-2-family models (built here; no hub access)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import tiny_run_dict
+from quantdyn.config import from_dict
+from quantdyn.train.config import RunConfig
+from quantdyn.train.trainer import train
+
+EXE = [sys.executable, "-m", "quantdyn.cli"]
+
+
+def _run(args, **kw):
+    return subprocess.run(EXE + ["quantize"] + args, capture_output=True, text=True, env=dict(os.environ), **kw)
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory, kjv_small):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    _, data = kjv_small
+    root = tmp_path_factory.mktemp("hf")
+    torch.manual_seed(0)
+    out = {}
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                         bos_token_id=0, eos_token_id=0))
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=0, eos_token_id=0))
+    for name, m in (("llama", llama), ("gpt2", gpt2)):
+        d = root / name
+        m.save_pretrained(d)
+        data.tokenizer.save_pretrained(str(d))
+        out[name] = d
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_quantize_local_hf_models(hf_models, family, tmp_path):
+    r = _run([str(hf_models[family]), "--method", "gptq", "--bits", "4", "--group-size", "32", "--calib-samples", "4",
+              "--eval-tokens", "2048", "--json", "--save", str(tmp_path / "q")])
+    assert r.returncode == 0, r.stderr[-1500:]
+    row = json.loads(r.stdout.strip().splitlines()[-1])
+    assert row["method"] == "gptq" and row["bits"] == 4 and row["n_windows"] == 16
+    assert row["kl"] >= 0 and 0 < row["top1_agree"] <= 1 and row["git_sha"]
+    assert len(row["layers"]) == (7 if family == "llama" else 4) * 2
+    assert {"config.json", "model.safetensors", "quant_codes.safetensors", "quant_config.json"} <= {
+        p.name for p in (tmp_path / "q").iterdir()}
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "q")  # the saved fake-quantized model loads
+
+
+def test_quantize_quantdyn_checkpoint_table_and_errors(tmp_path, kjv_small):
+    data_cfg, _ = kjv_small
+    d = tiny_run_dict(tmp_path, data_cfg, steps=8, checkpoint_every=8)
+    run = train(from_dict(RunConfig, d), progress=False)
+    ck = str(run / "checkpoints" / "step-0000008")
+    short = ["--calib-seq-len", "32", "--eval-seq-len", "32", "--eval-tokens", "2048"]
+    r = _run([ck, "--method", "rtn", "--bits", "3", "--group-size", "0", *short])
+    assert r.returncode == 0, r.stderr[-1500:]
+    assert "CE (nats)" in r.stdout and "KL(FP||Q)" in r.stdout
+    for args, msg in [(["--bits", "1"], "bits=1 is not supported"),
+                      (["--method", "gtpq"], "did you mean 'gptq'"),
+                      (["--calib-samples", "0"], "calibration set is empty")]:
+        r = _run([ck, *args, *short])
+        assert r.returncode == 2 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    r = _run([str(tmp_path / "missing"), "--bits", "3"])
+    assert r.returncode == 2 and "does not exist" in r.stderr
+    # another checkpoint directory with the same tokenizer reuses the token cache (no re-tokenization)
+    import shutil
+
+    other = shutil.copytree(ck, tmp_path / "elsewhere")
+    r = _run([str(other), "--method", "rtn", "--bits", "4", *short])
+    assert r.returncode == 0 and "tokenizing" not in r.stderr
