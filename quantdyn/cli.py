@@ -211,6 +211,35 @@ def demo(quiet: bool = typer.Option(False, "--quiet")):
     run_demo(progress=not quiet, echo=typer.echo)
 
 
+@app.command()
+def analyze(
+    checkpoints: List[str] = typer.Argument(..., help="Checkpoint directories or run directories."),
+    metrics: str = typer.Option("hessian,outliers,propagation", "--metrics", help="Comma-separated analyses."),
+    quantizers: str = typer.Option("gptq3,rtn4", "--quantizers", help="Quantizers for the propagation analysis."),
+    store: str = typer.Option("results", "--store"),
+    windows: int = typer.Option(8, "--windows", help="Windows per analysis (held-out / calibration)."),
+    probes: int = typer.Option(50, "--probes", help="Hutchinson probe budget."),
+    seq_len: int = typer.Option(128, "--seq-len", help="Tokens per window."),
+    as_json: bool = typer.Option(False, "--json", help="Also print the rows as a JSON array."),
+    quiet: bool = typer.Option(False, "--quiet"),
+):
+    """Hessian trace / top eigenvalue, outlier metrics and error propagation -> result rows."""
+    from quantdyn.study.analyze import analyze as run_analyze
+
+    rows = run_analyze(checkpoints, [m for m in metrics.split(",") if m], [q for q in quantizers.split(",") if q],
+                       store=store, budget={"windows": windows, "hessian_probes": probes},
+                       data={"calib_seq_len": seq_len, "eval_seq_len": seq_len, "eval_windows": max(windows, 8),
+                             "calib_samples": max(windows, 8)}, progress=not quiet)
+    if as_json:
+        _echo_json(rows)
+        return
+    for r in rows:
+        vals = {k: v for k, v in r.items() if k.startswith(("hessian_", "weight_", "act_", "prop_")) and v is not None}
+        shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in list(vals.items())[:8])
+        typer.echo(f"{r['checkpoint']} [{r['analysis']}] {shown}")
+    typer.echo(f"{len(rows)} analysis rows in {store}")
+
+
 def main() -> None:
     import logging
 

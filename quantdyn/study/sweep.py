@@ -26,6 +26,7 @@ from quantdyn.data.prepare import DataConfig, TokenData, prepare_data
 from quantdyn.errors import QuantdynError
 from quantdyn.results.store import ResultStore
 from quantdyn.runtime import git_sha, hardware, resolve_device
+from quantdyn.study.metrics_rows import AnalysisConfig, analysis_rows, check_analysis_names
 from quantdyn.study.trajectory import (
     Point,
     ScheduleSpec,
@@ -107,6 +108,10 @@ class SweepConfig:
     """torch threads while quantizing on CPU (the GPTQ column loop is fastest single-threaded)."""
     analysis: tuple[str, ...] = ()
     """Extra per-checkpoint metrics: hessian, outliers, propagation."""
+    analysis_budget: AnalysisConfig = field(default_factory=AnalysisConfig)
+    """Budgets of those metrics."""
+    propagation_quantizers: tuple[str, ...] = ()
+    """Quantizers for the propagation analysis ('' = the sweep's quantizers)."""
     eval_tasks: tuple[str, ...] = ()
     """lm-eval tasks for downstream accuracy (needs the eval extra)."""
 
@@ -142,7 +147,7 @@ def plan_points(cfg: SweepConfig) -> list[Point]:
     if t.run:
         pts = points_of_run(Path(t.run))
         if not t.include_branches:
-            pts = [p for p in pts if p.branch == "main" or p.kind in ("lawa", "ema", "soup", "average")]
+            pts = [p for p in pts if p.branch == "main" or p.kind in ("lawa", "ema", "soup", "average", "interpolation")]
         if not t.include_averages:
             pts = [p for p in pts if p.kind not in ("lawa", "ema", "soup", "average", "interpolation")]
     elif t.checkpoints:
@@ -154,7 +159,7 @@ def plan_points(cfg: SweepConfig) -> list[Point]:
     return pts
 
 
-def sweep_data(cfg: SweepConfig, points: list[Point]) -> TokenData:
+def sweep_data(cfg: SweepConfig, points: list[Point], progress: bool = True) -> TokenData:
     d = cfg.data
     if cfg.trajectory.run:
         from quantdyn.train.branches import load_run_config
@@ -165,7 +170,7 @@ def sweep_data(cfg: SweepConfig, points: list[Point]) -> TokenData:
     else:
         tok = d.tokenizer or points[0].ref  # the model's own tokenizer (hub-id@revision or a directory)
         dc = DataConfig(source=d.source or "builtin:kjv", tokenizer=tok)
-    return prepare_data(dc)
+    return prepare_data(dc, progress=progress)
 
 
 def row_key(ckpt_hash: str, what: str, eval_hash: str) -> str:
@@ -197,15 +202,16 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True)
 
     # fail on a bad quantizer before any work; rows carry the spec as the user wrote it
     qcfgs = {(q if isinstance(q, str) else parse_quantizer(q).name): parse_quantizer(q) for q in cfg.quantizers}
-    if cfg.analysis:
-        from quantdyn.study.metrics_rows import check_analysis_names
-
-        check_analysis_names(cfg.analysis)
+    check_analysis_names(cfg.analysis)
+    prop_q = {q: parse_quantizer(q) for q in (cfg.propagation_quantizers or [q for q in cfg.quantizers])}
+    if "propagation" in cfg.analysis and not prop_q:
+        raise QuantdynError("the propagation analysis needs quantizers: set quantizers or propagation_quantizers")
+    prop_hash = config_hash({k: to_dict(v) for k, v in sorted(prop_q.items())})
     points = plan_points(cfg)
     i, n = parse_shard(shard)
     device = resolve_device(cfg.device)
     store = ResultStore(cfg.store)
-    data = sweep_data(cfg, points)
+    data = sweep_data(cfg, points, progress)
     d = cfg.data
     eval_ids = data.eval_windows(d.eval_seq_len, d.eval_windows)
     calib_ids = data.calib_windows(d.calib_samples, d.calib_seq_len, d.calib_seed)
@@ -225,7 +231,8 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True)
         base = {**point_fields(p, h), "eval_hash": eval_hash, "calib_hash": calib_hash, "data_key": data.data_hash}
         fp_key = row_key(hp, "fp", eval_hash)
         q_keys = {label: row_key(hp, f"ptq:{config_hash(qc)}:{calib_hash}", eval_hash) for label, qc in qcfgs.items()}
-        a_keys = {a: row_key(hp, f"analysis:{a}", eval_hash) for a in cfg.analysis}
+        a_keys = {a: row_key(hp, f"analysis:{a}:{config_hash(cfg.analysis_budget)}"
+                             + (f":{prop_hash}" if a == "propagation" else ""), eval_hash) for a in cfg.analysis}
         if fp_key in done and all(k in done for k in q_keys.values()) and all(k in done for k in a_keys.values()):
             skipped += 1 + len(q_keys) + len(a_keys)
             continue
@@ -252,9 +259,7 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True)
             if key in done:
                 skipped += 1
                 continue
-            from quantdyn.study.metrics_rows import analysis_rows
-
-            vals = analysis_rows(name, model, data, calib_ids, eval_ids, list(qcfgs.values()), cfg)
+            vals = analysis_rows(name, model, data, calib_ids, eval_ids, prop_q, cfg.analysis_budget)
             store.append([{"key": key, "kind": "analysis", "analysis": name, **base, **vals, **provenance()}])
             written += 1
         timings.append(time.perf_counter() - t0)

@@ -1,0 +1,34 @@
+"""Report sections that appear when their rows exist in the store."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def sections(rows: list[dict], out: Path) -> list[tuple[str, str, list[dict], str]]:
+    found = []
+    if any(r.get("kind") == "analysis" for r in rows):
+        from quantdyn.report.predictors import predictor_figure, predictor_rows
+
+        corr = predictor_rows(rows)
+        png = out / "predictors.png"
+        if corr and predictor_figure(rows, corr, png):
+            found.append((
+                "Which metric predicts the quantization error?", png.name, corr,
+                "Spearman and Pearson correlation (95 % bootstrap intervals) of each stored metric with Δ CE across "
+                "the checkpoints of this study, per quantizer; scatter plots of the strongest. Paper B finds "
+                "outlier metrics (MMR, kurtosis) fail across optimizers while the propagated error R_L predicts; "
+                "paper A links Δ CE to the Hessian trace and top eigenvalue.",
+            ))
+    if any(r.get("kind") == "accuracy" for r in rows):
+        try:
+            from quantdyn.report.accuracy import accuracy_vs_dce
+        except ImportError:
+            accuracy_vs_dce = None
+        if accuracy_vs_dce is not None:
+            png = out / "accuracy_vs_dce.png"
+            table = accuracy_vs_dce(rows, png)
+            if table:
+                found.append(("Downstream accuracy drop against Δ CE", png.name, table,
+                              "Accuracy of the quantized model minus the full-precision one, per task, against Δ CE "
+                              "across checkpoints (paper A, Figure 4)."))
+    return found

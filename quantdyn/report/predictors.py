@@ -1,0 +1,90 @@
+"""Which metric predicts the quantization error? (the report's predictor section)
+
+Joins every PTQ row (Δ CE of one quantizer at one checkpoint) with the
+analysis rows of the same checkpoint (Hessian, outliers, error propagation
+for that quantizer), then reports Spearman and Pearson correlations with
+bootstrap intervals across the checkpoints of the study, per quantizer, and
+scatter plots of the strongest metrics.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from quantdyn.analysis.correlate import CorrelateConfig, correlate
+
+META = {"key", "kind", "analysis", "time", "git_sha", "hardware", "checkpoint", "checkpoint_hash", "run", "branch",
+        "ckpt_kind", "eval_hash", "calib_hash", "data_key", "step", "tokens", "lr", "decaying", "peak_lr", "seed",
+        "parent_step", "hessian_seconds", "hessian_trace_probes", "n_layers"}
+
+
+def _point(r: dict) -> tuple:
+    return (r.get("checkpoint"), r.get("run"), r.get("branch"), r.get("step"))
+
+
+def joined_table(rows: list[dict], quantizer: str) -> list[dict]:
+    """One row per checkpoint: delta_ce of ``quantizer`` plus every analysis metric of that checkpoint."""
+    metrics: dict[tuple, dict] = {}
+    for r in rows:
+        if r.get("kind") != "analysis":
+            continue
+        m = metrics.setdefault(_point(r), {})
+        for k, v in r.items():
+            if k in META or not isinstance(v, (int, float)) or isinstance(v, bool):
+                continue
+            if k.startswith("prop_"):
+                base, _, q = k.partition("__")
+                if q != quantizer:
+                    continue
+                k = base
+            m[k] = float(v)
+    out = []
+    for r in rows:
+        if r.get("kind") == "ptq" and r.get("quantizer") == quantizer and _point(r) in metrics:
+            out.append({"delta_ce": r["delta_ce"], "ce_fp": r["ce_fp"], **metrics[_point(r)]})
+    return out
+
+
+def predictor_rows(rows: list[dict], n_boot: int = 1000) -> list[dict]:
+    qs = sorted({r["quantizer"] for r in rows if r.get("kind") == "ptq"})
+    out = []
+    for q in qs:
+        table = joined_table(rows, q)
+        if len(table) < 3:
+            continue
+        for c in correlate(table, "delta_ce", cfg=CorrelateConfig(n_boot=n_boot)):
+            out.append({"quantizer": q, **c})
+    return out
+
+
+def predictor_figure(rows: list[dict], corr: list[dict], out: Path, top: int = 4) -> bool:
+    qs = sorted({c["quantizer"] for c in corr})[:4]
+    if not qs:
+        return False
+    fig, axes = plt.subplots(len(qs), top, figsize=(3.0 * top, 2.6 * len(qs)), squeeze=False)
+    for i, q in enumerate(qs):
+        table = joined_table(rows, q)
+        best = [c for c in corr if c["quantizer"] == q and not math.isnan(c["spearman"])][:top]
+        for j in range(top):
+            ax = axes[i, j]
+            if j >= len(best):
+                ax.axis("off")
+                continue
+            m = best[j]["metric"]
+            pts = [(t[m], t["delta_ce"]) for t in table if m in t]
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=12)
+            ax.set_title(f"{q}: ρ={best[j]['spearman']:.2f} [{best[j]['spearman_lo']:.2f}, {best[j]['spearman_hi']:.2f}]",
+                         fontsize=8)
+            ax.set_xlabel(m, fontsize=7)
+            ax.set_ylabel("Δ CE", fontsize=7)
+            ax.tick_params(labelsize=6)
+            ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return True
