@@ -1,0 +1,469 @@
+"""Run grids: one base config × varied keys × seeds -> many training runs
+(paper A's LR {1e-4, 1e-3, 3e-3} × WD {0.1, 0.05} sweep and its kin).
+
+    quantdyn grid CONFIG.yaml --vary optim.lr=1e-4,1e-3,3e-3 --vary optim.weight_decay=0.1,0.05 --seeds 2
+
+Expansion is the Cartesian product of the ``--vary`` lists in the order given
+(the last key varies fastest, seeds fastest of all).  Run names are
+``NAME-<alias><value>-...[-s<seed>]``, e.g. ``tiny-lr1e-4-wd0.1-s0``: the
+alias of a key comes from :data:`ALIASES` (else the key's last component),
+the value is written as typed on the command line (characters other than
+letters, digits, ``.``, ``+``, ``-`` and ``_`` become ``_``).  With
+``seeds = N`` the runs use seeds base_seed .. base_seed+N-1 and the suffix is
+the seed itself; with ``seeds = 0`` the base seed is kept and no suffix added.
+
+Layout of a grid directory::
+
+    GRID_DIR/grid.json           manifest: base config, varied keys, runs (name, dir, config, overrides, seed)
+    GRID_DIR/configs/NAME.yaml   the full config of each run (out_dir = GRID_DIR/runs, name = NAME)
+    GRID_DIR/runs/NAME/          the run directories
+    GRID_DIR/grid.sbatch         SLURM array script, one task per run (write_launch_scripts)
+    GRID_DIR/commands.txt        the same runs as plain torchrun lines
+
+Every expanded config is validated by building its RunConfig before anything
+is written or run, so an unknown key in ``--vary`` fails at once with a
+did-you-mean.  :func:`run_grid` runs the grid locally, one run after another:
+finished runs are skipped, partial ones resumed from their last checkpoint.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import re
+import shlex
+import time
+import typing
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+from quantdyn.config import from_dict, parse_override, set_dotted, to_dict
+from quantdyn.errors import QuantdynError, did_you_mean
+
+MANIFEST = "grid.json"
+
+ALIASES: dict[str, str] = {
+    "seed": "s",
+    "optim.name": "opt",
+    "optim.lr": "lr",
+    "optim.weight_decay": "wd",
+    "optim.betas": "betas",
+    "optim.eps": "eps",
+    "schedule.name": "sched",
+    "schedule.warmup": "wu",
+    "schedule.decay": "decay",
+    "schedule.decay_start": "ds",
+    "schedule.decay_shape": "shape",
+    "schedule.lr_end": "lrend",
+    "train.steps": "steps",
+    "train.batch_size": "bs",
+    "train.seq_len": "seq",
+    "train.grad_accum": "ga",
+    "train.grad_clip": "clip",
+    "model.preset": "m",
+    "model.n_layer": "L",
+    "model.d_model": "d",
+    "model.n_head": "h",
+    "averaging.lawa_window": "lawak",
+    "averaging.lawa_every": "lawap",
+    "averaging.ema_decay": "ema",
+    "data.source": "data",
+    "data.tokenizer": "tok",
+}
+"""Short names of config keys in run names; other keys use their last component."""
+
+
+# ------------------------------------------------------------- key checks
+def _run_config_cls():
+    from quantdyn.train.config import RunConfig
+
+    return RunConfig
+
+
+def _dataclass_of(tp: Any):
+    if dataclasses.is_dataclass(tp):
+        return tp
+    for a in typing.get_args(tp):
+        if dataclasses.is_dataclass(a):
+            return a
+    return None
+
+
+def _is_mapping(tp: Any) -> bool:
+    return tp is dict or typing.get_origin(tp) is dict
+
+
+def config_keys(cls=None, prefix: str = "") -> list[str]:
+    """Every dotted key of a config dataclass (RunConfig by default), leaves and sections."""
+    cls = cls or _run_config_cls()
+    out = []
+    for f, tp in typing.get_type_hints(cls).items():
+        if f not in {x.name for x in dataclasses.fields(cls) if x.init}:
+            continue
+        key = f"{prefix}{f}"
+        out.append(key)
+        sub = _dataclass_of(tp)
+        if sub is not None:
+            out += config_keys(sub, key + ".")
+    return out
+
+
+def check_key(key: str) -> None:
+    """Raise a QuantdynError with a did-you-mean if ``key`` is not a RunConfig key."""
+    cls = _run_config_cls()
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        hints = {f.name: typing.get_type_hints(cls)[f.name] for f in dataclasses.fields(cls) if f.init}
+        if part not in hints:
+            known = config_keys()
+            hint = did_you_mean(key, known)
+            if not hint:  # e.g. 'lr' for 'optim.lr': match the last component
+                same_leaf = [k for k in known if k.rsplit(".", 1)[-1] == parts[-1]]
+                hint = f" (did you mean '{same_leaf[0]}'?)" if same_leaf else did_you_mean(part, hints)
+            under = f" under '{'.'.join(parts[:i])}'" if i else ""
+            raise QuantdynError(
+                f"--vary {key}: unknown config key '{key}'{hint}; valid keys{under}: {', '.join(sorted(hints))}"
+            )
+        tp = hints[part]
+        if _is_mapping(tp):
+            return  # a free-form mapping (e.g. optim.extra.*) takes any sub-key
+        sub = _dataclass_of(tp)
+        if sub is None:
+            if i < len(parts) - 1:
+                raise QuantdynError(f"--vary {key}: '{'.'.join(parts[: i + 1])}' is a value, not a section")
+            return
+        if i == len(parts) - 1:
+            first = dataclasses.fields(sub)[0].name
+            raise QuantdynError(f"--vary {key}: '{key}' is a section; vary one of its keys, e.g. '{key}.{first}'")
+        cls = sub
+
+
+# ------------------------------------------------------------- expansion
+def _split_values(text: str) -> list[str]:
+    """'a,b,[c,d]' -> ['a', 'b', '[c,d]'] (commas inside brackets or quotes stay)."""
+    out, depth, cur, quote = [], 0, "", ""
+    for ch in text:
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+            continue
+        cur += ch
+    out.append(cur)
+    return [v.strip() for v in out]
+
+
+def parse_vary(text: str) -> tuple[str, list[str]]:
+    """'optim.lr=1e-4,1e-3' -> ('optim.lr', ['1e-4', '1e-3']) after checking the key."""
+    path, _ = parse_override(text)
+    key = ".".join(path)
+    raw = text.split("=", 1)[1]
+    values = _split_values(raw)
+    if not values or any(v == "" for v in values):
+        raise QuantdynError(f"--vary {text}: give a comma-separated list of values, e.g. {key}=1e-4,1e-3")
+    if len(set(values)) != len(values):
+        raise QuantdynError(f"--vary {text}: a value is listed twice")
+    check_key(key)
+    return key, values
+
+
+def _alias(key: str, all_keys: Sequence[str]) -> str:
+    a = ALIASES.get(key, key.rsplit(".", 1)[-1])
+    clash = [k for k in all_keys if k != key and ALIASES.get(k, k.rsplit(".", 1)[-1]) == a]
+    return key.replace(".", "_") if clash else a
+
+
+def _name_part(value: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.+\-_]+", "_", value).strip("_") or "x"
+
+
+def _get_dotted(cfg: Any, path: list[str]) -> Any:
+    for p in path:
+        cfg = cfg[p] if isinstance(cfg, dict) else getattr(cfg, p)
+    return cfg
+
+
+def expand_grid(base: dict, vary: Sequence[str], seeds: int = 0, grid_dir: str | Path | None = None) -> list[tuple[str, dict]]:
+    """Expand ``base`` (a run-config dict) over ``vary`` ("key=v1,v2" strings) and seeds.
+
+    Returns [(run name, config dict)] in a deterministic order; each config is
+    validated by building its RunConfig (unknown keys fail with a did-you-mean
+    before anything runs).  With ``grid_dir`` each run's out_dir is
+    GRID_DIR/runs, so its directory is GRID_DIR/runs/NAME.
+    """
+    from quantdyn.train.config import RunConfig
+
+    if seeds < 0:
+        raise QuantdynError(f"--seeds {seeds} must be >= 0")
+    parsed = [parse_vary(v) for v in vary]
+    keys = [k for k, _ in parsed]
+    dup = {k for k in keys if keys.count(k) > 1}
+    if dup:
+        raise QuantdynError(f"--vary {sorted(dup)[0]} is given twice; list all its values in one --vary")
+    if seeds and "seed" in keys:
+        raise QuantdynError("give --seeds N or --vary seed=..., not both")
+    base_cfg = from_dict(RunConfig, base)  # the base itself must be valid
+    aliases = [_alias(k, keys) for k in keys]
+    seed_list = [base_cfg.seed + i for i in range(seeds)] if seeds else [None]
+    out, names = [], set()
+    for combo in itertools.product(*[vals for _, vals in parsed]):
+        for seed in seed_list:
+            d = dict(base)
+            for key, raw in zip(keys, combo):
+                _, value = parse_override(f"{key}={raw}")
+                d = set_dotted(d, key.split("."), value)
+            parts = [f"{a}{_name_part(raw)}" for a, raw in zip(aliases, combo)]
+            if seed is not None:
+                d["seed"] = seed
+                parts.append(f"s{seed}")
+            name = "-".join([base_cfg.name, *parts])
+            if name in names:
+                raise QuantdynError(f"two grid runs would both be named '{name}'; make the --vary values distinct")
+            names.add(name)
+            d["name"] = name
+            if grid_dir is not None:
+                d["out_dir"] = str(Path(grid_dir) / "runs")
+            cfg = from_dict(RunConfig, d)
+            for key in keys:  # store the typed value ('1e-4' is a string to YAML 1.1, a float to the config)
+                d = set_dotted(d, key.split("."), to_dict(_get_dotted(cfg, key.split("."))))
+            out.append((name, d))
+    return out
+
+
+def grid_manifest(base: dict, vary: Sequence[str], seeds: int, grid_dir: str | Path) -> dict:
+    """The manifest of a grid (validated; nothing written): base, varied keys, runs."""
+    from quantdyn.train.config import RunConfig
+
+    grid_dir = Path(grid_dir)
+    parsed = [parse_vary(v) for v in vary]
+    keys = [k for k, _ in parsed]
+    runs = []
+    for name, d in expand_grid(base, vary, seeds, grid_dir):
+        cfg = from_dict(RunConfig, d)
+        runs.append({
+            "name": name,
+            "dir": str(grid_dir / "runs" / name),
+            "config": str(grid_dir / "configs" / f"{name}.yaml"),
+            "overrides": {k: to_dict(_get_dotted(cfg, k.split("."))) for k in keys},
+            "seed": cfg.seed,
+            "steps": cfg.train.steps,
+        })
+    return {
+        "base": base,
+        "vary": [{"key": k, "alias": _alias(k, keys), "values": vals} for k, vals in parsed],
+        "seeds": seeds,
+        "grid_dir": str(grid_dir),
+        "runs": runs,
+    }
+
+
+def write_grid(base: dict, vary: Sequence[str], seeds: int, grid_dir: str | Path) -> dict:
+    """Validate, then write GRID_DIR/configs/NAME.yaml and GRID_DIR/grid.json; return the manifest.
+
+    Writing the same grid again is a no-op (runs already started are kept); a
+    different grid in the same directory is refused.
+    """
+    from quantdyn.models.hf_io import write_json_atomic
+
+    grid_dir = Path(grid_dir)
+    manifest = grid_manifest(base, vary, seeds, grid_dir)
+    existing = grid_dir / MANIFEST
+    if existing.is_file():
+        old = read_grid(grid_dir)
+        same = {k: old.get(k) for k in ("base", "vary", "seeds", "runs")} == \
+            json.loads(json.dumps({k: manifest[k] for k in ("base", "vary", "seeds", "runs")}, default=str))
+        if not same:
+            raise QuantdynError(
+                f"'{grid_dir}' already holds a different grid ({existing}); choose another directory or delete it"
+            )
+        manifest["created"] = old.get("created")
+    from quantdyn.runtime import git_sha
+
+    manifest["created"] = manifest.get("created") or time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    manifest["git_sha"] = git_sha()
+    cfg_dir = grid_dir / "configs"
+    cfg_dir.mkdir(parents=True, exist_ok=True)
+    for name, d in expand_grid(base, vary, seeds, grid_dir):
+        (cfg_dir / f"{name}.yaml").write_text(yaml.safe_dump(d, sort_keys=False))
+    write_json_atomic(existing, manifest)
+    return manifest
+
+
+def read_grid(grid_dir: str | Path) -> dict:
+    p = Path(grid_dir) / MANIFEST
+    if not p.is_file():
+        raise QuantdynError(f"'{grid_dir}' is not a grid directory (no {MANIFEST}); create it with `quantdyn grid`")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError:
+        raise QuantdynError(f"'{p}' is corrupt (invalid JSON); delete the grid directory and create it again") from None
+
+
+def format_grid(manifest: dict) -> str:
+    """A table of the runs of a grid (what --dry-run prints)."""
+    keys = [v["key"] for v in manifest["vary"]]
+    head = ["name", *keys, *(["seed"] if manifest.get("seeds") else [])]
+    rows = [[r["name"], *[str(r["overrides"][k]) for k in keys], *([str(r["seed"])] if manifest.get("seeds") else [])]
+            for r in manifest["runs"]]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.append(f"{len(rows)} runs under {Path(manifest['grid_dir']) / 'runs'}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ run
+def run_status(run: dict) -> str:
+    """'finished', 'partial' (has a resumable checkpoint) or 'new'."""
+    from quantdyn.train.checkpoint import latest_resumable, list_checkpoints
+
+    d = Path(run["dir"])
+    if any(c.step >= int(run["steps"]) for c in list_checkpoints(d)):
+        return "finished"
+    return "partial" if latest_resumable(d) is not None else "new"
+
+
+def run_grid(grid_dir: str | Path, only: Sequence[str] | None = None, progress: bool = True) -> list[dict]:
+    """Train the grid's runs one after another in this process.
+
+    Finished runs are skipped, partial ones resumed exactly from their last
+    checkpoint, new ones started (a metrics.jsonl left by a run that crashed
+    before its first checkpoint is discarded).  ``only``: run names to run.
+    Returns [{name, dir, status}] with status skipped | resumed | trained.
+    """
+    from quantdyn.config import load_yaml
+    from quantdyn.train.checkpoint import latest_resumable
+    from quantdyn.train.config import RunConfig
+    from quantdyn.train.trainer import train
+
+    manifest = read_grid(grid_dir)
+    runs = manifest["runs"]
+    if only:
+        names = {r["name"] for r in runs}
+        for n in only:
+            if n not in names:
+                raise QuantdynError(f"grid has no run '{n}'{did_you_mean(n, names)}")
+        runs = [r for r in runs if r["name"] in set(only)]
+    # validate every config before the first run starts
+    cfgs = [from_dict(RunConfig, load_yaml(r["config"])) for r in runs]
+    out = []
+    for r, cfg in zip(runs, cfgs):
+        d = Path(r["dir"])
+        status = run_status(r)
+        if status == "finished":
+            out.append({"name": r["name"], "dir": str(d), "status": "skipped"})
+            continue
+        if status == "partial":
+            train(cfg, d, resume=latest_resumable(d), progress=progress)
+            out.append({"name": r["name"], "dir": str(d), "status": "resumed"})
+            continue
+        (d / "metrics.jsonl").unlink(missing_ok=True)
+        train(cfg, d, progress=progress)
+        out.append({"name": r["name"], "dir": str(d), "status": "trained"})
+    return out
+
+
+# ------------------------------------------------------------- cluster
+def torchrun_command(config: str | Path, nproc_per_node: int = 1, torchrun: str = "torchrun") -> str:
+    """One run's launch line: ``torchrun --standalone --nproc_per_node N -m quantdyn.cli train CONFIG``."""
+    return (f"{torchrun} --standalone --nproc_per_node {nproc_per_node} -m quantdyn.cli train "
+            f"{shlex.quote(str(config))} --quiet")
+
+
+def slurm_script(
+    manifest: dict,
+    nproc_per_node: int = 1,
+    gpus_per_node: int | None = None,
+    cpus_per_task: int | None = None,
+    time_limit: str | None = None,
+    partition: str | None = None,
+    extra_sbatch: Sequence[str] = (),
+    setup: Sequence[str] = (),
+    torchrun: str = "torchrun",
+    max_parallel: int | None = None,
+) -> str:
+    """A SLURM array script with one task per run of ``manifest``.
+
+    Task i trains run i on one node with ``nproc_per_node`` processes
+    (torchrun --standalone); a task whose run finished exits at once, one
+    whose run has a resumable checkpoint continues it (``train --resume``), so
+    requeued or resubmitted arrays pick up where they stopped.
+    ``setup``: shell lines run first (module loads, venv activation).
+    """
+    runs = manifest["runs"]
+    if not runs:
+        raise QuantdynError("the grid has no runs")
+    grid_dir = Path(manifest["grid_dir"]).resolve()
+    gpus = nproc_per_node if gpus_per_node is None else gpus_per_node
+    array = f"0-{len(runs) - 1}" + (f"%{max_parallel}" if max_parallel else "")
+    job = _name_part(Path(manifest["grid_dir"]).name) or "grid"
+    sb = [
+        f"#SBATCH --job-name={job}",
+        f"#SBATCH --array={array}",
+        "#SBATCH --nodes=1",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --output={grid_dir}/logs/%x-%A_%a.out",
+    ]
+    if gpus:
+        sb.append(f"#SBATCH --gpus-per-node={gpus}")
+    if cpus_per_task:
+        sb.append(f"#SBATCH --cpus-per-task={cpus_per_task}")
+    if time_limit:
+        sb.append(f"#SBATCH --time={time_limit}")
+    if partition:
+        sb.append(f"#SBATCH --partition={partition}")
+    sb += [f"#SBATCH {x}" if not x.startswith("#SBATCH") else x for x in extra_sbatch]
+    names = "\n".join(f"  {shlex.quote(r['name'])}" for r in runs)
+    finals = "\n".join(f"  step-{int(r['steps']):07d}" for r in runs)
+    tr = f"{torchrun} --standalone --nproc_per_node {nproc_per_node} -m quantdyn.cli train"
+    body = f"""#!/bin/bash
+# Grid {grid_dir}: {len(runs)} runs, one array task each (written by quantdyn.study.grid).
+# Submit: mkdir -p {shlex.quote(str(grid_dir / 'logs'))} && sbatch {shlex.quote(str(grid_dir / 'grid.sbatch'))}
+{chr(10).join(sb)}
+set -euo pipefail
+{chr(10).join(setup)}
+GRID_DIR={shlex.quote(str(grid_dir))}
+RUNS=(
+{names}
+)
+FINAL=(
+{finals}
+)
+RUN="${{RUNS[$SLURM_ARRAY_TASK_ID]}}"
+RUN_DIR="$GRID_DIR/runs/$RUN"
+if [ -f "$RUN_DIR/checkpoints/${{FINAL[$SLURM_ARRAY_TASK_ID]}}/model.safetensors" ]; then
+  echo "run $RUN already finished"; exit 0
+fi
+if compgen -G "$RUN_DIR/checkpoints/step-*/training_state.pt" > /dev/null; then
+  exec {tr} --resume "$RUN_DIR" --quiet
+fi
+rm -f "$RUN_DIR/metrics.jsonl"
+exec {tr} "$GRID_DIR/configs/$RUN.yaml" --quiet
+"""
+    return body
+
+
+def write_launch_scripts(grid_dir: str | Path, nproc_per_node: int = 1, **slurm) -> tuple[Path, Path]:
+    """Write GRID_DIR/grid.sbatch (see :func:`slurm_script`) and GRID_DIR/commands.txt
+    (one torchrun line per run); return both paths."""
+    grid_dir = Path(grid_dir)
+    manifest = read_grid(grid_dir)
+    sbatch = grid_dir / "grid.sbatch"
+    sbatch.write_text(slurm_script(manifest, nproc_per_node=nproc_per_node, **slurm))
+    sbatch.chmod(0o755)
+    (grid_dir / "logs").mkdir(exist_ok=True)
+    torchrun = slurm.get("torchrun", "torchrun")
+    cmds = grid_dir / "commands.txt"
+    cmds.write_text("".join(
+        torchrun_command(Path(r["config"]).resolve(), nproc_per_node, torchrun) + "\n" for r in manifest["runs"]
+    ))
+    return sbatch, cmds

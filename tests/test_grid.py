@@ -1,0 +1,143 @@
+"""Run grids (quantdyn/study/grid.py): expansion, naming, manifest, launch scripts, local runs."""
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from conftest import tiny_run_dict
+from quantdyn.config import from_dict, load_yaml
+from quantdyn.errors import QuantdynError
+from quantdyn.study.grid import (
+    expand_grid,
+    format_grid,
+    read_grid,
+    run_grid,
+    slurm_script,
+    write_grid,
+    write_launch_scripts,
+)
+from quantdyn.train.checkpoint import checkpoint_dir, list_checkpoints
+from quantdyn.train.config import RunConfig
+
+VARY = ["optim.lr=1e-4,1e-3,3e-3", "optim.weight_decay=0.1,0.05"]
+
+
+def test_expansion_and_names():
+    base = {"name": "tiny", "seed": 5, "train": {"steps": 10}}
+    runs = expand_grid(base, VARY, seeds=2)
+    names = [n for n, _ in runs]
+    assert names[:4] == ["tiny-lr1e-4-wd0.1-s5", "tiny-lr1e-4-wd0.1-s6", "tiny-lr1e-4-wd0.05-s5", "tiny-lr1e-4-wd0.05-s6"]
+    assert len(names) == 12 == len(set(names)) and names[-1] == "tiny-lr3e-3-wd0.05-s6"
+    assert expand_grid(base, VARY, seeds=2) == runs  # deterministic
+    _, d = runs[-1]
+    cfg = from_dict(RunConfig, d)
+    assert (cfg.name, cfg.seed, cfg.optim.lr, cfg.optim.weight_decay, cfg.train.steps) == (names[-1], 6, 3e-3, 0.05, 10)
+    assert d["optim"]["lr"] == 3e-3 and isinstance(d["optim"]["lr"], float)  # typed, not the YAML-1.1 string
+    assert base == {"name": "tiny", "seed": 5, "train": {"steps": 10}}  # the base is not mutated
+    # no --seeds: base seed, no suffix; unaliased keys use their last component; values are sanitised
+    one = expand_grid(base, ["train.log_every=5", "data.source=/x/a b.txt"], seeds=0, grid_dir="G")
+    assert [n for n, _ in one] == ["tiny-log_every5-datax_a_b.txt"]
+    assert one[0][1]["out_dir"] == os.path.join("G", "runs") and one[0][1]["seed"] == 5
+
+
+def test_unknown_vary_key_fails_with_did_you_mean(tmp_path):
+    with pytest.raises(QuantdynError, match=r"unknown config key 'optim.lrr' \(did you mean 'optim.lr'\?\)"):
+        write_grid({"name": "g"}, ["optim.lrr=1e-3,3e-3"], 0, tmp_path / "grid")
+    assert not (tmp_path / "grid").exists()  # nothing written before validation
+    with pytest.raises(QuantdynError, match=r"did you mean 'optim.weight_decay'"):
+        expand_grid({}, ["weight_decay=0.1"])
+    with pytest.raises(QuantdynError, match="expected a number"):
+        expand_grid({}, ["optim.lr=fast,slow"])
+    with pytest.raises(QuantdynError, match="not both"):
+        expand_grid({}, ["seed=1,2"], seeds=2)
+    with pytest.raises(QuantdynError, match="given twice"):
+        expand_grid({}, ["optim.lr=1", "optim.lr=2"])
+
+
+def test_manifest_configs_and_dry_run_table(tmp_path):
+    g = tmp_path / "grid"
+    m = write_grid({"name": "tiny", "out_dir": "elsewhere"}, VARY, 1, g)
+    assert read_grid(g) == json.loads(json.dumps(m))
+    assert m["base"] == {"name": "tiny", "out_dir": "elsewhere"} and m["seeds"] == 1
+    assert [v["key"] for v in m["vary"]] == ["optim.lr", "optim.weight_decay"]
+    assert [v["alias"] for v in m["vary"]] == ["lr", "wd"] and m["vary"][0]["values"] == ["1e-4", "1e-3", "3e-3"]
+    assert len(m["runs"]) == 6
+    r = m["runs"][1]
+    assert r["name"] == "tiny-lr1e-4-wd0.05-s0" and r["overrides"] == {"optim.lr": 1e-4, "optim.weight_decay": 0.05}
+    assert r["dir"] == str(g / "runs" / r["name"]) and r["config"] == str(g / "configs" / f"{r['name']}.yaml")
+    cfg = from_dict(RunConfig, load_yaml(r["config"]))
+    assert (cfg.name, cfg.out_dir, cfg.optim.lr) == (r["name"], str(g / "runs"), 1e-4)
+    assert sorted(p.stem for p in (g / "configs").iterdir()) == sorted(x["name"] for x in m["runs"])
+    table = format_grid(m)
+    assert all(x["name"] in table for x in m["runs"]) and "6 runs" in table
+    assert write_grid({"name": "tiny", "out_dir": "elsewhere"}, VARY, 1, g)["created"] == m["created"]  # same grid: ok
+    with pytest.raises(QuantdynError, match="already holds a different grid"):
+        write_grid({"name": "tiny"}, ["optim.lr=1e-2"], 0, g)
+
+
+def test_slurm_script_and_command_list(tmp_path):
+    g = tmp_path / "grid"
+    m = write_grid({"name": "tiny", "train": {"steps": 40}}, VARY[:1], 0, g)
+    sbatch, cmds = write_launch_scripts(g, nproc_per_node=4, time_limit="02:00:00", setup=["module load cuda"])
+    text = sbatch.read_text()
+    assert text.startswith("#!/bin/bash") and "#SBATCH --array=0-2" in text
+    assert "#SBATCH --gpus-per-node=4" in text and "#SBATCH --time=02:00:00" in text
+    assert f"#SBATCH --output={g.resolve()}/logs/" in text and (g / "logs").is_dir()
+    assert "torchrun --standalone --nproc_per_node 4 -m quantdyn.cli train" in text and "--resume" in text
+    assert all(r["name"] in text for r in m["runs"]) and text.count("step-0000040") == 3
+    if shutil.which("bash"):
+        assert subprocess.run(["bash", "-n", str(sbatch)]).returncode == 0
+    lines = cmds.read_text().splitlines()
+    assert lines == [
+        f"torchrun --standalone --nproc_per_node 4 -m quantdyn.cli train {(g / 'configs' / (r['name'] + '.yaml')).resolve()} --quiet"
+        for r in m["runs"]
+    ]
+
+
+@pytest.mark.skipif(not shutil.which("bash"), reason="needs bash")
+def test_slurm_task_picks_its_run_and_resumes(tmp_path):
+    """Run the array script with a stand-in for torchrun: task i launches run i, fresh or resumed."""
+    g = tmp_path / "grid"
+    m = write_grid({"name": "t", "train": {"steps": 8}}, ["optim.lr=1e-3,2e-3"], 0, g)
+    script = g / "task.sh"
+    script.write_text(slurm_script(m, torchrun="echo TORCHRUN"))
+
+    def task(i):
+        env = dict(os.environ, SLURM_ARRAY_TASK_ID=str(i))
+        r = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip()
+
+    run1 = m["runs"][1]
+    assert task(1) == f"TORCHRUN --standalone --nproc_per_node 1 -m quantdyn.cli train {g.resolve()}/configs/{run1['name']}.yaml --quiet"
+    ck = checkpoint_dir(g / "runs" / run1["name"], 4)
+    ck.mkdir(parents=True)
+    (ck / "training_state.pt").write_bytes(b"")
+    assert task(1).endswith(f"train --resume {g.resolve()}/runs/{run1['name']} --quiet")
+    final = checkpoint_dir(g / "runs" / run1["name"], 8)
+    final.mkdir(parents=True)
+    (final / "model.safetensors").write_bytes(b"")
+    assert task(1) == f"run {run1['name']} already finished"
+
+
+def test_run_grid_locally_skips_and_resumes(tmp_path, kjv_small):
+    data_cfg, _ = kjv_small
+    base = tiny_run_dict(tmp_path, data_cfg, steps=4, checkpoint_every=2)
+    base["name"] = "g"
+    g = tmp_path / "grid"
+    m = write_grid(base, ["optim.lr=1e-3,3e-3"], 0, g)
+    first = run_grid(g, progress=False)
+    assert [r["status"] for r in first] == ["trained", "trained"]
+    for r in m["runs"]:
+        assert [c.step for c in list_checkpoints(r["dir"])] == [2, 4]
+        assert yaml.safe_load((g / "runs" / r["name"] / "config.yaml").read_text())["name"] == r["name"]
+    # an interrupted run (last checkpoint lost) is resumed; a finished one is skipped
+    shutil.rmtree(checkpoint_dir(m["runs"][0]["dir"], 4))
+    again = run_grid(g, progress=False)
+    assert [r["status"] for r in again] == ["resumed", "skipped"]
+    assert [c.step for c in list_checkpoints(m["runs"][0]["dir"])] == [2, 4]
+    with pytest.raises(QuantdynError, match="did you mean"):
+        run_grid(g, only=["g-lr1e-4"], progress=False)
