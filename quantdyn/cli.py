@@ -240,6 +240,104 @@ def analyze(
     typer.echo(f"{len(rows)} analysis rows in {store}")
 
 
+# ----------------------------------------------------------- averaging
+average_app = typer.Typer(no_args_is_help=True, help="Weight averaging: LAWA over a run, model soups.")
+app.add_typer(average_app, name="average")
+
+
+@average_app.command("lawa")
+def average_lawa_cmd(
+    run_dir: Path = typer.Argument(..., help="Run directory whose checkpoints to average."),
+    window: int = typer.Option(..., "--window", help="K: checkpoints per average."),
+    every: int = typer.Option(..., "--every", help="P: steps between averaged checkpoints."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Default: RUN_DIR/averages/lawa-kK-pP-offline"),
+):
+    """Offline LAWA: at each step on the P grid, the mean of the last K checkpoints."""
+    from quantdyn.train.offline_averaging import average_lawa
+
+    paths = average_lawa(run_dir, window, every, out=out)
+    typer.echo(f"{len(paths)} LAWA checkpoints in {paths[0].parent if paths else out}")
+
+
+@average_app.command("soup")
+def average_soup_cmd(
+    checkpoints: List[str] = typer.Argument(..., help="Ingredient checkpoint directories."),
+    out: Path = typer.Option(..., "--out"),
+    greedy: bool = typer.Option(False, "--greedy", help="Add an ingredient only if held-out loss improves."),
+    weights: Optional[str] = typer.Option(None, "--weights", help="Comma-separated weights (uniform if omitted)."),
+):
+    """Model soup over checkpoints of different runs, seeds or branches."""
+    from quantdyn.train.offline_averaging import make_soup
+
+    w = None
+    if weights:
+        try:
+            w = [float(x) for x in weights.split(",")]
+        except ValueError:
+            raise QuantdynError(f"--weights '{weights}' must be numbers separated by commas") from None
+    path = make_soup(checkpoints, weights=w, greedy=greedy, out=out)
+    typer.echo(f"soup: {path}")
+
+
+@app.command()
+def interpolate(
+    a: Path = typer.Argument(..., help="Checkpoint at alpha = 0."),
+    b: Path = typer.Argument(..., help="Checkpoint at alpha = 1."),
+    steps: int = typer.Option(11, "--steps", help="Points on the alpha grid, endpoints included."),
+    quantizers: str = typer.Option("rtn4", "--quantizers"),
+    out: Optional[Path] = typer.Option(None, "--out"),
+    store: str = typer.Option("results", "--store"),
+    seq_len: int = typer.Option(128, "--seq-len", help="Tokens per calibration/evaluation window."),
+    eval_windows: int = typer.Option(200, "--eval-windows"),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Linear interpolation between two checkpoints: FP loss and Δ CE at each alpha."""
+    from quantdyn.results.store import ResultStore
+    from quantdyn.train.offline_averaging import interpolate_checkpoints
+
+    rows = interpolate_checkpoints(a, b, steps, quantizers=[q for q in quantizers.split(",") if q], out=out,
+                                   eval_seq_len=seq_len, calib_seq_len=seq_len, n_eval_windows=eval_windows)
+    st = ResultStore(store)
+    done = st.keys()
+    st.append([r for r in rows if r["key"] not in done])
+    if as_json:
+        _echo_json([{k: v for k, v in r.items() if k != "window_delta"} for r in rows])
+        return
+    for r in rows:
+        typer.echo(f"alpha {r['alpha']:.3f}  {r.get('quantizer', ''):<6} FP {r['ce_fp']:.4f}  "
+                   f"ΔCE {r['delta_ce']:+.4f} ± {r['delta_ce_se']:.4f}")
+
+
+@app.command()
+def grid(
+    config: Path = typer.Argument(..., help="Base run config YAML."),
+    vary: List[str] = typer.Option(..., "--vary", help="KEY=v1,v2,... (repeatable), e.g. optim.lr=1e-4,1e-3"),
+    seeds: int = typer.Option(0, "--seeds", help="Seeds per combination (0 = the config's seed only)."),
+    grid_dir: Optional[Path] = typer.Option(None, "--dir", help="Default: OUT_DIR/NAME-grid"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Show the expansion only."),
+    slurm: bool = typer.Option(False, "--slurm", help="Write grid.sbatch + torchrun commands instead of running."),
+    nproc: int = typer.Option(1, "--nproc-per-node"),
+    overrides: Optional[List[str]] = typer.Argument(None, help="key=value overrides of the base config"),
+    quiet: bool = typer.Option(False, "--quiet"),
+):
+    """Expand a grid of runs (e.g. LR x weight decay x seeds) and run it, or write cluster launch files."""
+    from quantdyn.config import apply_overrides, load_yaml
+    from quantdyn.study.grid import format_grid, grid_manifest, run_grid, write_grid, write_launch_scripts
+
+    base = apply_overrides(load_yaml(config), overrides or [])
+    gdir = grid_dir or Path(base.get("out_dir", "runs")) / f"{base.get('name', 'run')}-grid"
+    if dry_run:
+        typer.echo(format_grid(grid_manifest(base, vary, seeds, gdir)))
+        return
+    write_grid(base, vary, seeds, gdir)
+    if slurm:
+        sb, cmds = write_launch_scripts(gdir, nproc_per_node=nproc)
+        typer.echo(f"wrote {sb} (sbatch {sb}) and {cmds}")
+        return
+    for r in run_grid(gdir, progress=not quiet):
+        typer.echo(f"{r['name']}: {r['status']} ({r['dir']})")
+
+
 def main() -> None:
     import logging
 
