@@ -338,6 +338,28 @@ def grid(
         typer.echo(f"{r['name']}: {r['status']} ({r['dir']})")
 
 
+@app.command()
+def scaling(
+    store: str = typer.Argument("results", help="Results store with swept FP and QAT runs."),
+    by: str = typer.Option("optim.name", "--by", help="Group runs by this key (optim.name, or a row column)."),
+    all_checkpoints: bool = typer.Option(False, "--all-checkpoints", help="Every checkpoint, not only each run's last."),
+    bootstrap: int = typer.Option(200, "--bootstrap", help="Bootstrap resamples for intervals."),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Fit L(N, D) = A(ρN)^-α + B·D^-β + E per group for FP and QAT runs; rows go to the store."""
+    from quantdyn.study.scaling_study import fit_scaling
+
+    rows = fit_scaling(store, by, all_checkpoints, bootstrap)
+    if as_json:
+        _echo_json([{k: v for k, v in r.items() if k != "points"} for r in rows])
+        return
+    for r in rows:
+        rho = f"  ρ={r['rho']:.3f}" + (f" [{r.get('rho_lo', float('nan')):.3f}, {r.get('rho_hi', float('nan')):.3f}]"
+                                      if r["precision"] == "qat" else "")
+        typer.echo(f"{r['group']:<16} {r['precision']:<4} A={r['A']:.3g} α={r['alpha']:.3f} B={r['B']:.3g} "
+                   f"β={r['beta']:.3f} E={r['E']:.3f} ({r['n_points']} points){rho}")
+
+
 def main() -> None:
     import logging
 

@@ -188,3 +188,31 @@ def test_in_training_monitor_logs_delta_ce(tmp_path, kjv_small):
     d["monitor"]["quantizers"] = ["rtm4"]
     with pytest.raises(QuantdynError, match="did you mean"):
         from_dict(RunConfig, d)
+
+
+def test_qat_finetune_from_fp_and_sweep_qat_rows(tmp_path, kjv_small):
+    """QAT fine-tuning from an FP checkpoint: trains, saves plain-loadable weights, and the sweep
+    measures the deployed (W+A fake-quantized) model against its own FP weights."""
+    from quantdyn.results.store import ResultStore
+    from quantdyn.study.sweep import SweepConfig, run_sweep
+
+    data_cfg, _ = kjv_small
+    fp_run = train(_cfg(tmp_path, data_cfg, "fp", steps=8, checkpoint_every=8), progress=False)
+    d = tiny_run_dict(tmp_path, data_cfg, steps=6, checkpoint_every=6, eval_every=3)
+    d.update(name="qat", init_weights=str(fp_run / "checkpoints" / "step-0000008"),
+             qat={"method": "quest", "w_bits": 4, "a_bits": 4, "hadamard_block": 32}, optim={"name": "muon"})
+    run = train(from_dict(RunConfig, d), progress=False)
+    vals = [r["val_loss"] for r in read_metrics(run) if "val_loss" in r]
+    assert vals[-1] < vals[0]  # QAT fine-tuning improves the quantized model's loss
+    m = load_gpt(run / "checkpoints" / "step-0000006")  # plain GPT loads a QAT checkpoint
+    assert type(m.gpt_neox.layers[0].attention.dense) is torch.nn.Linear
+    cfg = from_dict(SweepConfig, {"trajectory": {"run": str(run)}, "quantizers": ["rtn4"],
+                                  "store": str(tmp_path / "st"),
+                                  "data": {"calib_samples": 4, "calib_seq_len": 32, "eval_windows": 8,
+                                           "eval_seq_len": 32}})
+    run_sweep(cfg, progress=False)
+    rows = ResultStore(tmp_path / "st").rows()
+    q = [r for r in rows if r["kind"] == "qat"]
+    assert len(q) == 1 and q[0]["quantizer"] == "qat-quest-w4a4" and q[0]["optimizer"] == "muon"
+    # the deployed QAT model is the one training validated: same windows, same loss
+    assert q[0]["ce_q"] == pytest.approx(vals[-1], abs=1e-4) and q[0]["n_params"] > 0

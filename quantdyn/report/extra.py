@@ -31,4 +31,22 @@ def sections(rows: list[dict], out: Path) -> list[tuple[str, str, list[dict], st
                 found.append(("Downstream accuracy drop against Δ CE", png.name, table,
                               "Accuracy of the quantized model minus the full-precision one, per task, against Δ CE "
                               "across checkpoints (paper A, Figure 4)."))
+    if len({r.get("optimizer") for r in rows if r.get("optimizer")}) > 1 or any(r.get("kind") == "qat" for r in rows):
+        from quantdyn.report.optimizers import optimizer_figure, optimizer_table
+
+        table = optimizer_table(rows)
+        png = out / "optimizers.png"
+        if table and optimizer_figure(table, png):
+            found.append(("Optimizers under quantization", png.name, table,
+                          "Per run's final checkpoint: FP loss, PTQ Δ CE per quantizer, the deployed QAT loss, "
+                          "outlier metrics (MMR, kurtosis) and the propagated error R_L (paper B)."))
+    if any(r.get("kind") == "scaling" for r in rows):
+        from quantdyn.report.optimizers import scaling_figure
+
+        png = out / "scaling.png"
+        table = scaling_figure(rows, png)
+        if table:
+            found.append(("Scaling laws per optimizer, full precision and QAT", png.name, table,
+                          "L(N, D) = A(ρN)^-α + B·D^-β + E fitted to FP points, then ρ alone to QAT points; ρ < 1 is "
+                          "the parameter efficiency lost under quantization (paper B)."))
     return found

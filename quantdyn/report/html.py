@@ -46,14 +46,6 @@ def resolve_input(store_or_run: str | Path, store: str | Path | None) -> tuple[R
     raise QuantdynError(f"'{p}' is neither a results store nor a run directory; pass one (default store: results)")
 
 
-def endpoint_summary(rows: list[dict]) -> list[dict]:
-    """Decayed endpoint vs control twin, per run and quantizer (paired over windows)."""
-    out = []
-    for run in sorted({r["run"] for r in rows}):
-        out += [{"run": run, **t} for t in figures.rainbow_table(rows, run)]
-    return out
-
-
 def write_report(store_or_run: str | Path, out_dir: str | Path, store: str | Path | None = None) -> Path:
     st, run_dir = resolve_input(store_or_run, store)
     rows = st.rows()
@@ -65,7 +57,7 @@ def write_report(store_or_run: str | Path, out_dir: str | Path, store: str | Pat
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sections = []
-    runs = sorted({r["run"] for r in rows})
+    runs = sorted({r["run"] for r in rows if r.get("kind") in ("fp", "ptq") and r.get("run")})
     for run in runs:
         rd = run_dir
         if rd is None:
@@ -84,11 +76,12 @@ def write_report(store_or_run: str | Path, out_dir: str | Path, store: str | Pat
                              "Each colour is a cooldown branch started from a stable-phase checkpoint; the dashed line "
                              "of the same colour is its control twin at constant LR for the same tokens. The table "
                              "gives the decayed endpoint minus its control, paired over windows, and z = difference/SE."))
-    f3 = out / "loss_vs_dce.png"
-    color_key = "run" if len(runs) > 1 else "branch"
-    t3 = figures.loss_vs_dce(rows, f3, color_key=color_key)
-    sections.append(("Δ CE against full-precision loss", f3.name, t3,
-                     f"One marker per {color_key}; lower-left is better."))
+    if any(r.get("kind") == "ptq" for r in rows):
+        f3 = out / "loss_vs_dce.png"
+        color_key = "run" if len(runs) > 1 else "branch"
+        t3 = figures.loss_vs_dce(rows, f3, color_key=color_key)
+        sections.append(("Δ CE against full-precision loss", f3.name, t3,
+                         f"One marker per {color_key}; lower-left is better."))
     for extra in _extra_sections(rows, out):
         sections.append(extra)
     parts = [f"<h2>{html.escape(t)}</h2><p>{html.escape(cap)}</p><img src='{img}' style='max-width:100%'>"
@@ -102,7 +95,8 @@ h2{{margin-top:2em;border-bottom:1px solid #ddd}}</style></head><body>
 {''.join(parts)}
 </body></html>"""
     (out / "index.html").write_text(page)
-    (out / "rows.json").write_text(json.dumps([{k: v for k, v in r.items() if k not in ("window_delta",)} for r in rows], default=str))
+    (out / "rows.json").write_text(json.dumps([{k: v for k, v in r.items() if k not in ("window_delta",)} for r in rows],
+                                              default=str))
     return out / "index.html"
 
 

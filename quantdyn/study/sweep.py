@@ -182,10 +182,24 @@ def provenance() -> dict:
 
 
 def point_fields(p: Point, ckpt_hash: str) -> dict:
+    conf = p.meta.get("config") or {}
+    qat = conf.get("qat") or None
     return {"run": p.run, "branch": p.branch, "ckpt_kind": p.kind, "checkpoint": p.ref, "checkpoint_hash": ckpt_hash,
             "step": p.step, "tokens": p.tokens, "lr": p.lr, "decaying": p.decaying,
             "peak_lr": p.meta.get("peak_lr"), "seed": p.meta.get("seed"),
-            "parent_step": (p.meta.get("parent") or {}).get("from_step")}
+            "parent_step": (p.meta.get("parent") or {}).get("from_step"),
+            "optimizer": (conf.get("optim") or {}).get("name"),
+            "weight_decay": (conf.get("optim") or {}).get("weight_decay"),
+            "qat": f"{qat['method']}-w{qat['w_bits']}a{qat.get('a_bits') or 0}" if qat else None}
+
+
+def n_params_of(model) -> int:
+    """Non-embedding parameter count (the N of scaling laws)."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if emb is None and hasattr(model, "gpt_neox"):
+        emb = model.gpt_neox.embed_in
+    total = sum(p.numel() for p in model.parameters())
+    return total - (emb.weight.numel() if emb is not None else 0)
 
 
 def _load(ref: str, device):
@@ -231,13 +245,17 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True)
         base = {**point_fields(p, h), "eval_hash": eval_hash, "calib_hash": calib_hash, "data_key": data.data_hash}
         fp_key = row_key(hp, "fp", eval_hash)
         q_keys = {label: row_key(hp, f"ptq:{config_hash(qc)}:{calib_hash}", eval_hash) for label, qc in qcfgs.items()}
+        qat_cfg = (p.meta.get("config") or {}).get("qat")
+        qat_key = row_key(hp, f"qat:{config_hash(qat_cfg)}", eval_hash) if qat_cfg else None
         a_keys = {a: row_key(hp, f"analysis:{a}:{config_hash(cfg.analysis_budget)}"
                              + (f":{prop_hash}" if a == "propagation" else ""), eval_hash) for a in cfg.analysis}
-        if fp_key in done and all(k in done for k in q_keys.values()) and all(k in done for k in a_keys.values()):
-            skipped += 1 + len(q_keys) + len(a_keys)
+        todo = [fp_key, *q_keys.values(), *a_keys.values(), *([qat_key] if qat_key else [])]
+        if all(k in done for k in todo):
+            skipped += len(todo)
             continue
         model = _load(p.ref, device)
         t_load = time.perf_counter() - t0
+        base["n_params"] = n_params_of(model)
         fp_ce = _fp_window_ce(model, eval_ids, h, eval_hash, cfg.batch_size)
         if fp_key not in done:
             from quantdyn.evaluate.quant_error import _se
@@ -246,6 +264,12 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True)
                            "n_windows": len(fp_ce), **provenance()}])
             written += 1
         else:
+            skipped += 1
+        if qat_key and qat_key not in done:
+            store.append([{"key": qat_key, "kind": "qat", **base, **qat_measure(model, qat_cfg, eval_ids, fp_ce, cfg),
+                           "t_load": t_load, **provenance()}])
+            written += 1
+        elif qat_key:
             skipped += 1
         for label, key in q_keys.items():
             if key in done:
@@ -313,3 +337,17 @@ def quantize_and_measure(model, qc, calib_ids, eval_ids, fp_ce, cfg: SweepConfig
         "t_quantize": t_q,
         "t_eval": t_e,
     }
+
+
+def qat_measure(model, qat_cfg: dict, eval_ids, fp_ce, cfg: SweepConfig) -> dict:
+    """A QAT checkpoint in its deployed (W+A fake-quantized) form against its own FP weights."""
+    from quantdyn.evaluate.quant_error import compare_models
+    from quantdyn.quantize.qat import QATConfig, fake_quant_forward
+
+    qc = from_dict(QATConfig, qat_cfg)
+    q = copy.deepcopy(model)
+    with fake_quant_forward(q, qc):
+        m = compare_models(model, q, eval_ids, fp_window_ce=fp_ce, batch_size=cfg.batch_size)
+    label = f"qat-{qc.method}-w{qc.w_bits}a{qc.a_bits or 0}"
+    return {"quantizer": label, "method": f"qat-{qc.method}", "bits": qc.w_bits, "a_bits": qc.a_bits or 0,
+            "quant_config": to_dict(qc), **m}

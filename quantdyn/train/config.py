@@ -8,6 +8,7 @@ from quantdyn.config import from_dict
 from quantdyn.data.prepare import DataConfig
 from quantdyn.errors import QuantdynError
 from quantdyn.models.gpt import ModelConfig
+from quantdyn.quantize.qat import QATConfig
 from quantdyn.train.optimizers import OptimConfig
 from quantdyn.train.schedules import ScheduleConfig
 
@@ -117,6 +118,11 @@ class RunConfig:
     train: LoopConfig = field(default_factory=LoopConfig)
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    qat: QATConfig | None = None
+    """Quantization-aware training (paper B: QuEST W4A4): fake-quantize every block linear's weights
+    and inputs in the forward pass; None = full-precision training."""
+    init_weights: str = ""
+    """Start from this checkpoint's weights (fresh optimizer, step 0) — e.g. QAT fine-tuning of an FP model."""
 
     def __post_init__(self):
         if not self.name or "/" in self.name:

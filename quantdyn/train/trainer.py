@@ -152,6 +152,12 @@ def train(
 
     seed_everything(cfg.seed)
     model = GPT(mcfg).to(device)
+    if cfg.init_weights and resume is None and init_from is None:
+        _load_weights(model, cfg.init_weights, device)
+    if cfg.qat is not None:
+        from quantdyn.quantize.qat import prepare_qat
+
+        prepare_qat(model, cfg.qat)  # same parameter names: checkpoints load into a plain GPT
     optimizer = build_optimizer(model, cfg.optim)
     start_step = 0
     lawa = OnlineLAWA(cfg.averaging.lawa_window, cfg.averaging.lawa_every) if cfg.averaging.lawa_window else None
@@ -343,6 +349,17 @@ def train(
             break
     bar.close()
     return run_dir
+
+
+def _load_weights(model: GPT, path: str, device) -> None:
+    from quantdyn.models.hf_io import load_gpt
+
+    src = load_gpt(path, device)
+    if src.config.shape() != model.config.shape():
+        raise QuantdynError(
+            f"init_weights '{path}' has a different model shape than the config; use a checkpoint of the same model"
+        )
+    model.load_state_dict(src.state_dict())
 
 
 def _save_online_averages(run_dir, step, model, lawa, ema, meta_for, lr, data) -> None:
