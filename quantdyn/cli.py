@@ -204,6 +204,15 @@ def report(
 
 
 @app.command()
+def study(spec: Path = typer.Argument(..., help="Study spec YAML (see configs/kjv_cooldown_study.yaml)."),
+          quiet: bool = typer.Option(False, "--quiet")):
+    """A cooldown study: train (seeds), cooldowns + controls, sweep, report, endpoint-vs-control summary."""
+    from quantdyn.study.demo import load_study_spec, run_study
+
+    run_study(load_study_spec(spec), progress=not quiet, echo=typer.echo)
+
+
+@app.command()
 def demo(quiet: bool = typer.Option(False, "--quiet")):
     """The embedded default study: train, cooldowns + controls, sweep, report, summary."""
     from quantdyn.study.demo import run_demo

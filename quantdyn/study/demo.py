@@ -1,68 +1,117 @@
-"""`quantdyn demo`: the embedded default study, end to end on a CPU.
+"""Cooldown studies end to end: `quantdyn demo` (the embedded default) and
+`quantdyn study SPEC.yaml` (the same pipeline for any spec, with seeds).
 
-train (WSD) -> cooldown branches + constant-LR controls -> sweep GPTQ/RTN over
-every checkpoint -> HTML report -> a summary of each decayed endpoint against
-its control twin with its paired uncertainty.  Every stage resumes: rerunning
-the demo skips what is done.
+train (WSD) -> cooldown branches + constant-LR controls -> sweep quantizers
+over every checkpoint -> HTML report -> a summary of each decayed endpoint
+against its control twin with its paired uncertainty.  Every stage resumes:
+rerunning skips what is done.
+
+Spec layout (see quantdyn/study/demo.yaml and configs/kjv_cooldown_study.yaml):
+  run:        a RunConfig
+  seeds:      optional list of seeds; run i is named NAME-sSEED
+  cooldowns:  {from_steps: [...], decay_steps: D, shape: linear, control: true}
+  sweep:      SweepConfig fields except trajectory
+  report:     output directory of the HTML report
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 
 import yaml
 
-from quantdyn.config import from_dict
+from quantdyn.config import from_dict, load_yaml
+from quantdyn.errors import QuantdynError
 from quantdyn.train.config import RunConfig
+
+SPEC_KEYS = {"run", "seeds", "cooldowns", "sweep", "report"}
 
 
 def demo_spec() -> dict:
     return yaml.safe_load(resources.files("quantdyn.study").joinpath("demo.yaml").read_text())
 
 
-def run_demo(progress: bool = True, echo=print) -> dict:
-    from quantdyn.report.html import write_report
+def load_study_spec(path: str | Path) -> dict:
+    spec = load_yaml(path)
+    unknown = set(spec) - SPEC_KEYS
+    if unknown:
+        from quantdyn.errors import did_you_mean
+
+        k = sorted(unknown)[0]
+        raise QuantdynError(f"unknown study key '{k}'{did_you_mean(k, SPEC_KEYS)}; valid: {', '.join(sorted(SPEC_KEYS))}")
+    if "run" not in spec:
+        raise QuantdynError(f"study spec '{path}' has no 'run' section (a run config)")
+    return spec
+
+
+def run_study(spec: dict, progress: bool = True, echo=print) -> dict:
     from quantdyn.report.figures import rainbow_table
+    from quantdyn.report.html import write_report
     from quantdyn.results.store import ResultStore
     from quantdyn.study.sweep import SweepConfig, run_sweep
     from quantdyn.train.branches import cooldown
     from quantdyn.train.checkpoint import latest_resumable, list_checkpoints
     from quantdyn.train.trainer import read_metrics, train
 
-    spec = demo_spec()
-    cfg = from_dict(RunConfig, spec["run"])
-    run_dir = Path(cfg.out_dir) / cfg.name
-    done = [c for c in list_checkpoints(run_dir) if c.step >= cfg.train.steps]
-    if not done:
-        partial = latest_resumable(run_dir)
-        echo(f"[1/4] training {cfg.name} ({cfg.train.steps} steps, WSD)" + (f", resuming at {partial.step}" if partial else ""))
-        train(cfg, run_dir, resume=partial, progress=progress)
-    cd = spec["cooldowns"]
-    echo(f"[2/4] cooldown branches from steps {cd['from_steps']} (+{cd['decay_steps']} steps) with controls")
-    for s in cd["from_steps"]:
-        cooldown(run_dir, s, [cd["decay_steps"]], cd["shape"], cd["control"], progress=progress)
-    echo("[3/4] sweeping quantizers over every checkpoint")
-    sw = from_dict(SweepConfig, {**spec["sweep"], "trajectory": {"run": str(run_dir)}})
-    counts = run_sweep(sw, progress=progress)
+    base = from_dict(RunConfig, spec["run"])
+    seeds = spec.get("seeds") or [None]
+    cfgs = [base if s is None else replace(base, seed=int(s), name=f"{base.name}-s{s}") for s in seeds]
+    sw_spec = dict(spec.get("sweep") or {})
+    cd = spec.get("cooldowns") or {}
+    # fail on a bad sweep spec (unknown quantizer, bad key) before any training
+    from_dict(SweepConfig, {**sw_spec, "trajectory": {"run": "x"}})
+    from quantdyn.quantize.config import parse_quantizer
+
+    for q in sw_spec.get("quantizers", ()):
+        parse_quantizer(q)
+    summary = []
+    store = sw_spec.get("store", "results")
+    for cfg in cfgs:
+        run_dir = Path(cfg.out_dir) / cfg.name
+        if not [c for c in list_checkpoints(run_dir) if c.step >= cfg.train.steps]:
+            partial = latest_resumable(run_dir)
+            echo(f"[1/4] training {cfg.name} ({cfg.train.steps} steps, {cfg.schedule.name})"
+                 + (f", resuming at step {partial.step}" if partial else ""))
+            train(cfg, run_dir, resume=partial, progress=progress)
+        if cd:
+            echo(f"[2/4] {cfg.name}: cooldowns from steps {cd['from_steps']} (+{cd['decay_steps']} steps)"
+                 + (" with constant-LR controls" if cd.get("control") else ""))
+            for s in cd["from_steps"]:
+                cooldown(run_dir, s, [cd["decay_steps"]], cd.get("shape", "linear"), cd.get("control", False),
+                         progress=progress)
+        echo(f"[3/4] {cfg.name}: sweeping {', '.join(sw_spec.get('quantizers', []))} over every checkpoint")
+        counts = run_sweep(from_dict(SweepConfig, {**sw_spec, "trajectory": {"run": str(run_dir)}}), progress=progress)
+        vals = [r["val_loss"] for r in read_metrics(run_dir) if "val_loss" in r]
+        summary.append({"run_dir": run_dir, "cfg": cfg, "counts": counts, "val": (vals[0], vals[-1]) if vals else None})
     echo("[4/4] writing the report")
-    page = write_report(run_dir, spec["report"], store=sw.store)
-    rows = ResultStore(sw.store).rows()
-    prefix = str(run_dir.resolve())
-    rows = [r for r in rows if str(Path(r["checkpoint"]).resolve()).startswith(prefix)]
-    table = rainbow_table(rows, cfg.name)
-    vals = [r["val_loss"] for r in read_metrics(run_dir) if "val_loss" in r]
+    out = Path(spec.get("report", "report"))
+    page = write_report(store, out)
+    rows = ResultStore(store).rows()
+    tables = []
     echo("")
-    echo(f"run directory: {run_dir}")
-    echo(f"validation loss: {vals[0]:.3f} -> {vals[-1]:.3f} over {cfg.train.steps} steps")
-    echo(f"results store:  {sw.store} ({len(rows)} rows for this run; {counts['written']} new)")
-    echo(f"report:         {page}")
+    for s in summary:
+        prefix = str(s["run_dir"].resolve())
+        mine = [r for r in rows if str(Path(r["checkpoint"]).resolve()).startswith(prefix)]
+        table = rainbow_table(mine, s["cfg"].name)
+        tables += [{"run": s["cfg"].name, **t} for t in table]
+        echo(f"run directory: {s['run_dir']}")
+        if s["val"]:
+            echo(f"  validation loss: {s['val'][0]:.3f} -> {s['val'][1]:.3f} over {s['cfg'].train.steps} steps")
+        echo(f"  result rows: {len(mine)} ({s['counts']['written']} new)")
+    echo(f"results store: {store}")
+    echo(f"report:        {page}")
     echo("")
     echo("Decayed endpoint minus its constant-LR control (same tokens, paired over eval windows):")
-    echo(f"  {'quantizer':<9} {'branch':<24} {'ΔCE decayed':>12} {'ΔCE control':>12} {'difference':>18}  verdict")
-    for t in table:
+    echo(f"  {'run':<12} {'quantizer':<9} {'branch':<24} {'ΔCE decayed':>12} {'ΔCE control':>12} {'difference':>20}  verdict")
+    for t in tables:
         z = t["z"]
         verdict = ("decay raises the error" if z > 2 else "decay lowers the error" if z < -2
                    else "within uncertainty (|z| <= 2)")
-        echo(f"  {t['quantizer']:<9} {t['branch']:<24} {t['delta_ce_decayed']:>12.4f} {t['delta_ce_control']:>12.4f} "
-             f"{t['difference']:>+9.4f} ± {t['difference_se']:.4f}  {verdict}")
-    return {"run_dir": run_dir, "report": page, "table": table}
+        echo(f"  {t['run']:<12} {t['quantizer']:<9} {t['branch']:<24} {t['delta_ce_decayed']:>12.4f} "
+             f"{t['delta_ce_control']:>12.4f} {t['difference']:>+10.4f} ± {t['difference_se']:.4f}  {verdict}")
+    return {"report": page, "table": tables, "runs": [s["run_dir"] for s in summary]}
+
+
+def run_demo(progress: bool = True, echo=print) -> dict:
+    return run_study(demo_spec(), progress=progress, echo=echo)
