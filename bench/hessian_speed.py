@@ -10,9 +10,10 @@ next-token CE, all parameters.  Compared in the same run against
   * a naive loop: ``torch.autograd.functional.hvp`` on
     ``torch.func.functional_call`` (forward + double backward every call).
 
-Ratios are (other seconds) / (quantdyn seconds): > 1 means quantdyn is faster.
+Ratios are (other seconds) / (quantdyn seconds), medians over interleaved
+rounds, in wall and CPU time: > 1 means quantdyn is faster.
 
-    .venv/bin/python bench/hessian_speed.py [--batch 4] [--seq 128] [--reps 5] [--probes 10]
+    .venv/bin/python bench/hessian_speed.py [--batch 4] [--seq 128] [--reps 3] [--probes 3] [--threads 0]
 """
 from __future__ import annotations
 
@@ -31,23 +32,32 @@ from quantdyn.analysis.hessian import hutchinson_trace, hvp_from_loss, next_toke
 from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config
 
 
-def _interleaved(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:
-    """Seconds per call of each fn, calls alternated so that load from other
-    processes on a shared machine hits every method alike; one warm-up each."""
+def _interleaved(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, list[tuple[float, float]]]:
+    """(wall, CPU) seconds per call of each fn.  Calls alternate, so load from
+    other processes on a shared machine hits every method alike; CPU time
+    (``time.process_time``, all threads) is the steadier number there.  One
+    warm-up call each."""
     for fn in fns.values():
         fn()
-    out: dict[str, list[float]] = {k: [] for k in fns}
+    out: dict[str, list[tuple[float, float]]] = {k: [] for k in fns}
     for _ in range(reps):
         for k, fn in fns.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
-            out[k].append(time.perf_counter() - t0)
+            out[k].append((time.perf_counter() - t0, time.process_time() - c0))
     return out
 
 
-def _ratio(times: dict[str, list[float]], other: str, ours: str) -> str:
-    """Median over rounds of the per-round ratio other/ours."""
-    return f"{statistics.median(o / q for o, q in zip(times[other], times[ours])):.2f}x"
+def _med(times: dict[str, list[tuple[float, float]]], k: str) -> str:
+    return (f"{statistics.median(w for w, _ in times[k]):.3f} s wall / "
+            f"{statistics.median(c for _, c in times[k]):.3f} s CPU")
+
+
+def _ratio(times: dict[str, list[tuple[float, float]]], other: str, ours: str) -> str:
+    """Median over rounds of the per-round ratio other/ours, wall and CPU."""
+    w = statistics.median(o[0] / q[0] for o, q in zip(times[other], times[ours]))
+    c = statistics.median(o[1] / q[1] for o, q in zip(times[other], times[ours]))
+    return f"{w:.2f}x wall, {c:.2f}x CPU"
 
 
 class _FlatLogits(nn.Module):
@@ -66,10 +76,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=5, help="timed HVPs per method")
-    ap.add_argument("--probes", type=int, default=5, help="probes per timed trace estimate")
+    ap.add_argument("--reps", type=int, default=3, help="timed HVPs per method (rounds, interleaved)")
+    ap.add_argument("--probes", type=int, default=3, help="probes per timed trace estimate")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     torch.manual_seed(args.seed)
     model = GPT(resolve_model_config(ModelConfig(preset="pythia-14m"))).eval()
@@ -111,27 +124,7 @@ def main() -> None:
         # tol=-inf: PyHessian's relative test divides by (trace + 1e-6) and stops
         # at once when the running trace is negative; -inf forces all probes
         traces["pyhessian"] = lambda: ph.trace(maxIter=args.probes, tol=float("-inf"))
-    t_hvp = _interleaved(fast, args.reps)
-    t_tr = _interleaved(traces, max(1, args.reps // 2))
-    med = {k: statistics.median(t) for k, t in t_hvp.items()}
-    med_tr = {k: statistics.median(t) for k, t in t_tr.items()}
-    tr = hutchinson_trace(hvp, params, max_probes=args.probes, tol=0.0, min_probes=2, seed=0)
-    print(f"quantdyn  graph build {build:.3f} s | HVP {med['quantdyn']:.3f} s | trace ({args.probes} probes) "
-          f"{med_tr['quantdyn']:.2f} s = {tr['trace']:.4g} ± {tr['se']:.2g}")
-    if PyHessian is not None:
-        ph_tr = ph.trace(maxIter=args.probes, tol=float("-inf"))
-        print(f"pyhessian graph build {ph_build:.3f} s | HVP {med['pyhessian']:.3f} s | trace ({args.probes} probes) "
-              f"{med_tr['pyhessian']:.2f} s = {sum(ph_tr) / len(ph_tr):.4g}")
-        print(f"ratio pyhessian/quantdyn: HVP {_ratio(t_hvp, 'pyhessian', 'quantdyn')}, "
-              f"trace {_ratio(t_tr, 'pyhessian', 'quantdyn')}, graph build {ph_build / build:.2f}x; "
-              f"HVP max rel diff {_rel(hv_ph, hv_ours):.1e}")
-        model.zero_grad(set_to_none=True)  # PyHessian leaves graph-holding .grad behind
-        del ph
-    else:
-        print("pyhessian not installed (pip install pyhessian); skipped")
-    del hvp
-
-    # --- per-call HVPs: quantdyn recompute mode vs naive torch.autograd.functional.hvp
+    # per-call HVPs (forward + 2 backward each): quantdyn recompute mode, naive functional hvp
     names = [n for n, _ in model.named_parameters()]
 
     def f(*flat):
@@ -142,16 +135,27 @@ def main() -> None:
     primals = tuple(p.detach() for p in params)
     hvp_rc, _ = hvp_from_loss(loss, params, reuse_graph=False)
     hv_naive = torch.autograd.functional.hvp(f, primals, tuple(v))[1]
-    slow = {
-        "quantdyn_recompute": lambda: hvp_rc(v),
-        "naive": lambda: torch.autograd.functional.hvp(f, primals, tuple(v)),
-    }
-    t_slow = _interleaved(slow, max(1, args.reps // 2))
-    print(f"per-call HVP (forward + 2 backward each): quantdyn recompute "
-          f"{statistics.median(t_slow['quantdyn_recompute']):.3f} s, naive autograd.functional.hvp "
-          f"{statistics.median(t_slow['naive']):.3f} s")
-    print(f"ratio naive/quantdyn: vs reuse_graph HVP {statistics.median(t_slow['naive']) / med['quantdyn']:.2f}x, "
-          f"vs recompute {_ratio(t_slow, 'naive', 'quantdyn_recompute')}; HVP max rel diff {_rel(hv_naive, hv_ours):.1e}")
+    fast["quantdyn_recompute"] = lambda: hvp_rc(v)
+    fast["naive"] = lambda: torch.autograd.functional.hvp(f, primals, tuple(v))
+    t_hvp = _interleaved(fast, args.reps)
+    t_tr = _interleaved(traces, max(1, args.reps // 2))
+    tr = hutchinson_trace(hvp, params, max_probes=args.probes, tol=0.0, min_probes=2, seed=0)
+    print(f"quantdyn  graph build {build:.3f} s | HVP {_med(t_hvp, 'quantdyn')} | trace ({args.probes} probes) "
+          f"{_med(t_tr, 'quantdyn')} = {tr['trace']:.4g} ± {tr['se']:.2g}")
+    if PyHessian is not None:
+        ph_tr = ph.trace(maxIter=args.probes, tol=float("-inf"))
+        print(f"pyhessian graph build {ph_build:.3f} s | HVP {_med(t_hvp, 'pyhessian')} | trace ({args.probes} probes) "
+              f"{_med(t_tr, 'pyhessian')} = {sum(ph_tr) / len(ph_tr):.4g}")
+        print(f"ratio pyhessian/quantdyn: HVP {_ratio(t_hvp, 'pyhessian', 'quantdyn')}; "
+              f"trace {_ratio(t_tr, 'pyhessian', 'quantdyn')}; graph build {ph_build / build:.2f}x wall; "
+              f"HVP max rel diff {_rel(hv_ph, hv_ours):.1e}")
+        model.zero_grad(set_to_none=True)  # PyHessian leaves graph-holding .grad behind
+    else:
+        print("pyhessian not installed (pip install pyhessian); skipped")
+    print(f"per-call HVP (no graph reuse): quantdyn recompute {_med(t_hvp, 'quantdyn_recompute')}, "
+          f"naive autograd.functional.hvp {_med(t_hvp, 'naive')}")
+    print(f"ratio naive/quantdyn: vs reuse_graph HVP {_ratio(t_hvp, 'naive', 'quantdyn')}; "
+          f"vs recompute {_ratio(t_hvp, 'naive', 'quantdyn_recompute')}; HVP max rel diff {_rel(hv_naive, hv_ours):.1e}")
 
 
 def _rel(a, b) -> float:

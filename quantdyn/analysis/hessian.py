@@ -117,7 +117,7 @@ class HessianConfig:
 
 
 def _dot(a: Tensors, b: Tensors) -> float:
-    return float(sum((x.double() * y.double()).sum() for x, y in zip(a, b)))
+    return float(sum((x * y).sum(dtype=torch.float64) for x, y in zip(a, b)))
 
 
 def _norm(a: Tensors) -> float:
@@ -190,7 +190,7 @@ def hutchinson_trace(
     for i in range(max_probes):
         v = _rademacher(params, gen)
         hv = hvp_fn(v)
-        per_param = [float((a.double() * b.double()).sum()) for a, b in zip(v, hv)]
+        per_param = [float((a * b).sum(dtype=torch.float64)) for a, b in zip(v, hv)]
         samples.append(sum(per_param))
         for gi, idx in enumerate(groups or []):
             group_samples[gi].append(sum(per_param[j] for j in idx))
@@ -378,14 +378,13 @@ def hvp_from_loss(
 
         def hvp(vs: Tensors) -> Tensors:
             stats["hvp_calls"] += 1
-            out = [torch.zeros_like(p) for p in params]
-            if live:
-                hv = torch.autograd.grad(
-                    [grads[i] for i in live], params, grad_outputs=[vs[i] for i in live],
-                    retain_graph=True, allow_unused=True,
-                )
-                out = [o if h is None else h.detach() for o, h in zip(out, hv)]
-            return out
+            if not live:
+                return [torch.zeros_like(p) for p in params]
+            hv = torch.autograd.grad(
+                [grads[i] for i in live], params, grad_outputs=[vs[i] for i in live],
+                retain_graph=True, allow_unused=True,
+            )
+            return [torch.zeros_like(p) if h is None else h.detach() for h, p in zip(hv, params)]
 
         return hvp, stats
 
