@@ -119,7 +119,7 @@ def _move(modules: list[nn.Module], device: torch.device | None) -> None:
             m.to(device)
 
 
-def _capture_block0(model, blocks, pre, calib_ids, device, batch_size):
+def _capture_block0(model, blocks, calib_ids, device, batch_size):
     """[(hidden, other_args, kwargs)] per calibration batch, on the compute device."""
     captured: list[tuple[torch.Tensor, tuple, dict]] = []
 
@@ -244,7 +244,7 @@ def quantize_model(
         pre = adapter.get_pre_block(model)
         _move(pre, dev if move else None)
         try:
-            inputs = _capture_block0(model, blocks, pre, calib_ids, dev, batch_size)
+            inputs = _capture_block0(model, blocks, calib_ids, dev, batch_size)
         finally:
             _move(pre, home if move else None)
         need_abs = cfg.method == "awq"
