@@ -77,16 +77,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"threads {torch.get_num_threads()}, pythia-14m shape, batch {args.batch} x {args.seq}, "
           f"{args.steps} timed steps after {args.warmup} warmup")
     for device in args.devices.split(","):
-        res = [time_optimizer(n, device, args.steps, args.warmup, args.batch, args.seq) for n in names]
-        base = res[0]
         print(f"\n[{device}]  {'optimizer':<20}{'step s':>9}{'x AdamW':>9}{'opt.step s':>12}{'x AdamW':>9}"
-              f"{'max opt s':>11}")
-        for r in res:
+              f"{'max opt s':>11}", flush=True)
+        base = None
+        for n in names:
+            r = time_optimizer(n, device, args.steps, args.warmup, args.batch, args.seq)
+            base = base or r
+            rows.append(r)
             r["step_ratio"] = r["step_s"] / base["step_s"]
             r["opt_step_ratio"] = r["opt_step_s"] / base["opt_step_s"]
             print(f"[{device}]  {r['optimizer']:<20}{r['step_s']:>9.4f}{r['step_ratio']:>9.2f}"
-                  f"{r['opt_step_s']:>12.4f}{r['opt_step_ratio']:>9.2f}{r['max_opt_step_s']:>11.4f}")
-        rows += res
+                  f"{r['opt_step_s']:>12.4f}{r['opt_step_ratio']:>9.2f}{r['max_opt_step_s']:>11.4f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

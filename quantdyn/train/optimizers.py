@@ -90,11 +90,12 @@ Gradient clipping is not done here (the trainer does it).
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -207,8 +208,9 @@ class OptimConfig:
 class OptimizerSpec:
     """How to build one registered optimizer."""
 
-    cls: type
-    """Optimizer class; its constructor signature defines the valid ``extra`` keys."""
+    load: Callable[[], type]
+    """Returns the optimizer class (imported lazily: pytorch_optimizer takes seconds to
+    import); its constructor signature defines the valid ``extra`` keys."""
     matrix: bool
     """True: runs on hidden 2-D weights only; 'main' rows of other groups get AdamW."""
     defaults: Mapping[str, Any]
@@ -223,6 +225,10 @@ class OptimizerSpec:
     """The class refuses tensors that are not 2-D (torch.optim.Muon)."""
     needs_opt_einsum: bool = False
     """Multi-operand einsums (PSGD-Kron) need opt_einsum for a sane contraction order."""
+
+    @property
+    def cls(self) -> type:
+        return self.load()
 
     def extra_keys(self) -> set[str]:
         taken = {"self", "params", "lr", "weight_decay", "kwargs", "args"}
@@ -259,7 +265,8 @@ OPTIMIZERS: Registry[OptimizerSpec] = Registry("optimizer")
 # plain tensors by state_dict() so checkpoints load with torch.load(weights_only=True).
 
 
-def _shampoo_classes():
+@functools.lru_cache(maxsize=None)
+def _shampoo_class() -> type:
     from pytorch_optimizer.optimizer.shampoo import ScalableShampoo
     from pytorch_optimizer.optimizer.utils.graft import LayerWiseGrafting, RMSPropGraft
     from pytorch_optimizer.optimizer.utils.preconditioner import PreConditioner
@@ -346,44 +353,49 @@ def _shampoo_classes():
     return ShampooAdamGraft
 
 
-def _register_builtins() -> None:
-    import pytorch_optimizer as po
-    from pytorch_optimizer.optimizer.scion import LMONorm
+def _po(name: str) -> Callable[[], type]:
+    def load() -> type:
+        import pytorch_optimizer
 
-    OPTIMIZERS.add("adamw", OptimizerSpec(torch.optim.AdamW, matrix=False, defaults={}, from_config=("betas", "eps")))
+        return getattr(pytorch_optimizer, name)
+
+    return load
+
+
+def _register_builtins() -> None:
+    OPTIMIZERS.add("adamw", OptimizerSpec(lambda: torch.optim.AdamW, matrix=False, defaults={}, from_config=("betas", "eps")))
     OPTIMIZERS.add("muon", OptimizerSpec(
-        torch.optim.Muon, matrix=True, two_d_only=True,
+        lambda: torch.optim.Muon, matrix=True, two_d_only=True,
         defaults=dict(momentum=0.95, nesterov=True, ns_steps=5, adjust_lr_fn="match_rms_adamw"),
     ))
     OPTIMIZERS.add("scion", OptimizerSpec(
-        po.SCION, matrix=True, lr_scale=1.0 / 12.0,
-        defaults=dict(momentum=0.1, norm_type=int(LMONorm.SPECTRAL), norm_kwargs={}, scale=50.0,
+        _po("SCION"), matrix=True, lr_scale=1.0 / 12.0,
+        defaults=dict(momentum=0.1, norm_type=2, norm_kwargs={}, scale=50.0,  # 2 = LMONorm.SPECTRAL
                       constraint=False, weight_decouple=True),
     ))
     OPTIMIZERS.add("soap", OptimizerSpec(
-        po.SOAP, matrix=True, from_config=("betas", "eps"),
+        _po("SOAP"), matrix=True, from_config=("betas", "eps"),
         defaults=dict(precondition_frequency=10, max_precondition_dim=10000, precondition_1d=False),
     ))
     OPTIMIZERS.add("shampoo", OptimizerSpec(
-        _shampoo_classes(), matrix=True, from_config=("betas", "eps"), config_kwarg={"eps": "diagonal_eps"},
+        _shampoo_class, matrix=True, from_config=("betas", "eps"), config_kwarg={"eps": "diagonal_eps"},
         defaults=dict(preconditioning_compute_steps=20, start_preconditioning_step=21, statistics_compute_steps=1,
                       block_size=512, moving_average_for_momentum=True, decoupled_weight_decay=True,
                       nesterov=False, matrix_eps=1e-6),
     ))
     OPTIMIZERS.add("kron", OptimizerSpec(
-        po.Kron, matrix=True, lr_scale=1.0 / 3.0, needs_opt_einsum=True,
+        _po("Kron"), matrix=True, lr_scale=1.0 / 3.0, needs_opt_einsum=True,
         defaults=dict(momentum=0.9, weight_decouple=True, max_size_triangular=8192),
     ))
     OPTIMIZERS.add("lion", OptimizerSpec(
-        po.Lion, matrix=False, lr_scale=0.1, defaults=dict(betas=(0.9, 0.99), weight_decouple=True),
+        _po("Lion"), matrix=False, lr_scale=0.1, defaults=dict(betas=(0.9, 0.99), weight_decouple=True),
     ))
     OPTIMIZERS.add("schedulefree_adamw", OptimizerSpec(
-        po.ScheduleFreeAdamW, matrix=False, from_config=("betas", "eps"), defaults=dict(warmup_steps=0),
+        _po("ScheduleFreeAdamW"), matrix=False, from_config=("betas", "eps"), defaults=dict(warmup_steps=0),
     ))
 
 
-# Registration needs pytorch_optimizer's classes; doing it here has no side effect
-# beyond filling this module's own registry (STYLE lesson 8 is about global state).
+# Fills this module's own registry; classes are imported only when used.
 _register_builtins()
 
 
