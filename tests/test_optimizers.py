@@ -233,3 +233,17 @@ def test_schedulefree_train_eval_modes():
     optimizer_eval_mode(opt2)
     optimizer_train_mode(opt2)
     assert all(torch.equal(a, b) for a, b in zip(before, m2.parameters()))
+
+
+def test_combined_param_groups_stay_live_after_load_state_dict():
+    """Setting group['lr'] through the combined optimizer must reach the inner ones after a resume."""
+    model = tiny_gpt()
+    opt = build_optimizer(model, OptimConfig(name="muon"))
+    state = opt.state_dict()
+    opt2 = build_optimizer(tiny_gpt(), OptimConfig(name="muon"))
+    opt2.load_state_dict(state)
+    inner = [g for o in opt2.optimizers.values() for g in o.param_groups]
+    assert len(opt2.param_groups) == len(inner) and all(a is b for a, b in zip(opt2.param_groups, inner))
+    for g in opt2.param_groups:
+        g["lr"] = 0.123
+    assert all(g["lr"] == 0.123 for g in inner)

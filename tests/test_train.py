@@ -216,3 +216,20 @@ def test_qat_finetune_from_fp_and_sweep_qat_rows(tmp_path, kjv_small):
     assert len(q) == 1 and q[0]["quantizer"] == "qat-quest-w4a4" and q[0]["optimizer"] == "muon"
     # the deployed QAT model is the one training validated: same windows, same loss
     assert q[0]["ce_q"] == pytest.approx(vals[-1], abs=1e-4) and q[0]["n_params"] > 0
+
+
+@pytest.mark.parametrize("optim", ["schedulefree_adamw", "kron"])
+def test_exact_resume_stateful_optimizers(tmp_path, kjv_small, optim):
+    """Schedule-free (train/eval points) and Kron (global numpy RNG) resume exactly too."""
+    data_cfg, _ = kjv_small
+    def cfg(name):
+        d = tiny_run_dict(tmp_path, data_cfg, steps=8, checkpoint_every=4)
+        d.update(name=name, optim={"name": optim})
+        return from_dict(RunConfig, d)
+    full = train(cfg("full"), progress=False)
+    part = train(cfg("part"), progress=False, stop_after=4)
+    train(cfg("part"), part, resume=latest_resumable(part), progress=False)
+    assert _losses(part) == _losses(full)
+    a, b = load_gpt(full / "checkpoints" / "step-0000008"), load_gpt(part / "checkpoints" / "step-0000008")
+    for (k, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y), k

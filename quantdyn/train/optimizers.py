@@ -535,6 +535,9 @@ class CombinedOptimizer(torch.optim.Optimizer):
             )
         for k, o in self.optimizers.items():
             o.load_state_dict(saved[k])
+        # torch's load_state_dict replaces each inner optimizer's group dicts with new ones: point ours at
+        # them again, or LR schedules set through ``param_groups`` would silently stop reaching the optimizer
+        self.param_groups = [g for o in self.optimizers.values() for g in o.param_groups]
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{k}={type(o).__name__}" for k, o in self.optimizers.items())

@@ -35,7 +35,7 @@ from quantdyn.train.checkpoint import (
     save_checkpoint,
 )
 from quantdyn.train.config import RunConfig
-from quantdyn.train.optimizers import build_optimizer
+from quantdyn.train.optimizers import build_optimizer, optimizer_eval_mode, optimizer_train_mode
 from quantdyn.train.schedules import lr_at
 
 
@@ -67,6 +67,17 @@ def get_batch(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[tor
     rows = np.stack([np.asarray(tokens[s : s + seq_len + 1], dtype=np.int64) for s in starts])
     t = torch.from_numpy(rows)
     return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
+def numpy_rng_state() -> dict:
+    """numpy's global RNG state as tensors (loadable with weights_only=True)."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
+            "gauss": float(gauss)}
+
+
+def set_numpy_rng(d: dict) -> None:
+    np.random.set_state(("MT19937", d["keys"].numpy().astype(np.uint32), d["pos"], d["has_gauss"], d["gauss"]))
 
 
 # ------------------------------------------------------------------ metrics
@@ -187,9 +198,12 @@ def train(
                 f"optimizer state in '{source.path}' does not fit optim.name='{cfg.optim.name}' ({e}); "
                 "resume with the optimizer the checkpoint was trained with"
             ) from None
+        optimizer_train_mode(optimizer)  # checkpoints hold the eval-mode point (schedule-free)
         start_step = int(state["step"])
         if "torch_rng" in state:
             torch.set_rng_state(state["torch_rng"])
+        if "numpy_rng" in state:  # Kron draws from the global numpy RNG
+            set_numpy_rng(state["numpy_rng"])
         if resume is not None:
             if lawa is not None and "lawa" in state:
                 lawa.load_state_dict(state["lawa"])
@@ -320,20 +334,28 @@ def train(
             }
             t_last, tok_since = now, 0
         want_eval = (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done in ckpt_steps
+        want_ckpt = done in ckpt_steps or (stop_after is not None and done == stop_after)
+        want_monitor = bool(cfg.monitor.every and done % cfg.monitor.every == 0 and is_main)
+        if want_eval or want_ckpt or want_monitor:
+            # schedule-free optimizers evaluate and save the averaged point, not the training point
+            optimizer_eval_mode(optimizer)
         if want_eval:
             val = mean_loss(model, val_windows, batch_size=max(1, min(32, B)), dtype=amp)
             row = dict(row or {"step": done, "tokens": done * tokens_per_step, "lr": lr}, val_loss=val)
             bar.set_postfix(val=f"{val:.3f}", lr=f"{lr:.2e}")
-        if cfg.monitor.every and done % cfg.monitor.every == 0 and is_main:
+        if want_monitor:
             from quantdyn.study.monitor import monitor_quantization
 
             row = dict(row or {"step": done, "tokens": done * tokens_per_step, "lr": lr})
             row.update(monitor_quantization(model, data, cfg.monitor, cfg.train.seq_len))
         if row is not None and is_main:
             append_metrics(metrics_path, row)
-        if done in ckpt_steps or (stop_after is not None and done == stop_after):
+        if want_ckpt:
             if is_main:
-                state = {"optimizer": optimizer.state_dict(), "step": done, "torch_rng": torch.get_rng_state()}
+                # weights and optimizer state are both saved in eval mode (consistent for schedule-free);
+                # a resumed run switches back to train mode after loading them
+                state = {"optimizer": optimizer.state_dict(), "step": done, "torch_rng": torch.get_rng_state(),
+                         "numpy_rng": numpy_rng_state()}
                 if lawa is not None:
                     state["lawa"] = lawa.state_dict()
                 if ema is not None:
@@ -345,6 +367,8 @@ def train(
                 import torch.distributed as dist
 
                 dist.barrier()
+        if want_eval or want_ckpt or want_monitor:
+            optimizer_train_mode(optimizer)
         if stop_after is not None and done >= stop_after:
             break
     bar.close()
