@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools
 	$(PIP) install -q $(TORCH_SPEC)
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,eval]'
 	touch $(STAMP)
 
 install: $(STAMP)

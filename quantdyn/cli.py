@@ -369,6 +369,37 @@ def scaling(
                    f"β={r['beta']:.3f} E={r['E']:.3f} ({r['n_points']} points){rho}")
 
 
+@app.command("eval")
+def eval_cmd(
+    model: str = typer.Argument(..., help="Checkpoint directory or hub-id[@revision]."),
+    tasks: str = typer.Option(..., "--tasks", help="lm-eval tasks, comma-separated (offline: quantdyn_lastword,quantdyn_nextsent)."),
+    quantizer: Optional[str] = typer.Option(None, "--quantizer", help="e.g. gptq3 (comma-separated for several)."),
+    num_fewshot: int = typer.Option(0, "--num-fewshot"),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Examples per task."),
+    seed: int = typer.Option(0, "--seed"),
+    metric: Optional[str] = typer.Option(None, "--metric", help="Default: acc, else acc_norm."),
+    backend: str = typer.Option("quantdyn", "--backend", help="quantdyn (in-memory adapter) | hf (lm-eval's HFLM)"),
+    store: Optional[str] = typer.Option("results", "--store", help="Append rows here ('' = don't store)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the rows as a JSON array."),
+):
+    """Downstream accuracy of a model and its quantized twin (lm-evaluation-harness)."""
+    from quantdyn.evaluate.downstream import evaluate_accuracy, format_accuracy_table
+
+    qs = [q for q in (quantizer or "").split(",") if q] or None
+    rows = evaluate_accuracy(model, [t for t in tasks.split(",") if t], qs, num_fewshot=num_fewshot, limit=limit,
+                             seed=seed, metric=metric, backend=backend, progress=not as_json)
+    if store:
+        from quantdyn.results.store import ResultStore
+
+        st = ResultStore(store)
+        done = st.keys()
+        st.append([r for r in rows if r["key"] not in done])
+    if as_json:
+        _echo_json(rows)
+        return
+    typer.echo(format_accuracy_table(rows))
+
+
 def main() -> None:
     import logging
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Callable, Generic, Iterator, TypeVar
 
-from quantdyn.errors import QuantdynError, unknown_name
+from quantdyn.errors import unknown_name
 
 T = TypeVar("T")
 

@@ -96,3 +96,10 @@ def hardware() -> str:
         return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
     cpu = platform.processor() or platform.machine()
     return f"cpu {cpu} x{os.cpu_count()} threads={torch.get_num_threads()}"
+
+
+def provenance() -> dict:
+    """git SHA, hardware and time: the provenance fields of every result row."""
+    import time
+
+    return {"git_sha": git_sha(), "hardware": hardware(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from quantdyn.config import config_hash, to_dict
-from quantdyn.data.sources import SourceInfo, resolve_source
+from quantdyn.data.sources import resolve_source
 from quantdyn.data.tokenizer import (
     gpt2_tokenizer,
     load_pretrained_tokenizer,

@@ -10,9 +10,12 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from quantdyn.errors import QuantdynError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 EOS = "<|endoftext|>"
 

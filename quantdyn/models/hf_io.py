@@ -9,6 +9,7 @@ Loading never unpickles code: weights come from safetensors only.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -211,3 +212,17 @@ def _auto_load(name: str, revision: str | None, device, dtype) -> nn.Module:
             "revision and network (or pass a local checkpoint directory)"
         ) from None
     return model.to(device).eval()
+
+
+def checkpoint_hash(ref: str) -> str:
+    """Content hash of a local checkpoint's weights, or of hub-id@revision."""
+    p = Path(ref)
+    files = sorted(p.glob("*.safetensors")) if p.is_dir() else []
+    if not files:
+        return hashlib.sha256(ref.encode()).hexdigest()[:16]
+    h = hashlib.sha256()
+    for f in files:
+        with f.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 22), b""):
+                h.update(chunk)
+    return h.hexdigest()[:16]

@@ -10,7 +10,6 @@ Error bars are the paired standard error of Δ CE over evaluation windows.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from pathlib import Path
 
 import matplotlib

@@ -17,7 +17,7 @@ import json
 from quantdyn.analysis.scaling import ScalingFitConfig, fit_by_optimizer
 from quantdyn.errors import QuantdynError
 from quantdyn.results.store import ResultStore
-from quantdyn.study.sweep import provenance
+from quantdyn.runtime import provenance
 
 BY_ALIASES = {"optim.name": "optimizer", "optim.weight_decay": "weight_decay", "optimizer": "optimizer"}
 

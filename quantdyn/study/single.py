@@ -11,8 +11,8 @@ from quantdyn.config import config_hash, to_dict
 from quantdyn.data.prepare import DataConfig, prepare_data
 from quantdyn.errors import QuantdynError
 from quantdyn.runtime import resolve_device
-from quantdyn.study.sweep import provenance
-from quantdyn.study.trajectory import checkpoint_hash
+from quantdyn.runtime import provenance
+from quantdyn.models.hf_io import checkpoint_hash
 
 
 def quantize_one(

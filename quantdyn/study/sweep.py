@@ -25,7 +25,7 @@ from quantdyn.config import config_hash, from_dict, load_yaml, to_dict
 from quantdyn.data.prepare import DataConfig, TokenData, prepare_data
 from quantdyn.errors import QuantdynError
 from quantdyn.results.store import ResultStore
-from quantdyn.runtime import git_sha, hardware, resolve_device
+from quantdyn.runtime import provenance, resolve_device
 from quantdyn.study.metrics_rows import AnalysisConfig, analysis_rows, check_analysis_names
 from quantdyn.study.trajectory import (
     Point,
@@ -177,10 +177,6 @@ def row_key(ckpt_hash: str, what: str, eval_hash: str) -> str:
     return hashlib.sha256(f"{ckpt_hash}|{what}|{eval_hash}".encode()).hexdigest()[:24]
 
 
-def provenance() -> dict:
-    return {"git_sha": git_sha(), "hardware": hardware(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-
-
 def point_fields(p: Point, ckpt_hash: str) -> dict:
     conf = p.meta.get("config") or {}
     qat = conf.get("qat") or None
@@ -275,10 +271,20 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True)
             if key in done:
                 skipped += 1
                 continue
-            row = quantize_and_measure(model, qcfgs[label], calib_ids, eval_ids, fp_ce, cfg, device)
+            row, qmodel = quantize_and_measure(model, qcfgs[label], calib_ids, eval_ids, fp_ce, cfg, device, keep=True)
             row["quantizer"] = label
             store.append([{"key": key, "kind": "ptq", **base, **row, "t_load": t_load, **provenance()}])
             written += 1
+            if cfg.eval_tasks:
+                from quantdyn.evaluate.downstream import accuracy_rows_for_point
+
+                acc = accuracy_rows_for_point(model, {label: qmodel}, list(cfg.eval_tasks), tokenizer=data.tokenizer,
+                                              quant_configs={label: qcfgs[label]}, base=base, data=data,
+                                              calib_hash=calib_hash)
+                done_now = store.keys()
+                store.append([r for r in acc if r["key"] not in done_now])
+                written += len(acc)
+            del qmodel
         for name, key in a_keys.items():
             if key in done:
                 skipped += 1
@@ -310,8 +316,10 @@ def _fp_window_ce(model, eval_ids, ckpt_hash: str, eval_hash: str, batch_size: i
     return ce
 
 
-def quantize_and_measure(model, qc, calib_ids, eval_ids, fp_ce, cfg: SweepConfig, device) -> dict:
-    """Quantize a copy of ``model`` with ``qc`` and measure it against ``model``."""
+def quantize_and_measure(model, qc, calib_ids, eval_ids, fp_ce, cfg: SweepConfig, device, keep: bool = False):
+    """Quantize a copy of ``model`` with ``qc`` and measure it against ``model``.
+
+    Returns the row, or (row, quantized model) with ``keep``."""
     from quantdyn.evaluate.quant_error import compare_models
     from quantdyn.quantize.apply import num_threads, quantize_model
 
@@ -325,7 +333,7 @@ def quantize_and_measure(model, qc, calib_ids, eval_ids, fp_ce, cfg: SweepConfig
     m = compare_models(model, qmodel, eval_ids, fp_window_ce=fp_ce, batch_size=cfg.batch_size)
     t_e = time.perf_counter() - t0
     layer_losses = [r.get("loss") for r in getattr(res, "rows", []) if r.get("loss") is not None]
-    return {
+    row = {
         "quantizer": qc.name,
         "method": qc.method,
         "bits": qc.bits,
@@ -337,6 +345,7 @@ def quantize_and_measure(model, qc, calib_ids, eval_ids, fp_ce, cfg: SweepConfig
         "t_quantize": t_q,
         "t_eval": t_e,
     }
+    return (row, qmodel) if keep else row
 
 
 def qat_measure(model, qat_cfg: dict, eval_ids, fp_ce, cfg: SweepConfig) -> dict:

@@ -12,13 +12,13 @@ models from a schedule spec (``ScheduleSpec``) given in the sweep config.
 from __future__ import annotations
 
 import glob
-import hashlib
 import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantdyn.errors import QuantdynError
+from quantdyn.models.hf_io import checkpoint_hash  # noqa: F401  (re-exported: sweeps key rows by it)
 from quantdyn.train.checkpoint import list_checkpoints, read_meta
 from quantdyn.train.schedules import ScheduleConfig, is_decaying, lr_at
 
@@ -157,17 +157,3 @@ def points_of_hub(repo: str, revisions: list[str] | None, pattern: str | None, s
     revs = list(revisions or []) or list_revisions(repo, pattern or ".*")
     pts = [_with_schedule(f"{repo}@{r}", r, repo, "hub", spec, {}) for r in revs]
     return sorted(pts, key=lambda p: (p.step is None, p.step or 0))
-
-
-def checkpoint_hash(ref: str) -> str:
-    """Content hash of a local checkpoint's weights, or of hub-id@revision."""
-    p = Path(ref)
-    files = sorted(p.glob("*.safetensors")) if p.is_dir() else []
-    if not files:
-        return hashlib.sha256(ref.encode()).hexdigest()[:16]
-    h = hashlib.sha256()
-    for f in files:
-        with f.open("rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 22), b""):
-                h.update(chunk)
-    return h.hexdigest()[:16]

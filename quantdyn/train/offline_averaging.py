@@ -29,7 +29,6 @@ import hashlib
 import json
 import math
 import shutil
-import time
 from pathlib import Path
 from typing import Sequence
 
@@ -479,8 +478,8 @@ def interpolate_checkpoints(
     from quantdyn.quantize.apply import num_threads, quantize_model
     from quantdyn.quantize.config import parse_quantizer
     from quantdyn.config import config_hash, to_dict
-    from quantdyn.runtime import git_sha, hardware, resolve_device
-    from quantdyn.study.trajectory import checkpoint_hash  # the sweep's content hash, so rows line up with sweeps
+    from quantdyn.runtime import provenance, resolve_device
+    from quantdyn.models.hf_io import checkpoint_hash  # the sweep's content hash, so rows line up with sweeps
 
     a, b = _as_ckpt(a), _as_ckpt(b)
     qcfgs = [(q if isinstance(q, str) else parse_quantizer(q).name, parse_quantizer(q)) for q in quantizers]
@@ -538,7 +537,7 @@ def interpolate_checkpoints(
             "kind": "interpolation", "alpha": alpha, "run": run_name, "branch": out.name, "checkpoint": str(path),
             "checkpoint_hash": h, "endpoint_a": str(a), "endpoint_b": str(b), "ce_fp": float(fp_ce.mean()),
             "ce_fp_se": _se(fp_ce), "eval_hash": eval_hash, "calib_hash": calib_hash, "data_key": td.data_hash,
-            "git_sha": git_sha(), "hardware": hardware(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            **provenance(),
         }
         if not qcfgs:
             rows.append({**base, "key": _row_key(h, alpha, "fp", eval_hash), "quantizer": None, "n_windows": len(fp_ce)})

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from quantdyn.config import dump_yaml, to_dict
-from quantdyn.data.prepare import TokenData, prepare_data
+from quantdyn.data.prepare import prepare_data
 from quantdyn.errors import QuantdynError
 from quantdyn.evaluate.loss import mean_loss
 from quantdyn.models.gpt import GPT, resolve_model_config
