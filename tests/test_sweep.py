@@ -158,3 +158,24 @@ def test_hub_revisions_from_local_cache(small_run, tmp_path, monkeypatch):
     by = {r["step"]: r for r in rows}
     assert by[8]["lr"] == pytest.approx(3e-3) and by[12]["lr"] == pytest.approx(0.0)
     assert by[12]["tokens"] == 12 * 128 and by[4]["checkpoint"] == "local/tiny@step4"
+
+
+@pytest.mark.slow
+def test_sweep_eval_tasks_and_accuracy_panel(tmp_path, kjv_small):
+    data_cfg, _ = kjv_small
+    d = tiny_run_dict(tmp_path, data_cfg, steps=8, checkpoint_every=4)
+    d["model"]["max_seq_len"] = 256
+    run = train(from_dict(RunConfig, d), progress=False)
+    store = tmp_path / "store"
+    cfg = _cfg(run, store, quantizers=["rtn2"], eval_tasks=["quantdyn_nextsent"], eval_limit=12)
+    run_sweep(cfg, progress=False)
+    rows = ResultStore(store).rows()
+    acc = [r for r in rows if r["kind"] == "accuracy"]
+    ptq = {r["checkpoint_hash"] for r in rows if r["kind"] == "ptq"}
+    assert len(acc) == 2 and {r["checkpoint_hash"] for r in acc} == ptq
+    assert all(r["n"] == 12 and r["quantizer"] == "rtn2" for r in acc)
+    assert run_sweep(cfg, progress=False)["written"] == 0
+    from quantdyn.report.html import write_report
+
+    write_report(store, tmp_path / "rep")
+    assert (tmp_path / "rep" / "accuracy_vs_dce.png").is_file()

@@ -113,7 +113,11 @@ class SweepConfig:
     propagation_quantizers: tuple[str, ...] = ()
     """Quantizers for the propagation analysis ('' = the sweep's quantizers)."""
     eval_tasks: tuple[str, ...] = ()
-    """lm-eval tasks for downstream accuracy (needs the eval extra)."""
+    """lm-eval tasks for downstream accuracy (needs the eval extra), e.g. quantdyn_nextsent, arc_easy."""
+    eval_limit: int = 0
+    """Examples per task (0 = all)."""
+    eval_fewshot: int = 0
+    """Few-shot examples per prompt."""
 
 
 def parse_shard(text: str | None) -> tuple[int, int]:
@@ -280,7 +284,8 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True)
 
                 acc = accuracy_rows_for_point(model, {label: qmodel}, list(cfg.eval_tasks), tokenizer=data.tokenizer,
                                               quant_configs={label: qcfgs[label]}, base=base, data=data,
-                                              calib_hash=calib_hash)
+                                              calib_hash=calib_hash, limit=cfg.eval_limit or None,
+                                              num_fewshot=cfg.eval_fewshot)
                 done_now = store.keys()
                 store.append([r for r in acc if r["key"] not in done_now])
                 written += len(acc)
