@@ -75,7 +75,9 @@ def write_report(store_or_run: str | Path, out_dir: str | Path, store: str | Pat
             sections.append((f"Run {run}: cooldown branches vs constant-LR controls", f2.name, t2,
                              "Each colour is a cooldown branch started from a stable-phase checkpoint; the dashed line "
                              "of the same colour is its control twin at constant LR for the same tokens. The table "
-                             "gives the decayed endpoint minus its control, paired over windows, and z = difference/SE."))
+                             "gives the decayed endpoint minus its control, paired over windows, and z = difference/SE. "
+                             "A control branched while the main run is itself at constant LR coincides with it "
+                             "(same weights, data and LR), so it hides behind the black line."))
     if any(r.get("kind") == "ptq" for r in rows):
         f3 = out / "loss_vs_dce.png"
         color_key = "run" if len(runs) > 1 else "branch"
