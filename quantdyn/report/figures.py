@@ -167,3 +167,62 @@ def rainbow_table(rows: list[dict], run: str) -> list[dict]:
                               "delta_ce_decayed": pts[-1]["delta_ce"], "delta_ce_control": ctrl[-1]["delta_ce"],
                               "difference": d, "difference_se": se, "z": d / se if se > 0 else float("nan")})
     return table
+
+
+VARIED_KEYS = ("peak_lr", "weight_decay", "optimizer", "seed")
+
+
+def varied_key(rows: list[dict]) -> str:
+    """The run-level setting that differs between runs (paper A's Figure 6 colours by it), else 'run'."""
+    ptq = [r for r in rows if r.get("kind") == "ptq"]
+    for k in VARIED_KEYS:
+        per_run = {r["run"]: r.get(k) for r in ptq}
+        if len(set(map(str, per_run.values()))) > 1:
+            return k
+    return "run"
+
+
+def averaging_vs_decay(rows: list[dict], out: Path) -> list[dict]:
+    """Per run and bit width: Δ CE of the decayed endpoint against the averaged checkpoints (LAWA, EMA, soups)."""
+    ptq = [r for r in rows if r.get("kind") == "ptq"]
+    avg_kinds = ("lawa", "ema", "soup")
+    table = []
+    for run in sorted({r["run"] for r in ptq}):
+        mine = [r for r in ptq if r["run"] == run]
+        main = [r for r in mine if r["branch"] == "main" and r.get("step") is not None]
+        if not main or not any(r.get("ckpt_kind") in avg_kinds for r in mine):
+            continue
+        last = max(r["step"] for r in main)
+        for q in _qorder(mine):
+            end = next((r for r in main if r["step"] == last and r["quantizer"] == q), None)
+            if end is None:
+                continue
+            table.append({"run": run, "quantizer": q, "checkpoint": f"decayed @{last}",
+                          "ce_fp": end["ce_fp"], "ce_q": end["ce_q"], "delta_ce": end["delta_ce"],
+                          "delta_ce_se": end["delta_ce_se"]})
+            for b in sorted({r["branch"] for r in mine if r.get("ckpt_kind") in avg_kinds}):
+                pts = [r for r in mine if r["branch"] == b and r["quantizer"] == q and r.get("step") is not None]
+                if pts:
+                    best = max(pts, key=lambda r: r["step"])
+                    table.append({"run": run, "quantizer": q, "checkpoint": f"{b} @{best['step']}",
+                                  "ce_fp": best["ce_fp"], "ce_q": best["ce_q"], "delta_ce": best["delta_ce"],
+                                  "delta_ce_se": best["delta_ce_se"]})
+    if not table:
+        return []
+    qs = list(dict.fromkeys(t["quantizer"] for t in table))
+    fig, axes = plt.subplots(1, len(qs), figsize=(3.4 * len(qs), 3.4), squeeze=False)
+    for ax, q in zip(axes[0], qs):
+        ts = [t for t in table if t["quantizer"] == q]
+        ax.bar(range(len(ts)), [t["delta_ce"] for t in ts], yerr=[t["delta_ce_se"] for t in ts], capsize=2,
+               color=["0.3" if t["checkpoint"].startswith("decayed") else "tab:blue" for t in ts])
+        ax.set_xticks(range(len(ts)))
+        many = len({t["run"] for t in ts}) > 1
+        ax.set_xticklabels([f"{t['run']}: {t['checkpoint']}" if many else t["checkpoint"] for t in ts],
+                           rotation=45, ha="right", fontsize=7)
+        ax.set_title(f"Δ CE {q}", fontsize=9)
+        ax.tick_params(axis="y", labelsize=7)
+        ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return table

@@ -80,10 +80,17 @@ def write_report(store_or_run: str | Path, out_dir: str | Path, store: str | Pat
                              "(same weights, data and LR), so it hides behind the black line."))
     if any(r.get("kind") == "ptq" for r in rows):
         f3 = out / "loss_vs_dce.png"
-        color_key = "run" if len(runs) > 1 else "branch"
+        color_key = figures.varied_key(rows) if len(runs) > 1 else "branch"
         t3 = figures.loss_vs_dce(rows, f3, color_key=color_key)
         sections.append(("Δ CE against full-precision loss", f3.name, t3,
-                         f"One marker per {color_key}; lower-left is better."))
+                         f"One marker per {color_key} (paper A, Figure 6); lower-left is better."))
+        f4 = out / "averaging_vs_decay.png"
+        t4 = figures.averaging_vs_decay(rows, f4)
+        if t4:
+            sections.append(("Weight averaging against the decayed endpoint", f4.name, t4,
+                             "Per bit width: Δ CE of each run's decayed endpoint (grey) and of its latest averaged "
+                             "checkpoints (LAWA, EMA, soups; blue). The table also gives FP and quantized CE: a lower "
+                             "Δ CE at a much higher loss is not a better model."))
     for extra in _extra_sections(rows, out):
         sections.append(extra)
     parts = [f"<h2>{html.escape(t)}</h2><p>{html.escape(cap)}</p><img src='{img}' style='max-width:100%'>"
