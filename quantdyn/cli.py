@@ -243,7 +243,8 @@ def analyze(
         _echo_json(rows)
         return
     for r in rows:
-        vals = {k: v for k, v in r.items() if k.startswith(("hessian_", "weight_", "act_", "prop_")) and v is not None}
+        vals = {k: v for k, v in r.items() if k.startswith(("hessian_", "weight_", "act_", "prop_")) and v is not None
+                and k != "weight_decay"}
         shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in list(vals.items())[:8])
         typer.echo(f"{r['checkpoint']} [{r['analysis']}] {shown}")
     typer.echo(f"{len(rows)} analysis rows in {store}")
