@@ -181,29 +181,7 @@ def gpt_error_propagation(
             raise QuantdynError(f"error propagation: the {what} model is a {type(m).__name__}, not a quantdyn GPT")
     if fp_model.config.n_layer != q_model.config.n_layer or fp_model.config.d_model != q_model.config.d_model:
         raise QuantdynError("error propagation: the quantized model's shape differs from the full-precision model's")
-    if ids.dim() != 2 or ids.size(0) == 0:
-        raise QuantdynError(f"error propagation: ids must be token ids shaped [N, T], got {tuple(ids.shape)}")
-    if batch_size < 1:
-        raise QuantdynError(f"error propagation: batch_size={batch_size} must be >= 1")
-    modes = (fp_model.training, q_model.training)
-    device = fp_model.embed_out.weight.device
-    total = None
-    try:
-        fp_model.eval()
-        q_model.eval()
-        with torch.no_grad():
-            for i in range(0, ids.size(0), batch_size):
-                x = ids[i : i + batch_size].to(device)
-                h0 = fp_model.gpt_neox.embed_in(x)
-                h0_q = q_model.gpt_neox.embed_in(x)
-                rope = fp_model.gpt_neox.rotary(x.size(1), h0.device, h0.dtype)
-                fp = [_bind(b, rope) for b in fp_model.gpt_neox.layers]
-                qb = [_bind(b, rope) for b in q_model.gpt_neox.layers]
-                total = add_sums(total, propagation_sums(fp, qb, h0, h0_q))
-    finally:
-        fp_model.train(modes[0])
-        q_model.train(modes[1])
-    return finalize_propagation(total)
+    return model_error_propagation(fp_model, q_model, ids, batch_size)
 
 
 def _bind(block: nn.Module, rope) -> BlockFn:
