@@ -20,17 +20,14 @@ def sections(rows: list[dict], out: Path) -> list[tuple[str, str, list[dict], st
                 "paper A links Δ CE to the Hessian trace and top eigenvalue.",
             ))
     if any(r.get("kind") == "accuracy" for r in rows):
-        try:
-            from quantdyn.report.accuracy import accuracy_vs_dce
-        except ImportError:
-            accuracy_vs_dce = None
-        if accuracy_vs_dce is not None:
-            png = out / "accuracy_vs_dce.png"
-            table = accuracy_vs_dce(rows, png)
-            if table:
-                found.append(("Downstream accuracy drop against Δ CE", png.name, table,
-                              "Accuracy of the quantized model minus the full-precision one, per task, against Δ CE "
-                              "across checkpoints (paper A, Figure 4)."))
+        from quantdyn.report.accuracy import accuracy_vs_dce
+
+        png = out / "accuracy_vs_dce.png"
+        table = accuracy_vs_dce(rows, png)
+        if table:
+            found.append(("Downstream accuracy drop against Δ CE", png.name, table,
+                          "Accuracy of the quantized model minus the full-precision one, per task, against Δ CE "
+                          "across checkpoints (paper A, Figure 4)."))
     if len({r.get("optimizer") for r in rows if r.get("optimizer")}) > 1 or any(r.get("kind") == "qat" for r in rows):
         from quantdyn.report.optimizers import optimizer_figure, optimizer_table
 

@@ -111,8 +111,6 @@ h2{{margin-top:2em;border-bottom:1px solid #ddd}}</style></head><body>
 
 def _extra_sections(rows: list[dict], out: Path):
     """Sections contributed by other studies (predictors, accuracy, optimizers) when their rows exist."""
-    try:
-        from quantdyn.report.extra import sections
-    except ImportError:
-        return []
+    from quantdyn.report.extra import sections
+
     return sections(rows, out)
