@@ -115,7 +115,6 @@ def test_kill_and_resume_loses_nothing(small_run, tmp_path):
     rows = ResultStore(store).rows()
     lines = sum(len(p.read_text().splitlines()) for p in store.glob("part-*.jsonl"))
     assert len(rows) == 20 and lines == 20  # nothing lost, nothing duplicated
-    assert not list(store.glob(".tmp-*")) or True  # a temp file of the killed writer is never read as a row
 
 
 def _fake_hub_cache(cache: Path, repo: str, checkpoints: dict[str, Path]) -> None:
