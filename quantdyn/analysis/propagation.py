@@ -184,10 +184,6 @@ def gpt_error_propagation(
     return model_error_propagation(fp_model, q_model, ids, batch_size)
 
 
-def _bind(block: nn.Module, rope) -> BlockFn:
-    return lambda h: block(h, rope)
-
-
 class _StopForward(Exception):
     """Raised by the block-0 pre-hook once its inputs are captured."""
 
