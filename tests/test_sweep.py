@@ -174,6 +174,18 @@ def test_sweep_eval_tasks_and_accuracy_panel(tmp_path, kjv_small):
     assert len(acc) == 2 and {r["checkpoint_hash"] for r in acc} == ptq
     assert all(r["n"] == 12 and r["quantizer"] == "rtn2" for r in acc)
     assert run_sweep(cfg, progress=False)["written"] == 0
+    # a sweep killed between a PTQ row and its accuracy rows: the rerun adds only the accuracy rows
+    n_ptq = len([r for r in rows if r["kind"] == "ptq"])
+    acc_parts = [p for p in ResultStore(store).parts() if '"kind": "accuracy"' in p.read_text()]
+    assert acc_parts
+    for p in acc_parts:
+        p.unlink()
+    assert not [r for r in ResultStore(store).rows() if r["kind"] == "accuracy"]
+    assert run_sweep(cfg, progress=False)["written"] == 2
+    rows = ResultStore(store).rows()
+    assert len([r for r in rows if r["kind"] == "accuracy"]) == 2
+    assert len([r for r in rows if r["kind"] == "ptq"]) == n_ptq
+    assert run_sweep(cfg, progress=False)["written"] == 0
     from quantdyn.report.html import write_report
 
     write_report(store, tmp_path / "rep")

@@ -55,22 +55,25 @@ class ResultStore:
     def parts(self) -> list[Path]:
         return sorted(p for p in self.root.glob("part-*.jsonl"))
 
+    def _raw(self):
+        for p in self.parts():
+            for line in p.read_text().splitlines():
+                if line.strip():
+                    yield json.loads(line)
+
     def rows(self) -> list[dict]:
         """All rows, first occurrence of each key, in write order."""
         seen, out = set(), []
-        for p in self.parts():
-            for line in p.read_text().splitlines():
-                if not line.strip():
-                    continue
-                r = json.loads(line)
-                if r["key"] in seen:
-                    continue
-                seen.add(r["key"])
-                out.append(r)
+        for r in self._raw():
+            if r["key"] in seen:
+                continue
+            seen.add(r["key"])
+            out.append(r)
         return out
 
-    def keys(self) -> set[str]:
-        return {r["key"] for r in self.rows()}
+    def keys(self, field: str = "key") -> set[str]:
+        """The values of ``field`` over every stored row that has it (default: the idempotency keys)."""
+        return {r[field] for r in self._raw() if r.get(field) is not None}
 
     def query(self, where: str | None = None, columns: str = "*", order: str | None = None):
         """DuckDB query over the store; returns (column names, list of tuples)."""

@@ -232,6 +232,7 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True)
     eval_hash = data.token_hash("val", d.eval_seq_len, d.eval_windows)
     calib_hash = hashlib.sha1(f"{data.data_hash}:{d.calib_samples}:{d.calib_seq_len}:{d.calib_seed}".encode()).hexdigest()[:12]
     done = store.keys()
+    acc_done = store.keys("sweep_acc_key")
     written = skipped = 0
     timings = []
     mine = [p for k, p in enumerate(points) if k % n == i]
@@ -249,8 +250,13 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True)
         qat_key = row_key(hp, f"qat:{config_hash(qat_cfg)}", eval_hash) if qat_cfg else None
         a_keys = {a: row_key(hp, f"analysis:{a}:{config_hash(cfg.analysis_budget)}"
                              + (f":{prop_hash}" if a == "propagation" else ""), eval_hash) for a in cfg.analysis}
+        # accuracy rows of one (point, quantizer) are appended together and carry this key, so a sweep that
+        # died between a PTQ row and its accuracy rows re-quantizes that point on rerun and adds only them
+        acc_keys = {label: row_key(hp, f"acc:{config_hash(qc)}:{calib_hash}:{','.join(cfg.eval_tasks)}:"
+                                       f"{cfg.eval_fewshot}:{cfg.eval_limit}", eval_hash)
+                    for label, qc in qcfgs.items()} if cfg.eval_tasks else {}
         todo = [fp_key, *q_keys.values(), *a_keys.values(), *([qat_key] if qat_key else [])]
-        if all(k in done for k in todo):
+        if all(k in done for k in todo) and all(k in acc_done for k in acc_keys.values()):
             skipped += len(todo)
             continue
         model = _load(p.ref, device)
@@ -272,14 +278,18 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True)
         elif qat_key:
             skipped += 1
         for label, key in q_keys.items():
-            if key in done:
+            need_acc = label in acc_keys and acc_keys[label] not in acc_done
+            if key in done and not need_acc:
                 skipped += 1
                 continue
             row, qmodel = quantize_and_measure(model, qcfgs[label], calib_ids, eval_ids, fp_ce, cfg, device, keep=True)
             row["quantizer"] = label
-            store.append([{"key": key, "kind": "ptq", **base, **row, "t_load": t_load, **provenance()}])
-            written += 1
-            if cfg.eval_tasks:
+            if key not in done:
+                store.append([{"key": key, "kind": "ptq", **base, **row, "t_load": t_load, **provenance()}])
+                written += 1
+            else:
+                skipped += 1
+            if need_acc:
                 from quantdyn.evaluate.downstream import accuracy_rows_for_point
 
                 acc = accuracy_rows_for_point(model, {label: qmodel}, list(cfg.eval_tasks), tokenizer=data.tokenizer,
@@ -287,8 +297,12 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True)
                                               calib_hash=calib_hash, limit=cfg.eval_limit or None,
                                               num_fewshot=cfg.eval_fewshot)
                 done_now = store.keys()
-                store.append([r for r in acc if r["key"] not in done_now])
-                written += len(acc)
+                tagged = [{**r, "sweep_acc_key": acc_keys[label]} for r in acc]
+                new_rows = [r for r in tagged if r["key"] not in done_now]
+                # rows stored earlier under the same keys (an older sweep, `quantdyn eval`) are written again only
+                # to record the marker; readers keep the first occurrence of a key
+                store.append(new_rows or tagged)
+                written += len(new_rows)
             del qmodel
         for name, key in a_keys.items():
             if key in done:
