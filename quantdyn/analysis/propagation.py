@@ -184,39 +184,6 @@ def gpt_error_propagation(
     return model_error_propagation(fp_model, q_model, ids, batch_size)
 
 
-class _StopForward(Exception):
-    """Raised by the block-0 pre-hook once its inputs are captured."""
-
-
-def _block0_inputs(model: nn.Module, blocks: nn.ModuleList, ids: torch.Tensor) -> tuple[torch.Tensor, tuple, dict]:
-    """(hidden, other positional args, kwargs) with which ``model`` calls its first block on ``ids``."""
-    from quantdyn.models.gpt import GPT
-
-    got: list[tuple[torch.Tensor, tuple, dict]] = []
-
-    def hook(module, args, kwargs):
-        if args:
-            got.append((args[0], tuple(args[1:]), dict(kwargs)))
-        else:
-            kwargs = dict(kwargs)
-            got.append((kwargs.pop("hidden_states"), (), kwargs))
-        raise _StopForward
-
-    handle = blocks[0].register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        if isinstance(model, GPT):
-            model(ids)
-        else:
-            model(input_ids=ids, use_cache=False)
-    except _StopForward:
-        pass
-    finally:
-        handle.remove()
-    if not got:
-        raise QuantdynError(f"error propagation: {type(model).__name__} never called its first block")
-    return got[0]
-
-
 def _call(block: nn.Module, rest: tuple, kwargs: dict) -> BlockFn:
     def f(h: torch.Tensor) -> torch.Tensor:
         out = block(h, *rest, **kwargs)
@@ -235,14 +202,15 @@ def model_error_propagation(
     (``quantdyn.models.adapters``: quantdyn GPT, HF GPT-NeoX, Llama-like,
     GPT-2, ...) and its quantized copy of the same architecture.
 
-    The inputs of block 0 (hidden states and the extra arguments the model
-    passes to every block: rotary tables / ``position_embeddings``, masks) are
-    captured with a pre-hook that stops each forward there; h_0 and h^q_0 come
-    from each model's own embedding, the extra arguments from ``fp_model`` and
-    are passed unchanged to every block of both.  Chunks of ``batch_size``
+    The inputs of every block (hidden states and the extra arguments the model
+    passes to it: rotary tables / ``position_embeddings``, masks, which may
+    differ per layer as in Qwen2's sliding-window layers) are captured with
+    pre-hooks; h_0 and h^q_0 come from each model's own embedding, the extra
+    arguments from ``fp_model`` and are passed to the same block of both.  Chunks of ``batch_size``
     sequences, eval mode, ``torch.no_grad``; sums accumulated over all tokens.
     """
     from quantdyn.models.adapters import adapter_for
+    from quantdyn.quantize.apply import capture_block_inputs
 
     if ids.dim() != 2 or ids.size(0) == 0:
         raise QuantdynError(f"error propagation: ids must be token ids shaped [N, T], got {tuple(ids.shape)}")
@@ -259,10 +227,11 @@ def model_error_propagation(
         with torch.no_grad():
             for i in range(0, ids.size(0), batch_size):
                 x = ids[i : i + batch_size].to(device)
-                h0, rest, kwargs = _block0_inputs(fp_model, fp_blocks, x)
-                h0_q = _block0_inputs(q_model, q_blocks, x)[0]
-                fp = [_call(b, rest, kwargs) for b in fp_blocks]
-                qb = [_call(b, rest, kwargs) for b in q_blocks]
+                args = capture_block_inputs(fp_model, fp_blocks, x, device, x.size(0), every_block=True)[0]
+                h0 = args[0][0]
+                h0_q = capture_block_inputs(q_model, q_blocks, x, device, x.size(0), every_block=False)[0][0][0]
+                fp = [_call(b, rest, kwargs) for b, (_, rest, kwargs) in zip(fp_blocks, args)]
+                qb = [_call(b, rest, kwargs) for b, (_, rest, kwargs) in zip(q_blocks, args)]
                 total = add_sums(total, propagation_sums(fp, qb, h0, h0_q))
     finally:
         fp_model.train(modes[0])

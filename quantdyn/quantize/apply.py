@@ -119,31 +119,76 @@ def _move(modules: list[nn.Module], device: torch.device | None) -> None:
             m.to(device)
 
 
-def _capture_block0(model, blocks, calib_ids, device, batch_size):
-    """[(hidden, other_args, kwargs)] per calibration batch, on the compute device."""
-    captured: list[tuple[torch.Tensor, tuple, dict]] = []
+def _same(a: Any, b: Any) -> bool:
+    """Whether two captured block arguments are the same value (tensors compared exactly)."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b)))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    try:
+        return bool(a == b)
+    except Exception:  # objects without a usable ==
+        return False
 
-    def hook(module, args, kwargs):
-        if args:
-            hidden, rest = args[0], tuple(args[1:])
-        else:
+
+def capture_block_inputs(model, blocks, calib_ids, device, batch_size, every_block: bool):
+    """Per calibration batch, per block: (hidden, other_args, kwargs) on the compute device.
+
+    With ``every_block`` False only block 0 is captured (the forward stops there); otherwise the
+    forward runs up to the last block, whose arguments may differ per layer (e.g. Qwen2's
+    sliding-window layers get another attention mask than its full-attention layers).
+    """
+    captured: list[list[tuple[torch.Tensor | None, tuple, dict]]] = []
+    current: list[tuple[torch.Tensor | None, tuple, dict]] = []
+    last = len(blocks) - 1 if every_block else 0
+
+    def make_hook(b):
+        def hook(module, args, kwargs):
             kwargs = dict(kwargs)
-            hidden, rest = kwargs.pop("hidden_states"), ()
-        captured.append((hidden, rest, dict(kwargs)))
-        raise _StopForward
+            if args:
+                hidden, rest = args[0], tuple(args[1:])
+            else:
+                hidden, rest = kwargs.pop("hidden_states"), ()
+            current.append((hidden if b == 0 else None, rest, kwargs))
+            if b == last:
+                raise _StopForward
+        return hook
 
-    handle = blocks[0].register_forward_pre_hook(hook, with_kwargs=True)
+    handles = [blk.register_forward_pre_hook(make_hook(b), with_kwargs=True) for b, blk in enumerate(blocks[: last + 1])]
     try:
         for batch in calib_ids.split(batch_size):
+            current = []
             try:
                 _run_model(model, batch.to(device))
             except _StopForward:
                 pass
+            if len(current) != last + 1:
+                raise QuantdynError(f"could not capture the inputs of blocks 0..{last}; the model did not call its "
+                                    "blocks in order")
+            captured.append(current)
     finally:
-        handle.remove()
-    if len(captured) != -(-calib_ids.shape[0] // batch_size):
-        raise QuantdynError("could not capture the first block's inputs; the model did not call its first block")
+        for h in handles:
+            h.remove()
     return captured
+
+
+def _capture_inputs(model, blocks, calib_ids, device, batch_size):
+    """Block 0's inputs per batch, and a function (block, batch) -> (other_args, kwargs).
+
+    One probe batch runs through every block; when all blocks receive the same non-hidden
+    arguments (the usual case) only block 0 is captured for the rest, else every block's."""
+    probe = capture_block_inputs(model, blocks, calib_ids[:batch_size], device, batch_size, every_block=True)[0]
+    per_layer = any(not _same(probe[b][1:], probe[0][1:]) for b in range(1, len(probe)))
+    captured = capture_block_inputs(model, blocks, calib_ids, device, batch_size, every_block=per_layer)
+    inputs = [c[0][0] for c in captured]
+    if per_layer:
+        return inputs, lambda b, i: captured[i][b][1:]
+    return inputs, lambda b, i: captured[i][0][1:]
 
 
 def _quantize_layer(name, module, stats, cfg, threads) -> tuple[QuantResult, torch.Tensor]:
@@ -244,7 +289,7 @@ def quantize_model(
         pre = adapter.get_pre_block(model)
         _move(pre, dev if move else None)
         try:
-            inputs = _capture_block0(model, blocks, calib_ids, dev, batch_size)
+            hiddens, block_args = _capture_inputs(model, blocks, calib_ids, dev, batch_size)
         finally:
             _move(pre, home if move else None)
         need_abs = cfg.method == "awq"
@@ -262,7 +307,8 @@ def quantize_model(
                         stats[name] = stats_update(stats[name], inp[0].detach(), need_abs=need_abs)
                     handles.append(m.register_forward_hook(hook))
                 try:
-                    for hidden, rest, kw in inputs:
+                    for i, hidden in enumerate(hiddens):
+                        rest, kw = block_args(b, i)
                         block(hidden, *rest, **kw)
                 finally:
                     for h in handles:
@@ -273,13 +319,14 @@ def quantize_model(
                     rows.append(_row(b, name, full, W, res, stats[name], cfg))
                     _pack(packed, full, res)
                     stats[name] = None
-            inputs = [(_block_output(block(hidden, *rest, **kw)), rest, kw) for hidden, rest, kw in inputs]
+            hiddens = [_block_output(block(hidden, *block_args(b, i)[0], **block_args(b, i)[1]))
+                       for i, hidden in enumerate(hiddens)]
             _move([block], home if move else None)
             if progress:
                 log.info("quantize %s: block %d/%d done", cfg.name, b + 1, len(blocks))
 
         if cfg.quantize_head:
-            _quantize_head(model, adapter, [h for h, _, _ in inputs], cfg, threads, rows, packed, dev, move)
+            _quantize_head(model, adapter, hiddens, cfg, threads, rows, packed, dev, move)
         return ModelQuantization(cfg, rows, packed, time.perf_counter() - t_start, mtype, int(calib_ids.shape[0]))
     finally:
         model.train(was_training)
