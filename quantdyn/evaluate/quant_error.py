@@ -41,39 +41,65 @@ def compare_models(
     passed when already computed for this checkpoint; the FP forward is then
     needed only for KL and agreement.
     """
-    dev = model_device(q_model)
+    return compare_many(fp_model, {"q": q_model}, windows, fp_window_ce, batch_size, dtype)["q"]
+
+
+@torch.no_grad()
+def compare_many(
+    fp_model: nn.Module,
+    q_models: dict[str, nn.Module],
+    windows: torch.Tensor,
+    fp_window_ce: torch.Tensor | None = None,
+    batch_size: int = 16,
+    dtype: str = "float32",
+) -> dict[str, dict]:
+    """:func:`compare_models` for several quantized copies of one model -> {label: metrics}.
+
+    Each batch of windows goes through the FP model once and through every
+    quantized model, so the FP forward is shared (the results equal separate
+    :func:`compare_models` calls)."""
     fp_dev = model_device(fp_model)
-    q_ce, fp_ce, kl, agree = [], [], [], []
     fp_model.eval()
-    q_model.eval()
+    for q in q_models.values():
+        q.eval()
+    fp_ce: list[torch.Tensor] = []
+    acc: dict[str, dict[str, list[torch.Tensor]]] = {k: {"ce": [], "kl": [], "agree": []} for k in q_models}
     for i in range(0, len(windows), batch_size):
         x = windows[i : i + batch_size]
-        with autocast_for(dev, dtype):
-            lq = logits_of(q_model, x[:, :-1].to(dev)).float()
         with autocast_for(fp_dev, dtype):
-            lf = logits_of(fp_model, x[:, :-1].to(fp_dev)).float().to(dev)
-        y = x[:, 1:].to(dev)
-        q_ce.append(F.cross_entropy(lq.transpose(1, 2), y, reduction="none").mean(1).double().cpu())
-        fp_ce.append(F.cross_entropy(lf.transpose(1, 2), y, reduction="none").mean(1).double().cpu())
-        lpf, lpq = F.log_softmax(lf, -1), F.log_softmax(lq, -1)
-        kl.append((lpf.exp() * (lpf - lpq)).sum(-1).mean(1).double().cpu())
-        agree.append((lf.argmax(-1) == lq.argmax(-1)).double().mean(1).cpu())
-    q_ce_t, kl_t, agree_t = torch.cat(q_ce), torch.cat(kl), torch.cat(agree)
+            lf_home = logits_of(fp_model, x[:, :-1].to(fp_dev)).float()
+        y_home = x[:, 1:].to(fp_dev)
+        fp_ce.append(F.cross_entropy(lf_home.transpose(1, 2), y_home, reduction="none").mean(1).double().cpu())
+        for label, q in q_models.items():
+            dev = model_device(q)
+            with autocast_for(dev, dtype):
+                lq = logits_of(q, x[:, :-1].to(dev)).float()
+            lf, y = lf_home.to(dev), x[:, 1:].to(dev)
+            a = acc[label]
+            a["ce"].append(F.cross_entropy(lq.transpose(1, 2), y, reduction="none").mean(1).double().cpu())
+            lpf, lpq = F.log_softmax(lf, -1), F.log_softmax(lq, -1)
+            a["kl"].append((lpf.exp() * (lpf - lpq)).sum(-1).mean(1).double().cpu())
+            a["agree"].append((lf.argmax(-1) == lq.argmax(-1)).double().mean(1).cpu())
     fp_ce_t = fp_window_ce.double() if fp_window_ce is not None else torch.cat(fp_ce)
-    delta = q_ce_t - fp_ce_t
-    ce_fp, ce_q = float(fp_ce_t.mean()), float(q_ce_t.mean())
-    return {
-        "ce_fp": ce_fp,
-        "ce_q": ce_q,
-        "delta_ce": float(delta.mean()),
-        "delta_ce_se": _se(delta),
-        "delta_ppl": math.exp(ce_q) - math.exp(ce_fp),
-        "kl": float(kl_t.mean()),
-        "kl_se": _se(kl_t),
-        "top1_agree": float(agree_t.mean()),
-        "n_windows": len(windows),
-        "window_delta": [round(float(v), 7) for v in delta],
-    }
+    ce_fp = float(fp_ce_t.mean())
+    out = {}
+    for label, a in acc.items():
+        q_ce_t, kl_t, agree_t = torch.cat(a["ce"]), torch.cat(a["kl"]), torch.cat(a["agree"])
+        delta = q_ce_t - fp_ce_t
+        ce_q = float(q_ce_t.mean())
+        out[label] = {
+            "ce_fp": ce_fp,
+            "ce_q": ce_q,
+            "delta_ce": float(delta.mean()),
+            "delta_ce_se": _se(delta),
+            "delta_ppl": math.exp(ce_q) - math.exp(ce_fp),
+            "kl": float(kl_t.mean()),
+            "kl_se": _se(kl_t),
+            "top1_agree": float(agree_t.mean()),
+            "n_windows": len(windows),
+            "window_delta": [round(float(v), 7) for v in delta],
+        }
+    return out
 
 
 def fp_metrics(model: nn.Module, windows: torch.Tensor, batch_size: int = 16, dtype: str = "float32") -> dict:

@@ -14,7 +14,7 @@ import torch
 
 from quantdyn.data.prepare import TokenData
 from quantdyn.evaluate.loss import window_losses
-from quantdyn.evaluate.quant_error import compare_models
+from quantdyn.evaluate.quant_error import compare_many
 from quantdyn.quantize.apply import quantize_model
 from quantdyn.quantize.config import parse_quantizer
 
@@ -26,13 +26,14 @@ def monitor_quantization(model, data: TokenData, cfg, seq_len: int) -> dict:
     calib_ids = data.calib_windows(cfg.calib_samples, seq_len, seed=0)
     was_training = model.training
     fp_ce = window_losses(model, eval_ids)
-    out: dict = {}
+    qmodels = {}
     for spec in cfg.quantizers:
-        q = copy.deepcopy(model)
-        quantize_model(q, calib_ids, parse_quantizer(spec), progress=False)
-        m = compare_models(model, q, eval_ids, fp_window_ce=fp_ce)
+        qmodels[spec] = copy.deepcopy(model)
+        quantize_model(qmodels[spec], calib_ids, parse_quantizer(spec), progress=False)
+    metrics = compare_many(model, qmodels, eval_ids, fp_window_ce=fp_ce)
+    out: dict = {}
+    for spec, m in metrics.items():
         out[f"dce_{spec}"] = m["delta_ce"]
         out[f"dce_{spec}_se"] = m["delta_ce_se"]
-        del q
     model.train(was_training)
     return out

@@ -118,6 +118,13 @@ class SweepConfig:
     """Examples per task (0 = all)."""
     eval_fewshot: int = 0
     """Few-shot examples per prompt."""
+    eval_group: int = 8
+    """Quantized copies of a checkpoint evaluated together, sharing one FP forward per batch (each copy
+    holds the model's weights in memory; 1 = one at a time)."""
+
+    def __post_init__(self):
+        if self.eval_group < 1:
+            raise QuantdynError(f"sweep eval_group={self.eval_group} must be >= 1 (quantized copies held at once)")
 
 
 def parse_shard(text: str | None) -> tuple[int, int]:
@@ -277,33 +284,24 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True)
             written += 1
         elif qat_key:
             skipped += 1
-        for label, key in q_keys.items():
-            need_acc = label in acc_keys and acc_keys[label] not in acc_done
-            if key in done and not need_acc:
-                skipped += 1
-                continue
-            row, qmodel = quantize_and_measure(model, qcfgs[label], calib_ids, eval_ids, fp_ce, cfg, device, keep=True)
-            row["quantizer"] = label
-            if key not in done:
-                store.append([{"key": key, "kind": "ptq", **base, **row, "t_load": t_load, **provenance()}])
-                written += 1
-            else:
-                skipped += 1
-            if need_acc:
-                from quantdyn.evaluate.downstream import accuracy_rows_for_point
-
-                acc = accuracy_rows_for_point(model, {label: qmodel}, list(cfg.eval_tasks), tokenizer=data.tokenizer,
-                                              quant_configs={label: qcfgs[label]}, base=base, data=data,
-                                              calib_hash=calib_hash, limit=cfg.eval_limit or None,
-                                              num_fewshot=cfg.eval_fewshot)
-                done_now = store.keys()
-                tagged = [{**r, "sweep_acc_key": acc_keys[label]} for r in acc]
-                new_rows = [r for r in tagged if r["key"] not in done_now]
-                # rows stored earlier under the same keys (an older sweep, `quantdyn eval`) are written again only
-                # to record the marker; readers keep the first occurrence of a key
-                store.append(new_rows or tagged)
-                written += len(new_rows)
-            del qmodel
+        pending = [label for label, key in q_keys.items()
+                   if key not in done or (label in acc_keys and acc_keys[label] not in acc_done)]
+        skipped += len(q_keys) - len(pending)
+        for g in range(0, len(pending), cfg.eval_group):
+            group = pending[g : g + cfg.eval_group]
+            rows = quantize_and_measure_many(model, {label: qcfgs[label] for label in group}, calib_ids, eval_ids,
+                                             fp_ce, cfg, device)
+            for label, (row, qmodel) in rows.items():
+                if q_keys[label] not in done:
+                    store.append([{"key": q_keys[label], "kind": "ptq", **base, **row, "t_load": t_load,
+                                   **provenance()}])
+                    written += 1
+                else:
+                    skipped += 1
+                if label in acc_keys and acc_keys[label] not in acc_done:
+                    written += _append_accuracy(store, model, label, qmodel, qcfgs[label], acc_keys[label], cfg,
+                                                data, base, calib_hash)
+            del rows
         for name, key in a_keys.items():
             if key in done:
                 skipped += 1
@@ -335,36 +333,58 @@ def _fp_window_ce(model, eval_ids, ckpt_hash: str, eval_hash: str, batch_size: i
     return ce
 
 
-def quantize_and_measure(model, qc, calib_ids, eval_ids, fp_ce, cfg: SweepConfig, device, keep: bool = False):
-    """Quantize a copy of ``model`` with ``qc`` and measure it against ``model``.
+def _append_accuracy(store, model, label, qmodel, qc, acc_key, cfg: SweepConfig, data, base, calib_hash) -> int:
+    """lm-eval accuracy rows of one (checkpoint, quantizer), appended together and marked with ``acc_key``."""
+    from quantdyn.evaluate.downstream import accuracy_rows_for_point
 
-    Returns the row, or (row, quantized model) with ``keep``."""
-    from quantdyn.evaluate.quant_error import compare_models
+    acc = accuracy_rows_for_point(model, {label: qmodel}, list(cfg.eval_tasks), tokenizer=data.tokenizer,
+                                  quant_configs={label: qc}, base=base, data=data, calib_hash=calib_hash,
+                                  limit=cfg.eval_limit or None, num_fewshot=cfg.eval_fewshot)
+    done_now = store.keys()
+    tagged = [{**r, "sweep_acc_key": acc_key} for r in acc]
+    new_rows = [r for r in tagged if r["key"] not in done_now]
+    # rows stored earlier under the same keys (an older sweep, `quantdyn eval`) are written again only to
+    # record the marker; readers keep the first occurrence of a key
+    store.append(new_rows or tagged)
+    return len(new_rows)
+
+
+def quantize_and_measure_many(model, qcs: dict, calib_ids, eval_ids, fp_ce, cfg: SweepConfig, device) -> dict:
+    """Quantize one copy of ``model`` per config and measure them together (one FP forward per batch).
+
+    Returns {label: (row, quantized model)}; ``t_eval`` is the shared evaluation time divided evenly."""
+    from quantdyn.evaluate.quant_error import compare_many
     from quantdyn.quantize.apply import num_threads, quantize_model
 
-    qmodel = copy.deepcopy(model)
-    t0 = time.perf_counter()
+    qmodels, results, t_q = {}, {}, {}
     threads = cfg.quantize_threads if device.type == "cpu" else torch.get_num_threads()
-    with num_threads(threads):
-        res = quantize_model(qmodel, calib_ids, qc, device=device, progress=False)
-    t_q = time.perf_counter() - t0
+    for label, qc in qcs.items():
+        qmodels[label] = copy.deepcopy(model)
+        t0 = time.perf_counter()
+        with num_threads(threads):
+            results[label] = quantize_model(qmodels[label], calib_ids, qc, device=device, progress=False)
+        t_q[label] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    m = compare_models(model, qmodel, eval_ids, fp_window_ce=fp_ce, batch_size=cfg.batch_size)
-    t_e = time.perf_counter() - t0
-    layer_losses = [r.get("loss") for r in getattr(res, "rows", []) if r.get("loss") is not None]
-    row = {
-        "quantizer": qc.name,
-        "method": qc.method,
-        "bits": qc.bits,
-        "group_size": qc.group_size,
-        "quant_config": to_dict(qc),
-        "quant_config_hash": config_hash(qc),
-        **m,
-        "layer_loss_sum": float(sum(layer_losses)) if layer_losses else None,
-        "t_quantize": t_q,
-        "t_eval": t_e,
-    }
-    return (row, qmodel) if keep else row
+    metrics = compare_many(model, qmodels, eval_ids, fp_window_ce=fp_ce, batch_size=cfg.batch_size)
+    t_e = (time.perf_counter() - t0) / len(qcs)
+    out = {}
+    for label, qc in qcs.items():
+        layer_losses = [r.get("loss") for r in getattr(results[label], "rows", []) if r.get("loss") is not None]
+        row = {
+            "quantizer": label,
+            "method": qc.method,
+            "bits": qc.bits,
+            "group_size": qc.group_size,
+            "quant_config": to_dict(qc),
+            "quant_config_hash": config_hash(qc),
+            **metrics[label],
+            "layer_loss_sum": float(sum(layer_losses)) if layer_losses else None,
+            "t_quantize": t_q[label],
+            "t_eval": t_e,
+            "eval_group": len(qcs),
+        }
+        out[label] = (row, qmodels[label])
+    return out
 
 
 def qat_measure(model, qat_cfg: dict, eval_ids, fp_ce, cfg: SweepConfig) -> dict:
