@@ -5,7 +5,9 @@ rows and returning the table of numbers behind it.
   rainbow      cooldown branches' Δ CE against tokens, one colour per branch,
                constant-LR controls dashed beside them (paper A, Fig. 5)
   loss_vs_dce  Δ CE against FP loss, one marker per run (paper A, Fig. 6)
-Error bars are the paired standard error of Δ CE over evaluation windows.
+  seeds        runs that differ only by seed: mean Δ CE per branch, error bars = SD over seeds
+Error bars are the paired standard error of Δ CE over evaluation windows,
+except in ``seeds``.
 """
 from __future__ import annotations
 
@@ -152,11 +154,28 @@ def loss_vs_dce(rows: list[dict], out: Path, color_key: str = "run") -> list[dic
     return table
 
 
+def stable_jitter(rows: list[dict]) -> float | None:
+    """SD of Δ CE over the main run's stable-phase checkpoints (peak LR, after warmup, not decaying).
+
+    The checkpoint-to-checkpoint scatter that a decay effect must exceed to be told apart from it
+    (it also holds any slow drift over the stable phase); None with fewer than 3 such checkpoints."""
+    main = [r for r in rows if r.get("branch") == "main" and r.get("lr") is not None and not r.get("decaying")]
+    if not main:
+        return None
+    peak = max(r["lr"] for r in main)
+    vals = [r["delta_ce"] for r in main if r["lr"] >= peak * (1 - 1e-6)]
+    if len(vals) < 3:
+        return None
+    m = sum(vals) / len(vals)
+    return math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1))
+
+
 def rainbow_table(rows: list[dict], run: str) -> list[dict]:
-    """The endpoint table of :func:`rainbow` without drawing."""
+    """The endpoint table of :func:`rainbow` without drawing (with each quantizer's stable-phase jitter)."""
     mine = [r for r in rows if r.get("run") == run and r["kind"] == "ptq"]
     table = []
     for q in _qorder(mine):
+        jitter = stable_jitter([r for r in mine if r["quantizer"] == q])
         for b in sorted({r["branch"] for r in mine if r.get("ckpt_kind") == "cooldown"}):
             pts = sorted((r for r in mine if r["quantizer"] == q and r["branch"] == b), key=lambda r: r["tokens"])
             ctrl_name = b.replace("cooldown-", "control-").rsplit("-", 1)[0]
@@ -165,7 +184,8 @@ def rainbow_table(rows: list[dict], run: str) -> list[dict]:
                 d, se = paired_difference(pts[-1], ctrl[-1])
                 table.append({"quantizer": q, "branch": b, "tokens": pts[-1]["tokens"],
                               "delta_ce_decayed": pts[-1]["delta_ce"], "delta_ce_control": ctrl[-1]["delta_ce"],
-                              "difference": d, "difference_se": se, "z": d / se if se > 0 else float("nan")})
+                              "difference": d, "difference_se": se, "z": d / se if se > 0 else float("nan"),
+                              "stable_jitter": jitter})
     return table
 
 
@@ -224,5 +244,71 @@ def averaging_vs_decay(rows: list[dict], out: Path) -> list[dict]:
         ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return table
+
+
+def seed_families(rows: list[dict]) -> dict[str, list[str]]:
+    """Runs that differ only by seed, named NAME-s<seed> (as `quantdyn study` and `quantdyn grid` name
+    them): {NAME: [runs]} for every NAME with at least two seeds."""
+    seeds = {r["run"]: r.get("seed") for r in rows if r.get("kind") == "ptq" and r.get("run")}
+    fam: dict[str, list[str]] = {}
+    for run, seed in seeds.items():
+        suffix = f"-s{seed}"
+        if seed is not None and run.endswith(suffix):
+            fam.setdefault(run[: -len(suffix)], []).append(run)
+    return {k: sorted(v) for k, v in sorted(fam.items()) if len(v) >= 2}
+
+
+def seeds(rows: list[dict], family: str, runs: list[str], out: Path) -> list[dict]:
+    """Mean Δ CE over the seeds of one family, per quantizer and branch, at the steps every seed has;
+    error bars = SD over seeds (n − 1), faint lines = the single seeds."""
+    mine = [r for r in rows if r.get("kind") == "ptq" and r.get("run") in runs]
+    qs = _qorder(mine)
+    branches = sorted({r["branch"] for r in mine}, key=lambda b: (b != "main", b.startswith("control-"), b))
+    if not qs:
+        return []
+    cmap = plt.get_cmap("rainbow")
+    cooldowns = [b for b in branches if b != "main" and not b.startswith("control-")]
+    colour = {"main": "k"}
+    for k, b in enumerate(cooldowns):
+        colour[b] = cmap(k / max(1, len(cooldowns) - 1))
+        colour[b.replace("cooldown-", "control-").rsplit("-", 1)[0]] = colour[b]
+    fig, axes = plt.subplots(len(qs), 1, figsize=(7.5, 2.1 * len(qs) + 0.6), sharex=True, squeeze=False)
+    table = []
+    for ax, q in zip(axes[:, 0], qs):
+        for b in branches:
+            per_run = {run: {r["step"]: r for r in mine if r["run"] == run and r["branch"] == b and r["quantizer"] == q}
+                       for run in runs}
+            steps = sorted(set.intersection(*(set(v) for v in per_run.values())))
+            if not steps:
+                continue
+            style = "^--" if b.startswith("control-") else "o-"
+            col = colour.get(b, "0.4")
+            for run in runs:
+                ax.plot([per_run[run][s]["tokens"] for s in steps], [per_run[run][s]["delta_ce"] for s in steps],
+                        style[1:], color=col, lw=0.6, alpha=0.3)
+            xs, ms, sds = [], [], []
+            for s in steps:
+                vals = [per_run[run][s]["delta_ce"] for run in runs]
+                m = sum(vals) / len(vals)
+                sd = math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1))
+                xs.append(per_run[runs[0]][s]["tokens"])
+                ms.append(m)
+                sds.append(sd)
+                table.append({"family": family, "quantizer": q, "branch": b, "step": s, "tokens": xs[-1],
+                              "n_seeds": len(vals), "delta_ce_mean": m, "delta_ce_seed_sd": sd,
+                              "delta_ce_min": min(vals), "delta_ce_max": max(vals)})
+            ax.errorbar(xs, ms, yerr=sds, fmt=style, color=col, ms=3, lw=1.2, capsize=2,
+                        alpha=0.8 if b.startswith("control-") else 1.0, label=b)
+        ax.set_ylabel(f"Δ CE {q}", fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.tick_params(labelsize=7)
+    axes[0, 0].set_title(f"{family}: mean over {len(runs)} seeds (error bars: SD over seeds; faint: each seed)",
+                         fontsize=10)
+    axes[0, 0].legend(fontsize=6, ncol=2, loc="upper left")
+    axes[-1, 0].set_xlabel("tokens", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
     plt.close(fig)
     return table

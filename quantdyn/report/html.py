@@ -78,6 +78,15 @@ def write_report(store_or_run: str | Path, out_dir: str | Path, store: str | Pat
                              "gives the decayed endpoint minus its control, paired over windows, and z = difference/SE. "
                              "A control branched while the main run is itself at constant LR coincides with it "
                              "(same weights, data and LR), so it hides behind the black line."))
+    for family, members in figures.seed_families(rows).items():
+        safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in family)
+        f5 = out / f"seeds_{safe}.png"
+        t5 = figures.seeds(rows, family, members, f5)
+        if t5:
+            sections.append((f"{family}: spread over {len(members)} seeds", f5.name, t5,
+                             f"Runs {', '.join(members)} differ only by seed. Mean Δ CE over the seeds at the steps "
+                             "they all have; error bars are the SD over seeds (with two seeds, |a − b|/√2), faint "
+                             "lines the single seeds. Solid: main run and cooldown branches; dashed: controls."))
     if any(r.get("kind") == "ptq" for r in rows):
         f3 = out / "loss_vs_dce.png"
         color_key = figures.varied_key(rows) if len(runs) > 1 else "branch"

@@ -102,15 +102,55 @@ def run_study(spec: dict, progress: bool = True, echo=print) -> dict:
     echo(f"results store: {store}")
     echo(f"report:        {page}")
     echo("")
-    echo("Decayed endpoint minus its constant-LR control (same tokens, paired over eval windows):")
-    echo(f"  {'run':<12} {'quantizer':<9} {'branch':<24} {'ΔCE decayed':>12} {'ΔCE control':>12} {'difference':>20}  verdict")
+    echo("Decayed endpoint minus its constant-LR control (same tokens, paired over eval windows);")
+    echo("jitter = SD of ΔCE over the run's stable-phase checkpoints:")
+    echo(f"  {'run':<12} {'quantizer':<9} {'branch':<24} {'ΔCE decayed':>12} {'ΔCE control':>12} {'difference':>20}"
+         f" {'jitter':>8}  verdict")
     for t in tables:
-        z = t["z"]
-        verdict = ("decay raises the error" if z > 2 else "decay lowers the error" if z < -2
-                   else "within uncertainty (|z| <= 2)")
+        jit = f"{t['stable_jitter']:.4f}" if t.get("stable_jitter") is not None else "-"
         echo(f"  {t['run']:<12} {t['quantizer']:<9} {t['branch']:<24} {t['delta_ce_decayed']:>12.4f} "
-             f"{t['delta_ce_control']:>12.4f} {t['difference']:>+10.4f} ± {t['difference_se']:.4f}  {verdict}")
-    return {"report": page, "table": tables, "runs": [s["run_dir"] for s in summary]}
+             f"{t['delta_ce_control']:>12.4f} {t['difference']:>+10.4f} ± {t['difference_se']:.4f} {jit:>8}  "
+             f"{_verdict(t['z'])}")
+    across = seed_summary(tables)
+    if across:
+        echo("")
+        echo(f"Across the {across[0]['n_seeds']} seeds (mean difference; ± the within-seed SE "
+             "sqrt(sum SE^2)/k; the seeds' own range):")
+        for a in across:
+            echo(f"  {a['quantizer']:<9} {a['branch']:<24} {a['difference']:>+10.4f} ± {a['difference_se']:.4f}"
+                 f"  seeds {a['min']:+.4f} .. {a['max']:+.4f}  {_verdict(a['z'])}"
+                 + ("" if a["same_sign"] else "  (seeds disagree in sign)"))
+    return {"report": page, "table": tables, "across_seeds": across, "runs": [s["run_dir"] for s in summary]}
+
+
+def _verdict(z: float) -> str:
+    return ("decay raises the error" if z > 2 else "decay lowers the error" if z < -2
+            else "within uncertainty (|z| <= 2)")
+
+
+def seed_summary(tables: list[dict]) -> list[dict]:
+    """Per (quantizer, branch) over runs that differ only by seed: the mean decayed-minus-control difference.
+
+    ``difference_se`` is the within-seed uncertainty of the mean, sqrt(sum SE_i^2)/k; with k = 2-3
+    seeds their spread cannot be estimated, so it is reported as the range, not folded into the SE.
+    Empty unless at least two runs have the same (quantizer, branch)."""
+    import math
+
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for t in tables:
+        groups.setdefault((t["quantizer"], t["branch"]), []).append(t)
+    out = []
+    for (q, b), ts in groups.items():
+        if len(ts) < 2:
+            continue
+        k = len(ts)
+        d = sum(t["difference"] for t in ts) / k
+        se = math.sqrt(sum(t["difference_se"] ** 2 for t in ts)) / k
+        diffs = [t["difference"] for t in ts]
+        out.append({"quantizer": q, "branch": b, "n_seeds": k, "difference": d, "difference_se": se,
+                    "z": d / se if se > 0 else float("nan"), "min": min(diffs), "max": max(diffs),
+                    "same_sign": all(x > 0 for x in diffs) or all(x < 0 for x in diffs)})
+    return out
 
 
 def run_demo(progress: bool = True, echo=print) -> dict:

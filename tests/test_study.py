@@ -1,0 +1,112 @@
+"""`quantdyn study` end to end on a tiny spec (two seeds), the cross-seed summary and the jitter."""
+import math
+
+import pytest
+import yaml
+
+from conftest import tiny_run_dict
+from quantdyn.errors import QuantdynError
+from quantdyn.report.figures import stable_jitter
+from quantdyn.results.store import ResultStore
+from quantdyn.study.demo import load_study_spec, run_study, seed_summary
+
+
+def _spec(tmp_path, data_cfg):
+    run = tiny_run_dict(tmp_path / "runs", data_cfg, steps=8, checkpoint_every=4)
+    run["name"] = "st"
+    run["schedule"] = {"name": "constant", "warmup": 1}
+    return {
+        "run": run,
+        "seeds": [0, 1],
+        "cooldowns": {"from_steps": [4], "decay_steps": 4, "shape": "linear", "control": True},
+        "sweep": {"quantizers": ["rtn2", "rtn4"], "store": str(tmp_path / "store"),
+                  "data": {"calib_samples": 4, "calib_seq_len": 32, "eval_windows": 12, "eval_seq_len": 32}},
+        "report": str(tmp_path / "report"),
+    }
+
+
+@pytest.mark.slow
+def test_study_two_seeds_end_to_end_and_resume(tmp_path, kjv_small):
+    spec = _spec(tmp_path, kjv_small[0])
+    lines: list[str] = []
+    out = run_study(spec, progress=False, echo=lines.append)
+    rows = ResultStore(tmp_path / "store").rows()
+    ptq = [r for r in rows if r["kind"] == "ptq"]
+    # per seed: main steps 4, 8 + cooldown 8 + control 8 = 4 checkpoints x 2 quantizers
+    assert len(ptq) == 16 and {r["run"] for r in ptq} == {"st-s0", "st-s1"}
+    assert {r["seed"] for r in ptq} == {0, 1}
+    assert len(out["table"]) == 4  # 2 runs x 2 quantizers x 1 branch
+    for t in out["table"]:
+        end = [r for r in ptq if r["run"] == t["run"] and r["quantizer"] == t["quantizer"] and r["step"] == 8]
+        dec = next(r for r in end if r["ckpt_kind"] == "cooldown")
+        ctl = next(r for r in end if r["branch"].startswith("control-"))
+        assert t["difference"] == pytest.approx(dec["delta_ce"] - ctl["delta_ce"], abs=1e-6)
+        assert t["difference_se"] > 0 and t["stable_jitter"] is None  # only 2 stable checkpoints here
+    across = out["across_seeds"]
+    assert len(across) == 2 and all(a["n_seeds"] == 2 for a in across)
+    for a in across:
+        ts = [t for t in out["table"] if t["quantizer"] == a["quantizer"]]
+        assert a["difference"] == pytest.approx(sum(t["difference"] for t in ts) / 2)
+        assert a["difference_se"] == pytest.approx(math.hypot(*(t["difference_se"] for t in ts)) / 2)
+    text = "\n".join(lines)
+    assert "Across the 2 seeds" in text and "st-s1" in text
+    assert (tmp_path / "report" / "index.html").is_file()
+    pngs = {p.name for p in (tmp_path / "report").glob("*.png")}
+    assert {f"{k}_st-s{s}.png" for k in ("trajectory", "rainbow") for s in (0, 1)} | {"seeds_st.png"} <= pngs, pngs
+    assert "st: spread over 2 seeds" in (tmp_path / "report" / "index.html").read_text()
+    # a rerun trains nothing and writes no rows
+    lines.clear()
+    again = run_study(spec, progress=False, echo=lines.append)
+    assert not any(line.startswith("[1/4]") for line in lines)
+    assert len(ResultStore(tmp_path / "store").rows()) == len(rows)
+    assert again["table"] == out["table"]
+
+
+def test_study_spec_errors(tmp_path):
+    p = tmp_path / "s.yaml"
+    p.write_text(yaml.safe_dump({"run": {}, "seed": [0]}))
+    with pytest.raises(QuantdynError, match="unknown study key 'seed'.*seeds"):
+        load_study_spec(p)
+    p.write_text(yaml.safe_dump({"seeds": [0]}))
+    with pytest.raises(QuantdynError, match="no 'run' section"):
+        load_study_spec(p)
+
+
+def test_stable_jitter_uses_only_peak_lr_main_checkpoints():
+    def row(step, lr, dce, branch="main", decaying=False):
+        return {"branch": branch, "step": step, "lr": lr, "delta_ce": dce, "decaying": decaying}
+
+    vals = [0.010, 0.014, 0.012, 0.020]
+    rows = [row(1, 1e-4, 9.0)]  # warmup
+    rows += [row(10 * (i + 1), 3e-3, v) for i, v in enumerate(vals)]
+    rows += [row(60, 1e-3, 5.0, decaying=True), row(70, 3e-3, 7.0, branch="control-s40-d20")]
+    m = sum(vals) / 4
+    assert stable_jitter(rows) == pytest.approx(math.sqrt(sum((v - m) ** 2 for v in vals) / 3))
+    assert stable_jitter(rows[:3]) is None
+
+
+def test_seed_summary_needs_two_runs_and_flags_disagreement():
+    t = [{"quantizer": "rtn2", "branch": "b", "difference": 0.02, "difference_se": 0.003},
+         {"quantizer": "rtn2", "branch": "b", "difference": -0.01, "difference_se": 0.004},
+         {"quantizer": "gptq3", "branch": "b", "difference": 0.01, "difference_se": 0.001}]
+    (a,) = seed_summary(t)
+    assert a["quantizer"] == "rtn2" and a["difference"] == pytest.approx(0.005)
+    assert a["difference_se"] == pytest.approx(0.0025) and not a["same_sign"]
+    assert a["min"] == -0.01 and a["max"] == 0.02
+
+
+def test_seed_families_and_seed_table(tmp_path):
+    from quantdyn.report.figures import seed_families, seeds
+
+    def row(run, seed, step, dce, branch="main"):
+        return {"kind": "ptq", "run": run, "seed": seed, "step": step, "tokens": step * 10, "branch": branch,
+                "quantizer": "rtn2", "bits": 2, "delta_ce": dce, "delta_ce_se": 0.001}
+
+    rows = [row("a-s0", 0, 1, 0.10), row("a-s0", 0, 2, 0.20), row("a-s1", 1, 1, 0.14), row("a-s1", 1, 2, 0.22),
+            row("a-s1", 1, 3, 0.30), row("b-lr1e-3", 0, 1, 0.5), row("c-s5", 5, 1, 0.4)]
+    fam = seed_families(rows)
+    assert fam == {"a": ["a-s0", "a-s1"]}  # b has no seed suffix, c has one seed
+    t = seeds(rows, "a", fam["a"], tmp_path / "s.png")
+    assert [r["step"] for r in t] == [1, 2]  # step 3 exists for one seed only
+    assert t[0]["delta_ce_mean"] == pytest.approx(0.12) and t[0]["delta_ce_seed_sd"] == pytest.approx(0.04 / math.sqrt(2))
+    assert (tmp_path / "s.png").is_file()
