@@ -1,6 +1,8 @@
 """Cost per checkpoint of a sweep, split into load / quantize / evaluate, and
 its growth from 5 to 20 checkpoints (should be linear: tokens are prepared
-once, never per checkpoint).
+once, never per checkpoint), and the evaluation time with the quantized
+copies of a checkpoint evaluated together (one FP forward per batch, the
+default) against one at a time (``eval_group: 1``), on the same 5 checkpoints.
 
     .venv/bin/python bench/sweep_cost.py [--quantizers gptq3,rtn4] [--windows 100]
 
@@ -26,8 +28,9 @@ from quantdyn.train.config import RunConfig
 from quantdyn.train.trainer import train
 
 
-def sweep_cost(ckpts: list[str], store: Path, quantizers: list[str], windows: int) -> dict:
+def sweep_cost(ckpts: list[str], store: Path, quantizers: list[str], windows: int, eval_group: int = 8) -> dict:
     cfg = from_dict(SweepConfig, {"trajectory": {"checkpoints": ckpts}, "quantizers": quantizers, "store": str(store),
+                                  "eval_group": eval_group,
                                   "data": {"calib_samples": 16, "calib_seq_len": 128, "eval_windows": windows,
                                            "eval_seq_len": 128}})
     t0 = time.perf_counter()
@@ -66,6 +69,7 @@ def main() -> None:
         sweep_cost(ckpts[:1], Path(tmp) / "warm", qs, a.windows)
         c5 = sweep_cost(ckpts[:5], Path(tmp) / "s5", qs, a.windows)
         c20 = sweep_cost(ckpts[:20], Path(tmp) / "s20", qs, a.windows)
+        c5_one = sweep_cost(ckpts[:5], Path(tmp) / "s5one", qs, a.windows, eval_group=1)
     print(f"threads {torch.get_num_threads()}  quantizers {qs}  eval {a.windows} windows x 128 tokens  "
           f"(training the 20-checkpoint run took {t_train:.1f}s)")
     for c in (c5, c20):
@@ -73,6 +77,11 @@ def main() -> None:
         print(f"{c['n']:>2} checkpoints: {c['wall']:7.1f}s total, {c['per_ckpt']:6.2f}s/ckpt "
               f"(load {p['load']:.2f}  quantize {p['quantize']:.2f}  evaluate {p['evaluate']:.2f})")
     print(f"per-checkpoint cost, 20 vs 5: ratio {c20['per_ckpt'] / c5['per_ckpt']:.3f}  (goal ~1.0: linear growth)")
+    p1 = c5_one["parts"]
+    print(f" 5 checkpoints, one quantized copy at a time: {c5_one['wall']:7.1f}s total "
+          f"(quantize {p1['quantize']:.2f}  evaluate {p1['evaluate']:.2f} s/ckpt)")
+    print(f"evaluation time, together vs one at a time: ratio {c5['parts']['evaluate'] / p1['evaluate']:.3f}  "
+          f"(ideal with k quantizers: (k + 1) / 2k)")
 
 
 if __name__ == "__main__":
