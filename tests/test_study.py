@@ -72,17 +72,23 @@ def test_study_spec_errors(tmp_path):
         load_study_spec(p)
 
 
-def test_stable_jitter_uses_only_peak_lr_main_checkpoints():
+def test_stable_jitter_is_detrended_and_uses_only_peak_lr_main_checkpoints():
     def row(step, lr, dce, branch="main", decaying=False):
-        return {"branch": branch, "step": step, "lr": lr, "delta_ce": dce, "decaying": decaying}
+        return {"branch": branch, "step": step, "tokens": 100 * step, "lr": lr, "delta_ce": dce,
+                "decaying": decaying}
 
-    vals = [0.010, 0.014, 0.012, 0.020]
+    noise = [0.002, -0.001, -0.002, 0.001, 0.0]
     rows = [row(1, 1e-4, 9.0)]  # warmup
-    rows += [row(10 * (i + 1), 3e-3, v) for i, v in enumerate(vals)]
+    rows += [row(10 * (i + 1), 3e-3, 0.01 + 0.003 * i + e) for i, e in enumerate(noise)]  # drift + noise
     rows += [row(60, 1e-3, 5.0, decaying=True), row(70, 3e-3, 7.0, branch="control-s40-d20")]
-    m = sum(vals) / 4
-    assert stable_jitter(rows) == pytest.approx(math.sqrt(sum((v - m) ** 2 for v in vals) / 3))
-    assert stable_jitter(rows[:3]) is None
+    import numpy as np
+
+    x = np.array([1000.0 * (i + 1) for i in range(5)])
+    y = np.array([0.01 + 0.003 * i + e for i, e in enumerate(noise)])
+    res = y - np.polyval(np.polyfit(x, y, 1), x)
+    assert stable_jitter(rows) == pytest.approx(float(np.sqrt((res ** 2).sum() / 3)))
+    assert stable_jitter(rows) < 0.003  # the drift is not counted as jitter
+    assert stable_jitter(rows[:4]) is None  # fewer than 4 stable checkpoints
 
 
 def test_seed_summary_needs_two_runs_and_flags_disagreement():

@@ -155,19 +155,26 @@ def loss_vs_dce(rows: list[dict], out: Path, color_key: str = "run") -> list[dic
 
 
 def stable_jitter(rows: list[dict]) -> float | None:
-    """SD of Δ CE over the main run's stable-phase checkpoints (peak LR, after warmup, not decaying).
+    """Checkpoint-to-checkpoint scatter of Δ CE over the main run's stable phase (peak LR, after warmup,
+    not decaying): the SD of the residuals about a least-squares line in tokens (n − 2 degrees of freedom).
 
-    The checkpoint-to-checkpoint scatter that a decay effect must exceed to be told apart from it
-    (it also holds any slow drift over the stable phase); None with fewer than 3 such checkpoints."""
-    main = [r for r in rows if r.get("branch") == "main" and r.get("lr") is not None and not r.get("decaying")]
+    Δ CE drifts over the stable phase (at constant LR it usually grows with tokens); the line removes
+    that drift, which the constant-LR control already carries in a decayed-minus-control difference, so
+    what is left is the noise that such a difference must exceed.  None with fewer than 4 checkpoints."""
+    main = [r for r in rows if r.get("branch") == "main" and r.get("lr") is not None and not r.get("decaying")
+            and r.get("tokens") is not None]
     if not main:
         return None
     peak = max(r["lr"] for r in main)
-    vals = [r["delta_ce"] for r in main if r["lr"] >= peak * (1 - 1e-6)]
-    if len(vals) < 3:
+    pts = [(float(r["tokens"]), r["delta_ce"]) for r in main if r["lr"] >= peak * (1 - 1e-6)]
+    if len(pts) < 4:
         return None
-    m = sum(vals) / len(vals)
-    return math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1))
+    n = len(pts)
+    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    slope = sum((x - mx) * (y - my) for x, y in pts) / sxx if sxx > 0 else 0.0
+    res = [y - my - slope * (x - mx) for x, y in pts]
+    return math.sqrt(sum(e * e for e in res) / (n - 2))
 
 
 def rainbow_table(rows: list[dict], run: str) -> list[dict]:

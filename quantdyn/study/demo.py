@@ -103,7 +103,7 @@ def run_study(spec: dict, progress: bool = True, echo=print) -> dict:
     echo(f"report:        {page}")
     echo("")
     echo("Decayed endpoint minus its constant-LR control (same tokens, paired over eval windows);")
-    echo("jitter = SD of ΔCE over the run's stable-phase checkpoints:")
+    echo("jitter = SD of ΔCE about a line through the run's stable-phase checkpoints:")
     echo(f"  {'run':<12} {'quantizer':<9} {'branch':<24} {'ΔCE decayed':>12} {'ΔCE control':>12} {'difference':>20}"
          f" {'jitter':>8}  verdict")
     for t in tables:
