@@ -47,7 +47,9 @@ def test_study_two_seeds_end_to_end_and_resume(tmp_path, kjv_small):
     for a in across:
         ts = [t for t in out["table"] if t["quantizer"] == a["quantizer"]]
         assert a["difference"] == pytest.approx(sum(t["difference"] for t in ts) / 2)
-        assert a["difference_se"] == pytest.approx(math.hypot(*(t["difference_se"] for t in ts)) / 2)
+        assert a["within_se"] == pytest.approx(math.hypot(*(t["difference_se"] for t in ts)) / 2)
+        assert a["between_se"] == pytest.approx(abs(ts[0]["difference"] - ts[1]["difference"]) / 2)
+        assert a["difference_se"] == max(a["within_se"], a["between_se"])
     text = "\n".join(lines)
     assert "Across the 2 seeds" in text and "st-s1" in text
     assert (tmp_path / "report" / "index.html").is_file()
@@ -97,8 +99,12 @@ def test_seed_summary_needs_two_runs_and_flags_disagreement():
          {"quantizer": "gptq3", "branch": "b", "difference": 0.01, "difference_se": 0.001}]
     (a,) = seed_summary(t)
     assert a["quantizer"] == "rtn2" and a["difference"] == pytest.approx(0.005)
-    assert a["difference_se"] == pytest.approx(0.0025) and not a["same_sign"]
+    assert a["within_se"] == pytest.approx(0.0025) and a["between_se"] == pytest.approx(0.015)
+    assert a["difference_se"] == pytest.approx(0.015) and not a["same_sign"]  # the seeds' spread dominates
     assert a["min"] == -0.01 and a["max"] == 0.02
+    t[1] = {**t[1], "difference": 0.0201}  # seeds agree: the window SE dominates
+    (a,) = seed_summary(t)
+    assert a["difference_se"] == pytest.approx(a["within_se"]) and a["same_sign"]
 
 
 def test_seed_families_and_seed_table(tmp_path):

@@ -114,12 +114,12 @@ def run_study(spec: dict, progress: bool = True, echo=print) -> dict:
     across = seed_summary(tables)
     if across:
         echo("")
-        echo(f"Across the {across[0]['n_seeds']} seeds (mean difference; ± the within-seed SE "
-             "sqrt(sum SE^2)/k; the seeds' own range):")
+        echo(f"Across the {across[0]['n_seeds']} seeds: mean difference ± the larger of the within-seed SE "
+             "(windows) and the between-seed SE (seed spread):")
         for a in across:
             echo(f"  {a['quantizer']:<9} {a['branch']:<24} {a['difference']:>+10.4f} ± {a['difference_se']:.4f}"
-                 f"  seeds {a['min']:+.4f} .. {a['max']:+.4f}  {_verdict(a['z'])}"
-                 + ("" if a["same_sign"] else "  (seeds disagree in sign)"))
+                 f"  (within {a['within_se']:.4f}, between {a['between_se']:.4f}; seeds {a['min']:+.4f} .. "
+                 f"{a['max']:+.4f})  {_verdict(a['z'])}" + ("" if a["same_sign"] else "  (seeds disagree in sign)"))
     return {"report": page, "table": tables, "across_seeds": across, "runs": [s["run_dir"] for s in summary]}
 
 
@@ -131,8 +131,10 @@ def _verdict(z: float) -> str:
 def seed_summary(tables: list[dict]) -> list[dict]:
     """Per (quantizer, branch) over runs that differ only by seed: the mean decayed-minus-control difference.
 
-    ``difference_se`` is the within-seed uncertainty of the mean, sqrt(sum SE_i^2)/k; with k = 2-3
-    seeds their spread cannot be estimated, so it is reported as the range, not folded into the SE.
+    Two uncertainties of the mean: ``within_se`` = sqrt(sum SE_i^2)/k from the evaluation windows, and
+    ``between_se`` = SD over seeds / sqrt(k) from the seeds' spread (with k = 2, |a − b| / 2 — itself a
+    rough estimate).  ``difference_se`` is the larger of the two, and z uses it, so a difference that
+    holds within each seed but changes a lot between seeds is not over-claimed.
     Empty unless at least two runs have the same (quantizer, branch)."""
     import math
 
@@ -144,14 +146,13 @@ def seed_summary(tables: list[dict]) -> list[dict]:
         if len(ts) < 2:
             continue
         k = len(ts)
-        d = sum(t["difference"] for t in ts) / k
-        se = math.sqrt(sum(t["difference_se"] ** 2 for t in ts)) / k
         diffs = [t["difference"] for t in ts]
+        d = sum(diffs) / k
+        within = math.sqrt(sum(t["difference_se"] ** 2 for t in ts)) / k
+        between = math.sqrt(sum((x - d) ** 2 for x in diffs) / (k - 1)) / math.sqrt(k)
+        se = max(within, between)
         out.append({"quantizer": q, "branch": b, "n_seeds": k, "difference": d, "difference_se": se,
-                    "z": d / se if se > 0 else float("nan"), "min": min(diffs), "max": max(diffs),
+                    "within_se": within, "between_se": between, "z": d / se if se > 0 else float("nan"),
+                    "min": min(diffs), "max": max(diffs),
                     "same_sign": all(x > 0 for x in diffs) or all(x < 0 for x in diffs)})
     return out
-
-
-def run_demo(progress: bool = True, echo=print) -> dict:
-    return run_study(demo_spec(), progress=progress, echo=echo)
