@@ -290,19 +290,30 @@ def seeds(rows: list[dict], family: str, runs: list[str], out: Path) -> list[dic
             steps = sorted(set.intersection(*(set(v) for v in per_run.values())))
             if not steps:
                 continue
+            parent = next(iter(per_run[runs[0]].values())).get("parent_step") if b != "main" else None
+            mains = {run: {r["step"]: r for r in mine if r["run"] == run and r["branch"] == "main"
+                           and r["quantizer"] == q} for run in runs}
+            if parent is not None and all(parent in mains[run] for run in runs):
+                for run in runs:  # draw the branch from the checkpoint it starts at (not a table row)
+                    per_run[run] = {parent: mains[run][parent], **per_run[run]}
+                lines = [parent] + steps
+            else:
+                lines = steps
             style = "^--" if b.startswith("control-") else "o-"
             col = colour.get(b, "0.4")
             for run in runs:
-                ax.plot([per_run[run][s]["tokens"] for s in steps], [per_run[run][s]["delta_ce"] for s in steps],
+                ax.plot([per_run[run][s]["tokens"] for s in lines], [per_run[run][s]["delta_ce"] for s in lines],
                         style[1:], color=col, lw=0.6, alpha=0.3)
             xs, ms, sds = [], [], []
-            for s in steps:
+            for s in lines:
                 vals = [per_run[run][s]["delta_ce"] for run in runs]
                 m = sum(vals) / len(vals)
                 sd = math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1))
                 xs.append(per_run[runs[0]][s]["tokens"])
                 ms.append(m)
                 sds.append(sd)
+                if s not in steps:
+                    continue
                 table.append({"family": family, "quantizer": q, "branch": b, "step": s, "tokens": xs[-1],
                               "n_seeds": len(vals), "delta_ce_mean": m, "delta_ce_seed_sd": sd,
                               "delta_ce_min": min(vals), "delta_ce_max": max(vals)})
