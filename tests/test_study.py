@@ -122,3 +122,29 @@ def test_seed_families_and_seed_table(tmp_path):
     assert [r["step"] for r in t] == [1, 2]  # step 3 exists for one seed only
     assert t[0]["delta_ce_mean"] == pytest.approx(0.12) and t[0]["delta_ce_seed_sd"] == pytest.approx(0.04 / math.sqrt(2))
     assert (tmp_path / "s.png").is_file()
+
+
+def test_demo_and_study_commands_run_the_pipeline(tmp_path, monkeypatch):
+    """`quantdyn demo` runs the embedded spec and `quantdyn study` a file's, through run_study."""
+    from typer.testing import CliRunner
+
+    import quantdyn.study.demo as demo
+    from quantdyn.cli import app
+    from quantdyn.config import from_dict
+    from quantdyn.study.sweep import SweepConfig
+    from quantdyn.train.config import RunConfig
+
+    seen = []
+    monkeypatch.setattr(demo, "run_study", lambda spec, progress=True, echo=print: seen.append(spec) or {})
+    runner = CliRunner()
+    assert runner.invoke(app, ["demo", "--quiet"]).exit_code == 0
+    spec = seen[-1]
+    assert spec == demo.demo_spec() and set(spec) <= demo.SPEC_KEYS
+    from_dict(RunConfig, spec["run"])  # the embedded spec is valid
+    from_dict(SweepConfig, {**spec["sweep"], "trajectory": {"run": "x"}})
+    assert spec["cooldowns"]["control"] and len(spec["cooldowns"]["from_steps"]) >= 2
+    assert {"rtn2", "rtn3", "gptq3", "gptq4", "rtn4"} <= set(spec["sweep"]["quantizers"])
+    p = tmp_path / "s.yaml"
+    p.write_text(yaml.safe_dump({"run": {"name": "x"}, "seeds": [0, 1]}))
+    assert runner.invoke(app, ["study", str(p), "--quiet"]).exit_code == 0
+    assert seen[-1] == {"run": {"name": "x"}, "seeds": [0, 1]}

@@ -156,3 +156,7 @@ def seed_summary(tables: list[dict]) -> list[dict]:
                     "min": min(diffs), "max": max(diffs),
                     "same_sign": all(x > 0 for x in diffs) or all(x < 0 for x in diffs)})
     return out
+
+
+def run_demo(progress: bool = True, echo=print) -> dict:
+    return run_study(demo_spec(), progress=progress, echo=echo)
