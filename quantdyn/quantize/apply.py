@@ -319,8 +319,11 @@ def quantize_model(
                     rows.append(_row(b, name, full, W, res, stats[name], cfg))
                     _pack(packed, full, res)
                     stats[name] = None
-            hiddens = [_block_output(block(hidden, *block_args(b, i)[0], **block_args(b, i)[1]))
-                       for i, hidden in enumerate(hiddens)]
+            nxt = []
+            for i, hidden in enumerate(hiddens):
+                rest, kw = block_args(b, i)
+                nxt.append(_block_output(block(hidden, *rest, **kw)))
+            hiddens = nxt
             _move([block], home if move else None)
             if progress:
                 log.info("quantize %s: block %d/%d done", cfg.name, b + 1, len(blocks))

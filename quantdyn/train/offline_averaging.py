@@ -474,7 +474,7 @@ def interpolate_checkpoints(
     data (validation split for evaluation, calibration split for PTQ).
     """
     from quantdyn.evaluate.loss import window_losses
-    from quantdyn.evaluate.quant_error import _se, compare_models
+    from quantdyn.evaluate.quant_error import _se, compare_many
     from quantdyn.quantize.apply import num_threads, quantize_model
     from quantdyn.quantize.config import parse_quantizer
     from quantdyn.config import config_hash, to_dict
@@ -541,13 +541,16 @@ def interpolate_checkpoints(
         }
         if not qcfgs:
             rows.append({**base, "key": _row_key(h, alpha, "fp", eval_hash), "quantizer": None, "n_windows": len(fp_ce)})
+        qmodels = {}
         for label, qc in qcfgs:
-            qmodel = copy.deepcopy(model)
+            qmodels[label] = copy.deepcopy(model)
             with num_threads(quantize_threads if dev.type == "cpu" else torch.get_num_threads()):
-                quantize_model(qmodel, calib_ids, qc, device=dev, progress=False)
-            m = compare_models(model, qmodel, eval_ids, fp_window_ce=fp_ce, batch_size=batch_size)
-            del qmodel
-            rows.append({**base, **m, "key": _row_key(h, alpha, f"ptq:{config_hash(qc)}:{calib_hash}", eval_hash),
+                quantize_model(qmodels[label], calib_ids, qc, device=dev, progress=False)
+        metrics = compare_many(model, qmodels, eval_ids, fp_window_ce=fp_ce, batch_size=batch_size) if qmodels else {}
+        del qmodels
+        for label, qc in qcfgs:
+            rows.append({**base, **metrics[label],
+                         "key": _row_key(h, alpha, f"ptq:{config_hash(qc)}:{calib_hash}", eval_hash),
                          "quantizer": label, "method": qc.method, "bits": qc.bits, "group_size": qc.group_size,
                          "quant_config": to_dict(qc), "quant_config_hash": config_hash(qc)})
         model = model.cpu()
