@@ -105,7 +105,9 @@ class SweepConfig:
     batch_size: int = 16
     """Evaluation batch size."""
     quantize_threads: int = 1
-    """torch threads while quantizing on CPU (the GPTQ column loop is fastest single-threaded)."""
+    """torch threads while quantizing on CPU: 1 (default) makes the codes independent of the machine's thread
+    count (BLAS rounds differently with more threads); 0 = torch's setting, ~1.75x faster for a whole model
+    on an idle 2-core CPU (BENCHMARKS.md). The GPTQ column loop itself always runs single-threaded."""
     analysis: tuple[str, ...] = ()
     """Extra per-checkpoint metrics: hessian, outliers, propagation."""
     analysis_budget: AnalysisConfig = field(default_factory=AnalysisConfig)
