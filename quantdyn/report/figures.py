@@ -12,6 +12,7 @@ except in ``seeds``.
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 
 import matplotlib
@@ -284,6 +285,8 @@ def seeds(rows: list[dict], family: str, runs: list[str], out: Path) -> list[dic
     fig, axes = plt.subplots(len(qs), 1, figsize=(7.5, 2.1 * len(qs) + 0.6), sharex=True, squeeze=False)
     table = []
     for ax, q in zip(axes[:, 0], qs):
+        mains = {run: {r["step"]: r for r in mine if r["run"] == run and r["branch"] == "main" and r["quantizer"] == q}
+                 for run in runs}
         for b in branches:
             per_run = {run: {r["step"]: r for r in mine if r["run"] == run and r["branch"] == b and r["quantizer"] == q}
                        for run in runs}
@@ -291,8 +294,6 @@ def seeds(rows: list[dict], family: str, runs: list[str], out: Path) -> list[dic
             if not steps:
                 continue
             parent = next(iter(per_run[runs[0]].values())).get("parent_step") if b != "main" else None
-            mains = {run: {r["step"]: r for r in mine if r["run"] == run and r["branch"] == "main"
-                           and r["quantizer"] == q} for run in runs}
             if parent is not None and all(parent in mains[run] for run in runs):
                 for run in runs:  # draw the branch from the checkpoint it starts at (not a table row)
                     per_run[run] = {parent: mains[run][parent], **per_run[run]}
@@ -307,8 +308,7 @@ def seeds(rows: list[dict], family: str, runs: list[str], out: Path) -> list[dic
             xs, ms, sds = [], [], []
             for s in lines:
                 vals = [per_run[run][s]["delta_ce"] for run in runs]
-                m = sum(vals) / len(vals)
-                sd = math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1))
+                m, sd = statistics.fmean(vals), statistics.stdev(vals)
                 xs.append(per_run[runs[0]][s]["tokens"])
                 ms.append(m)
                 sds.append(sd)

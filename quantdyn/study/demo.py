@@ -137,6 +137,7 @@ def seed_summary(tables: list[dict]) -> list[dict]:
     holds within each seed but changes a lot between seeds is not over-claimed.
     Empty unless at least two runs have the same (quantizer, branch)."""
     import math
+    import statistics
 
     groups: dict[tuple[str, str], list[dict]] = {}
     for t in tables:
@@ -147,9 +148,9 @@ def seed_summary(tables: list[dict]) -> list[dict]:
             continue
         k = len(ts)
         diffs = [t["difference"] for t in ts]
-        d = sum(diffs) / k
+        d = statistics.fmean(diffs)
         within = math.sqrt(sum(t["difference_se"] ** 2 for t in ts)) / k
-        between = math.sqrt(sum((x - d) ** 2 for x in diffs) / (k - 1)) / math.sqrt(k)
+        between = statistics.stdev(diffs) / math.sqrt(k)
         se = max(within, between)
         out.append({"quantizer": q, "branch": b, "n_seeds": k, "difference": d, "difference_se": se,
                     "within_se": within, "between_se": between, "z": d / se if se > 0 else float("nan"),

@@ -241,7 +241,7 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True)
     eval_hash = data.token_hash("val", d.eval_seq_len, d.eval_windows)
     calib_hash = hashlib.sha1(f"{data.data_hash}:{d.calib_samples}:{d.calib_seq_len}:{d.calib_seed}".encode()).hexdigest()[:12]
     done = store.keys()
-    acc_done = store.keys("sweep_acc_key")
+    acc_done = store.keys("sweep_acc_key") if cfg.eval_tasks else set()  # a second read of the store only if needed
     written = skipped = 0
     timings = []
     mine = [p for k, p in enumerate(points) if k % n == i]
