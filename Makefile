@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast test-isa bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/pytest -q --timeout=900
+
+# The numerics tests (fixtures from the reference, Hessians, quantizer invariants) again under other MKL
+# code paths: a fixture that holds on one instruction set only then fails on every machine, not just on some.
+# MKL_ENABLE_INSTRUCTIONS caps the ISA on Intel CPUs; MKL_CBWR=COMPATIBLE changes the GEMM rounding on AMD too.
+test-isa: $(STAMP)
+	MKL_ENABLE_INSTRUCTIONS=SSE4_2 $(VENV)/bin/pytest -q -m numerics -p no:cacheprovider
+	MKL_ENABLE_INSTRUCTIONS=AVX2 $(VENV)/bin/pytest -q -m numerics -p no:cacheprovider
+	MKL_CBWR=COMPATIBLE $(VENV)/bin/pytest -q -m numerics -p no:cacheprovider
 
 test-fast: $(STAMP)
 	$(VENV)/bin/pytest -q -m "not slow"

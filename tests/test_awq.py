@@ -11,6 +11,8 @@ from quantdyn.quantize.gptq import stats_from
 from quantdyn.quantize.primitives import dequantize_weight, layer_loss
 from quantdyn.quantize.rtn import rtn
 
+pytestmark = pytest.mark.numerics  # rerun under other MKL code paths by `make test-isa`
+
 
 def outlier_layer(seed=0):
     g = torch.Generator().manual_seed(seed)

@@ -19,6 +19,8 @@ from quantdyn.analysis.hessian import (
 from quantdyn.errors import QuantdynError
 from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config
 
+pytestmark = pytest.mark.numerics  # rerun under other MKL code paths by `make test-isa`
+
 
 def _spd(eigs: list[float], seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)

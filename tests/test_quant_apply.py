@@ -15,6 +15,8 @@ from quantdyn.quantize import QuantConfig
 from quantdyn.quantize.apply import quantize_model, save_quantized
 from quantdyn.quantize.rtn import rtn
 
+pytestmark = pytest.mark.numerics  # rerun under other MKL code paths by `make test-isa`
+
 V = 128
 
 

@@ -19,6 +19,8 @@ from quantdyn.quantize.primitives import (
 )
 from quantdyn.quantize.rtn import rtn
 
+pytestmark = pytest.mark.numerics  # rerun under other MKL code paths by `make test-isa`
+
 
 def test_grid_asym_and_sym_by_hand():
     x = torch.tensor([[-1.0, 0.5, 2.0], [0.5, 1.0, 3.0], [0.0, 0.0, 0.0]])
