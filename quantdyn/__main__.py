@@ -1,0 +1,4 @@
+"""``python -m quantdyn`` runs the console script."""
+from quantdyn.cli import main
+
+main()

@@ -1,0 +1,178 @@
+"""Commands that quantize and measure: quantize, sweep, eval, interpolate, analyze."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from quantdyn.cli.app import app, echo_json
+from quantdyn.errors import QuantdynError
+
+
+# --------------------------------------------------------------- quantize
+@app.command()
+def quantize(
+    model: str = typer.Argument(..., help="Local HF dir, quantdyn checkpoint, or hub-id[@revision]."),
+    method: str = typer.Option("gptq", "--method", help="rtn | gptq | awq"),
+    bits: int = typer.Option(4, "--bits", help="2..8"),
+    group_size: int = typer.Option(128, "--group-size", help="0 = one group per row"),
+    preset: Optional[str] = typer.Option(None, "--preset", help="reference | gptqmodel | gptqmodel-v5"),
+    calib_data: str = typer.Option("builtin:kjv", "--calib-data", help="Any quantdyn data source."),
+    calib_samples: int = typer.Option(32, "--calib-samples"),
+    calib_seq_len: int = typer.Option(128, "--calib-seq-len"),
+    eval_data: Optional[str] = typer.Option(None, "--eval-data", help="Default: same as --calib-data."),
+    eval_tokens: int = typer.Option(25600, "--eval-tokens", help="Held-out tokens for the error."),
+    eval_seq_len: int = typer.Option(128, "--eval-seq-len"),
+    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Default: the model's own tokenizer."),
+    save: Optional[Path] = typer.Option(None, "--save", help="Write the fake-quantized model + codes here."),
+    device: str = typer.Option("auto", "--device"),
+    as_json: bool = typer.Option(False, "--json", help="Print the result row as one JSON object."),
+):
+    """Quantize one model and measure Δ CE, Δ PPL, KL and agreement on held-out text."""
+    from quantdyn.study.single import quantize_one
+
+    row = quantize_one(model, method=method, bits=bits, group_size=group_size, preset=preset, calib_data=calib_data,
+                       calib_samples=calib_samples, calib_seq_len=calib_seq_len, eval_data=eval_data,
+                       eval_tokens=eval_tokens, eval_seq_len=eval_seq_len, tokenizer=tokenizer, save=save,
+                       device=device, progress=not as_json)
+    if as_json:
+        echo_json({k: v for k, v in row.items() if k != "window_delta"})
+        return
+    typer.echo(f"model {model}  quantizer {row['quantizer']}  ({row['n_windows']} windows x {eval_seq_len} tokens)")
+    typer.echo(f"  {'':<12}{'FP':>10}{'quantized':>12}{'delta':>12}")
+    typer.echo(f"  {'CE (nats)':<12}{row['ce_fp']:>10.4f}{row['ce_q']:>12.4f}{row['delta_ce']:>+12.4f}  ± {row['delta_ce_se']:.4f}")
+    import math as _m
+    typer.echo(f"  {'perplexity':<12}{_m.exp(row['ce_fp']):>10.3f}{_m.exp(row['ce_q']):>12.3f}{row['delta_ppl']:>+12.3f}")
+    typer.echo(f"  KL(FP||Q) {row['kl']:.5f} nats/token   top-1 agreement {row['top1_agree']:.4f}   "
+               f"quantize {row['t_quantize']:.1f}s")
+    if save:
+        typer.echo(f"saved: {save}")
+
+
+# ------------------------------------------------------------------ sweep
+@app.command()
+def sweep(
+    spec: Optional[Path] = typer.Argument(None, help="Sweep spec YAML."),
+    run: Optional[str] = typer.Option(None, "--run", help="Trajectory: a quantdyn run directory."),
+    checkpoints: Optional[List[str]] = typer.Option(None, "--checkpoint", help="Trajectory: checkpoint dirs/globs."),
+    hub: Optional[str] = typer.Option(None, "--hub", help="Trajectory: hub model id."),
+    revisions: Optional[str] = typer.Option(None, "--revisions", help="Comma-separated hub revisions."),
+    revision_pattern: Optional[str] = typer.Option(None, "--revision-pattern", help="Regex over hub refs."),
+    quantizers: Optional[str] = typer.Option(None, "--quantizers", help="e.g. gptq3,gptq4,rtn4"),
+    store: Optional[str] = typer.Option(None, "--store", help="Results store directory."),
+    shard: Optional[str] = typer.Option(None, "--shard", help="i/n (default: torchrun rank or SLURM array)."),
+    quiet: bool = typer.Option(False, "--quiet"),
+):
+    """Quantize every checkpoint of a trajectory with a grid of quantizers; rows go to the store."""
+    from quantdyn.config import load_yaml
+    from quantdyn.study.sweep import SweepConfig, run_sweep
+    from quantdyn.config import from_dict
+
+    data = load_yaml(spec) if spec else {}
+    traj = dict(data.get("trajectory", {}))
+    if run or checkpoints or hub:
+        traj = {k: v for k, v in traj.items() if k == "schedule"}
+        traj.update({"run": run or "", "checkpoints": list(checkpoints or []), "hub": hub or "",
+                     "revisions": [r for r in (revisions or "").split(",") if r], "revision_pattern": revision_pattern or ""})
+    if traj:
+        data["trajectory"] = traj
+    if quantizers:
+        data["quantizers"] = [q for q in quantizers.split(",") if q]
+    if store:
+        data["store"] = store
+    if not spec and not traj:
+        raise QuantdynError("give a sweep spec YAML or a trajectory (--run, --checkpoint or --hub)")
+    cfg = from_dict(SweepConfig, data)
+    out = run_sweep(cfg, shard=shard, progress=not quiet)
+    typer.echo(f"sweep: {out['written']} rows written, {out['skipped']} already done, store {cfg.store}")
+
+
+@app.command()
+def analyze(
+    checkpoints: List[str] = typer.Argument(..., help="Checkpoint directories or run directories."),
+    metrics: str = typer.Option("hessian,outliers,propagation", "--metrics", help="Comma-separated analyses."),
+    quantizers: str = typer.Option("gptq3,rtn4", "--quantizers", help="Quantizers for the propagation analysis."),
+    store: str = typer.Option("results", "--store"),
+    windows: int = typer.Option(8, "--windows", help="Windows per analysis (held-out / calibration)."),
+    probes: int = typer.Option(50, "--probes", help="Hutchinson probe budget."),
+    seq_len: int = typer.Option(128, "--seq-len", help="Tokens per window."),
+    as_json: bool = typer.Option(False, "--json", help="Also print the rows as a JSON array."),
+    quiet: bool = typer.Option(False, "--quiet"),
+):
+    """Hessian trace / top eigenvalue, outlier metrics and error propagation -> result rows."""
+    from quantdyn.study.analyze import analyze as run_analyze
+
+    rows = run_analyze(checkpoints, [m for m in metrics.split(",") if m], [q for q in quantizers.split(",") if q],
+                       store=store, budget={"windows": windows, "hessian_probes": probes},
+                       data={"calib_seq_len": seq_len, "eval_seq_len": seq_len, "eval_windows": max(windows, 8),
+                             "calib_samples": max(windows, 8)}, progress=not quiet)
+    if as_json:
+        echo_json(rows)
+        return
+    for r in rows:
+        vals = {k: v for k, v in r.items() if k.startswith(("hessian_", "weight_", "act_", "prop_")) and v is not None
+                and k != "weight_decay"}
+        shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in list(vals.items())[:8])
+        typer.echo(f"{r['checkpoint']} [{r['analysis']}] {shown}")
+    typer.echo(f"{len(rows)} analysis rows in {store}")
+
+
+@app.command()
+def interpolate(
+    a: Path = typer.Argument(..., help="Checkpoint at alpha = 0."),
+    b: Path = typer.Argument(..., help="Checkpoint at alpha = 1."),
+    steps: int = typer.Option(11, "--steps", help="Points on the alpha grid, endpoints included."),
+    quantizers: str = typer.Option("rtn4", "--quantizers"),
+    out: Optional[Path] = typer.Option(None, "--out"),
+    store: str = typer.Option("results", "--store"),
+    seq_len: int = typer.Option(128, "--seq-len", help="Tokens per calibration/evaluation window."),
+    eval_windows: int = typer.Option(200, "--eval-windows"),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Linear interpolation between two checkpoints: FP loss and Δ CE at each alpha."""
+    from quantdyn.results.store import ResultStore
+    from quantdyn.train.offline_averaging import interpolate_checkpoints
+
+    rows = interpolate_checkpoints(a, b, steps, quantizers=[q for q in quantizers.split(",") if q], out=out,
+                                   eval_seq_len=seq_len, calib_seq_len=seq_len, n_eval_windows=eval_windows)
+    st = ResultStore(store)
+    done = st.keys()
+    st.append([r for r in rows if r["key"] not in done])
+    if as_json:
+        echo_json([{k: v for k, v in r.items() if k != "window_delta"} for r in rows])
+        return
+    for r in rows:
+        typer.echo(f"alpha {r['alpha']:.3f}  {r.get('quantizer', ''):<6} FP {r['ce_fp']:.4f}  "
+                   f"ΔCE {r['delta_ce']:+.4f} ± {r['delta_ce_se']:.4f}")
+
+
+@app.command("eval")
+def eval_cmd(
+    model: str = typer.Argument(..., help="Checkpoint directory or hub-id[@revision]."),
+    tasks: str = typer.Option(..., "--tasks", help="lm-eval tasks, comma-separated (offline: quantdyn_lastword,quantdyn_nextsent)."),
+    quantizer: Optional[str] = typer.Option(None, "--quantizer", help="e.g. gptq3 (comma-separated for several)."),
+    num_fewshot: int = typer.Option(0, "--num-fewshot"),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Examples per task."),
+    seed: int = typer.Option(0, "--seed"),
+    metric: Optional[str] = typer.Option(None, "--metric", help="Default: acc, else acc_norm."),
+    backend: str = typer.Option("quantdyn", "--backend", help="quantdyn (in-memory adapter) | hf (lm-eval's HFLM)"),
+    store: Optional[str] = typer.Option("results", "--store", help="Append rows here ('' = don't store)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the rows as a JSON array."),
+):
+    """Downstream accuracy of a model and its quantized twin (lm-evaluation-harness)."""
+    from quantdyn.evaluate.downstream import evaluate_accuracy, format_accuracy_table
+
+    qs = [q for q in (quantizer or "").split(",") if q] or None
+    rows = evaluate_accuracy(model, [t for t in tasks.split(",") if t], qs, num_fewshot=num_fewshot, limit=limit,
+                             seed=seed, metric=metric, backend=backend, progress=not as_json)
+    if store:
+        from quantdyn.results.store import ResultStore
+
+        st = ResultStore(store)
+        done = st.keys()
+        st.append([r for r in rows if r["key"] not in done])
+    if as_json:
+        echo_json(rows)
+        return
+    typer.echo(format_accuracy_table(rows))

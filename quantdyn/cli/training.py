@@ -1,0 +1,134 @@
+"""Commands that train: train, cooldown, grid, average lawa|soup."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from quantdyn.cli.app import app
+from quantdyn.errors import QuantdynError
+
+
+# ------------------------------------------------------------------ train
+@app.command()
+def train(
+    config: Optional[Path] = typer.Argument(None, help="Run config YAML (see configs/)."),
+    overrides: Optional[List[str]] = typer.Argument(None, help="key=value overrides, e.g. optim.lr=1e-3"),
+    resume: Optional[Path] = typer.Option(None, "--resume", help="Continue RUN_DIR from its last checkpoint."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+):
+    """Train a model: `quantdyn train CONFIG.yaml [key=value ...]` or `--resume RUN_DIR`."""
+    from quantdyn.config import apply_overrides, from_dict, load_yaml
+    from quantdyn.train.branches import load_run_config
+    from quantdyn.train.checkpoint import latest_resumable
+    from quantdyn.train.config import RunConfig
+    from quantdyn.train.trainer import train as run_train
+
+    if resume is not None:
+        if config is not None:
+            raise QuantdynError("give either CONFIG.yaml or --resume RUN_DIR, not both")
+        cfg = load_run_config(resume)
+        ckpt = latest_resumable(resume)
+        if ckpt is None:
+            raise QuantdynError(f"run '{resume}' has no resumable checkpoint yet; start it again with its config")
+        info = json.loads((resume / "run.json").read_text()) if (resume / "run.json").is_file() else {}
+        out = run_train(cfg, resume, resume=ckpt, parent=info.get("parent"), progress=not quiet)
+    else:
+        if config is None:
+            raise QuantdynError("missing CONFIG.yaml; e.g. `quantdyn train configs/tiny.yaml` (or --resume RUN_DIR)")
+        data = apply_overrides(load_yaml(config), overrides or [])
+        cfg = from_dict(RunConfig, data)
+        out = run_train(cfg, progress=not quiet)
+    typer.echo(f"run directory: {out}")
+
+
+@app.command()
+def cooldown(
+    run_dir: Path = typer.Argument(..., help="Parent run directory."),
+    from_step: int = typer.Option(..., "--from-step", help="Stable-phase checkpoint step to branch from."),
+    decay_steps: str = typer.Option(..., "--decay-steps", help="Decay lengths, comma-separated: 200,400"),
+    shape: str = typer.Option("linear", "--shape", help="linear | cosine | 1-sqrt"),
+    control: bool = typer.Option(False, "--control", help="Also run constant-LR control twins."),
+    quiet: bool = typer.Option(False, "--quiet"),
+):
+    """Branch cooldowns (LR decay to lr_end) from a stable-phase checkpoint."""
+    from quantdyn.train.branches import cooldown as run_cooldown
+
+    try:
+        ds = [int(x) for x in decay_steps.split(",") if x.strip()]
+    except ValueError:
+        raise QuantdynError(f"--decay-steps '{decay_steps}' must be integers separated by commas, e.g. 200,400") from None
+    for p in run_cooldown(run_dir, from_step, ds, shape, control, progress=not quiet):
+        typer.echo(f"branch: {p}")
+
+
+
+# ----------------------------------------------------------- averaging
+average_app = typer.Typer(no_args_is_help=True, help="Weight averaging: LAWA over a run, model soups.")
+app.add_typer(average_app, name="average")
+
+
+@average_app.command("lawa")
+def average_lawa_cmd(
+    run_dir: Path = typer.Argument(..., help="Run directory whose checkpoints to average."),
+    window: int = typer.Option(..., "--window", help="K: checkpoints per average."),
+    every: int = typer.Option(..., "--every", help="P: steps between averaged checkpoints."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Default: RUN_DIR/averages/lawa-kK-pP-offline"),
+):
+    """Offline LAWA: at each step on the P grid, the mean of the last K checkpoints."""
+    from quantdyn.train.offline_averaging import average_lawa
+
+    paths = average_lawa(run_dir, window, every, out=out)
+    typer.echo(f"{len(paths)} LAWA checkpoints in {paths[0].parent if paths else out}")
+
+
+@average_app.command("soup")
+def average_soup_cmd(
+    checkpoints: List[str] = typer.Argument(..., help="Ingredient checkpoint directories."),
+    out: Path = typer.Option(..., "--out"),
+    greedy: bool = typer.Option(False, "--greedy", help="Add an ingredient only if held-out loss improves."),
+    weights: Optional[str] = typer.Option(None, "--weights", help="Comma-separated weights (uniform if omitted)."),
+):
+    """Model soup over checkpoints of different runs, seeds or branches."""
+    from quantdyn.train.offline_averaging import make_soup
+
+    w = None
+    if weights:
+        try:
+            w = [float(x) for x in weights.split(",")]
+        except ValueError:
+            raise QuantdynError(f"--weights '{weights}' must be numbers separated by commas") from None
+    path = make_soup(checkpoints, weights=w, greedy=greedy, out=out)
+    typer.echo(f"soup: {path}")
+
+
+@app.command()
+def grid(
+    config: Path = typer.Argument(..., help="Base run config YAML."),
+    vary: List[str] = typer.Option(..., "--vary", help="KEY=v1,v2,... (repeatable), e.g. optim.lr=1e-4,1e-3"),
+    seeds: int = typer.Option(0, "--seeds", help="Seeds per combination (0 = the config's seed only)."),
+    grid_dir: Optional[Path] = typer.Option(None, "--dir", help="Default: OUT_DIR/NAME-grid"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Show the expansion only."),
+    slurm: bool = typer.Option(False, "--slurm", help="Write grid.sbatch + torchrun commands instead of running."),
+    nproc: int = typer.Option(1, "--nproc-per-node"),
+    overrides: Optional[List[str]] = typer.Argument(None, help="key=value overrides of the base config"),
+    quiet: bool = typer.Option(False, "--quiet"),
+):
+    """Expand a grid of runs (e.g. LR x weight decay x seeds) and run it, or write cluster launch files."""
+    from quantdyn.config import apply_overrides, load_yaml
+    from quantdyn.study.grid import format_grid, grid_manifest, run_grid, write_grid, write_launch_scripts
+
+    base = apply_overrides(load_yaml(config), overrides or [])
+    gdir = grid_dir or Path(base.get("out_dir", "runs")) / f"{base.get('name', 'run')}-grid"
+    if dry_run:
+        typer.echo(format_grid(grid_manifest(base, vary, seeds, gdir)))
+        return
+    write_grid(base, vary, seeds, gdir)
+    if slurm:
+        sb, cmds = write_launch_scripts(gdir, nproc_per_node=nproc)
+        typer.echo(f"wrote {sb} (sbatch {sb}) and {cmds}")
+        return
+    for r in run_grid(gdir, progress=not quiet):
+        typer.echo(f"{r['name']}: {r['status']} ({r['dir']})")
