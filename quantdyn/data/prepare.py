@@ -34,7 +34,7 @@ from quantdyn.data.tokenizer import (
     train_bpe,
 )
 from quantdyn.errors import QuantdynError
-from quantdyn.models.hf_io import atomic_dir, write_json_atomic
+from quantdyn.files import atomic_dir, write_json_atomic
 
 SPLITS = ("train", "val", "calib")
 

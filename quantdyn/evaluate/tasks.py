@@ -236,7 +236,7 @@ def build_builtin_tasks(data, out_dir: str | Path | None = None, seed: int = 0, 
     directory built with the same parameters is reused.  Returns the directory
     (pass it as ``include_path`` to an lm-eval TaskManager).
     """
-    from quantdyn.models.hf_io import atomic_dir, write_json_atomic
+    from quantdyn.files import atomic_dir, write_json_atomic
 
     if n < 1:
         raise QuantdynError(f"built-in tasks need n >= 1 examples, got {n}")

@@ -12,8 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -22,6 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from quantdyn.errors import QuantdynError
+from quantdyn.files import atomic_dir
 from quantdyn.models.gpt import GPT, ModelConfig
 
 WEIGHTS = "model.safetensors"
@@ -72,45 +71,6 @@ def model_config_from_hf(d: dict) -> ModelConfig:
         tie_embeddings=bool(d.get("tie_word_embeddings", False)),
         layer_norm_eps=float(d.get("layer_norm_eps", 1e-5)),
     )
-
-
-def atomic_dir(final: Path):
-    """Context manager: yield a temp dir beside ``final``; rename into place on success.
-
-    An existing ``final`` is replaced only after the new one is complete, so a
-    crash never leaves a half-written directory under the final name.
-    """
-    import contextlib
-
-    @contextlib.contextmanager
-    def _cm():
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-        try:
-            yield tmp
-            old = None
-            if final.exists():
-                old = final.parent / f".{final.name}.old-{os.getpid()}"
-                os.rename(final, old)
-            os.rename(tmp, final)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-
-    return _cm()
-
-
-def write_json_atomic(path: Path, data) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=False, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def state_dict_for_save(model: nn.Module) -> dict[str, torch.Tensor]:

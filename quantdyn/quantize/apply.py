@@ -365,7 +365,8 @@ def save_quantized(model: nn.Module, result: ModelQuantization, cfg: QuantConfig
     and ``quant_config.json`` (the QuantConfig, its hash, per-layer rows, summary)."""
     from safetensors.torch import save_file
 
-    from quantdyn.models.hf_io import atomic_dir, save_hf_into
+    from quantdyn.files import atomic_dir
+    from quantdyn.models.hf_io import save_hf_into
     from quantdyn.runtime import git_sha
 
     cfg = result.config if cfg is None else parse_quantizer(cfg)

@@ -272,7 +272,7 @@ def write_grid(base: dict, vary: Sequence[str], seeds: int, grid_dir: str | Path
     Writing the same grid again is a no-op (runs already started are kept); a
     different grid in the same directory is refused.
     """
-    from quantdyn.models.hf_io import write_json_atomic
+    from quantdyn.files import write_json_atomic
 
     grid_dir = Path(grid_dir)
     manifest = grid_manifest(base, vary, seeds, grid_dir)

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from quantdyn.errors import QuantdynError
-from quantdyn.models.hf_io import atomic_dir, save_hf_into, write_json_atomic
+from quantdyn.files import atomic_dir, write_json_atomic
+from quantdyn.models.hf_io import save_hf_into
 
 META = "quantdyn.json"
 STATE = "training_state.pt"

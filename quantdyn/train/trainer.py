@@ -25,7 +25,7 @@ from quantdyn.data.prepare import prepare_data
 from quantdyn.errors import QuantdynError
 from quantdyn.evaluate.loss import mean_loss
 from quantdyn.models.gpt import GPT, resolve_model_config
-from quantdyn.models.hf_io import write_json_atomic
+from quantdyn.files import write_json_atomic
 from quantdyn.runtime import git_sha, hardware, resolve_device, seed_everything
 from quantdyn.train.averaging import OnlineEMA, OnlineLAWA
 from quantdyn.train.checkpoint import (

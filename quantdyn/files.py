@@ -1,0 +1,88 @@
+"""Atomic writes of files and directories, with the permissions the user's umask asks for.
+
+Everything quantdyn writes (checkpoints, token shards, manifests, result parts) goes through
+these helpers: the data is written under a temporary name beside its final place and renamed
+into place, so a crash never leaves a half-written file or directory under the final name.
+``tempfile`` creates its files 0600 and directories 0700; they are opened up to what the
+process umask allows (0644 / 0755 by default), so colleagues on a shared cluster can read a
+run or a store.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+
+def current_umask() -> int:
+    """The process umask (read without changing it for longer than one call)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _open_up(path: Path, directory: bool) -> None:
+    mode = (0o777 if directory else 0o666) & ~current_umask()
+    os.chmod(path, mode)
+
+
+def _open_up_tree(root: Path) -> None:
+    mask = current_umask()
+    for dirpath, dirnames, filenames in os.walk(root):
+        os.chmod(dirpath, 0o777 & ~mask)
+        for f in filenames:
+            p = os.path.join(dirpath, f)
+            if not os.path.islink(p):
+                os.chmod(p, 0o666 & ~mask)
+
+
+@contextlib.contextmanager
+def atomic_dir(final: Path) -> Iterator[Path]:
+    """Yield a temporary directory beside ``final``; rename it into place on success.
+
+    An existing ``final`` is replaced only after the new one is complete; on an exception the
+    temporary directory is removed and ``final`` is untouched.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        yield tmp
+        _open_up_tree(tmp)
+        old = None
+        if final.exists():
+            old = final.parent / f".{final.name}.old-{os.getpid()}"
+            os.rename(final, old)
+        os.rename(tmp, final)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (fsync, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        _open_up(Path(tmp), directory=False)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_json_atomic(path: Path, data) -> None:
+    """Write ``data`` as indented JSON to ``path`` atomically."""
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=False, default=str))
