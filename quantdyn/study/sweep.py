@@ -21,47 +21,13 @@ from pathlib import Path
 
 import torch
 
-from quantdyn.config import config_hash, from_dict, load_yaml, to_dict
+from quantdyn.config import config_hash, from_dict, to_dict
 from quantdyn.data.prepare import DataConfig, TokenData, prepare_data
 from quantdyn.errors import QuantdynError
 from quantdyn.results.store import ResultStore
 from quantdyn.runtime import provenance, resolve_device
 from quantdyn.study.metrics_rows import AnalysisConfig, analysis_rows, check_analysis_names
-from quantdyn.study.trajectory import (
-    Point,
-    ScheduleSpec,
-    checkpoint_hash,
-    points_of_checkpoints,
-    points_of_hub,
-    points_of_run,
-)
-
-
-@dataclass(frozen=True)
-class TrajectoryConfig:
-    """Which checkpoints to visit (give exactly one of run / checkpoints / hub)."""
-
-    run: str = ""
-    """A quantdyn run directory (with its branches and averages)."""
-    checkpoints: tuple[str, ...] = ()
-    """Local HF checkpoint directories or globs."""
-    hub: str = ""
-    """A hub model id whose revisions form the trajectory."""
-    revisions: tuple[str, ...] = ()
-    """Explicit hub revisions."""
-    revision_pattern: str = ""
-    """Regex matched against the hub repo's branches and tags."""
-    schedule: ScheduleSpec = field(default_factory=ScheduleSpec)
-    """LR schedule for checkpoints without quantdyn metadata (public models)."""
-    include_branches: bool = True
-    """For a run: also visit cooldown/control branches."""
-    include_averages: bool = True
-    """For a run: also visit averaged checkpoints (LAWA, EMA, soups)."""
-
-    def __post_init__(self):
-        given = [bool(self.run), bool(self.checkpoints), bool(self.hub)]
-        if sum(given) != 1:
-            raise QuantdynError("sweep trajectory: give exactly one of run, checkpoints or hub")
+from quantdyn.study.trajectory import Point, TrajectoryConfig, checkpoint_hash, plan_points
 
 
 @dataclass(frozen=True)
@@ -147,31 +113,6 @@ def parse_shard(text: str | None) -> tuple[int, int]:
     return 0, 1
 
 
-def load_sweep_config(path: str | Path | None, overrides: dict | None = None) -> SweepConfig:
-    data = load_yaml(path) if path else {}
-    for k, v in (overrides or {}).items():
-        if v not in (None, (), [], ""):
-            data[k] = v
-    return from_dict(SweepConfig, data)
-
-
-def plan_points(cfg: SweepConfig) -> list[Point]:
-    t = cfg.trajectory
-    if t.run:
-        pts = points_of_run(Path(t.run))
-        if not t.include_branches:
-            pts = [p for p in pts if p.branch == "main" or p.kind in ("lawa", "ema", "soup", "average", "interpolation")]
-        if not t.include_averages:
-            pts = [p for p in pts if p.kind not in ("lawa", "ema", "soup", "average", "interpolation")]
-    elif t.checkpoints:
-        pts = points_of_checkpoints(list(t.checkpoints), t.schedule)
-    else:
-        pts = points_of_hub(t.hub, list(t.revisions), t.revision_pattern or None, t.schedule)
-    if not pts:
-        raise QuantdynError("the trajectory has no checkpoints; train first or fix the trajectory spec")
-    return pts
-
-
 def sweep_data(cfg: SweepConfig, points: list[Point], progress: bool = True) -> TokenData:
     d = cfg.data
     if cfg.trajectory.run:
@@ -230,7 +171,7 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True)
     if "propagation" in cfg.analysis and not prop_q:
         raise QuantdynError("the propagation analysis needs quantizers: set quantizers or propagation_quantizers")
     prop_hash = config_hash({k: to_dict(v) for k, v in sorted(prop_q.items())})
-    points = plan_points(cfg)
+    points = plan_points(cfg.trajectory)
     i, n = parse_shard(shard)
     device = resolve_device(cfg.device)
     store = ResultStore(cfg.store)

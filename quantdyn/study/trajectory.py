@@ -157,3 +157,47 @@ def points_of_hub(repo: str, revisions: list[str] | None, pattern: str | None, s
     revs = list(revisions or []) or list_revisions(repo, pattern or ".*")
     pts = [_with_schedule(f"{repo}@{r}", r, repo, "hub", spec, {}) for r in revs]
     return sorted(pts, key=lambda p: (p.step is None, p.step or 0))
+
+
+@dataclass(frozen=True)
+class TrajectoryConfig:
+    """Which checkpoints to visit (give exactly one of run / checkpoints / hub)."""
+
+    run: str = ""
+    """A quantdyn run directory (with its branches and averages)."""
+    checkpoints: tuple[str, ...] = ()
+    """Local HF checkpoint directories or globs."""
+    hub: str = ""
+    """A hub model id whose revisions form the trajectory."""
+    revisions: tuple[str, ...] = ()
+    """Explicit hub revisions."""
+    revision_pattern: str = ""
+    """Regex matched against the hub repo's branches and tags."""
+    schedule: ScheduleSpec = field(default_factory=ScheduleSpec)
+    """LR schedule for checkpoints without quantdyn metadata (public models)."""
+    include_branches: bool = True
+    """For a run: also visit cooldown/control branches."""
+    include_averages: bool = True
+    """For a run: also visit averaged checkpoints (LAWA, EMA, soups)."""
+
+    def __post_init__(self):
+        given = [bool(self.run), bool(self.checkpoints), bool(self.hub)]
+        if sum(given) != 1:
+            raise QuantdynError("sweep trajectory: give exactly one of run, checkpoints or hub")
+
+
+def plan_points(t: TrajectoryConfig) -> list[Point]:
+    """The checkpoints of a trajectory, in order."""
+    if t.run:
+        pts = points_of_run(Path(t.run))
+        if not t.include_branches:
+            pts = [p for p in pts if p.branch == "main" or p.kind in ("lawa", "ema", "soup", "average", "interpolation")]
+        if not t.include_averages:
+            pts = [p for p in pts if p.kind not in ("lawa", "ema", "soup", "average", "interpolation")]
+    elif t.checkpoints:
+        pts = points_of_checkpoints(list(t.checkpoints), t.schedule)
+    else:
+        pts = points_of_hub(t.hub, list(t.revisions), t.revision_pattern or None, t.schedule)
+    if not pts:
+        raise QuantdynError("the trajectory has no checkpoints; train first or fix the trajectory spec")
+    return pts
