@@ -42,3 +42,83 @@ def test_bad_schedule():
         lr_at(0, 1.0, ScheduleConfig(name="wds"), 10)
     with pytest.raises(QuantdynError, match="decay_shape"):
         ScheduleConfig(decay_shape="sqrt")
+
+
+# -- one definition of a schedule: ScheduleConfig and phases ------------------------------------------------------
+from quantdyn.train.schedules import (  # noqa: E402
+    Phase,
+    PhaseSchedule,
+    describe_schedule,
+    phases_of,
+    schedule_curve,
+    schedule_decaying,
+    schedule_lr,
+    schedule_state,
+)
+
+
+@pytest.mark.parametrize("cfg,total", [
+    (ScheduleConfig(name="wsd", warmup=10, decay=0.2), 100),
+    (ScheduleConfig(name="wsd", warmup=5, decay=50, decay_start=200, decay_shape="1-sqrt", lr_end=0.1), 250),
+    (ScheduleConfig(name="wsd", warmup=0, decay=10, decay_shape="cosine", lr_end=0.05), 20),
+    (ScheduleConfig(name="wsd", warmup=3, decay=0), 30),
+    (ScheduleConfig(name="cosine", warmup=0.1, lr_end=0.1), 57),
+    (ScheduleConfig(name="linear", warmup=0), 40),
+    (ScheduleConfig(name="constant", warmup=7), 40),
+])
+def test_phases_of_equals_the_trainer_schedule(cfg, total):
+    """Presets and the trainer share one schedule definition: the phase form of a ScheduleConfig gives the
+    trainer's LR and decaying flag at every step."""
+    peak = 2.0
+    sched = phases_of(cfg, peak, total)
+    for step in range(total):
+        want = lr_at(step, peak, cfg, total)
+        assert schedule_lr(step, sched) == pytest.approx(want, rel=1e-12, abs=1e-15), step
+        assert schedule_decaying(step, sched) == is_decaying(step, cfg, total), step
+
+
+def test_decaying_means_past_warmup_and_below_peak():
+    c = ScheduleConfig(name="cosine", warmup=10)
+    assert not is_decaying(9, c, 100) and not is_decaying(10, c, 100)  # step 10: still at the peak
+    assert is_decaying(11, c, 100) and is_decaying(99, c, 100)  # the last step, at lr_end, is decayed
+    assert not any(is_decaying(s, ScheduleConfig(name="constant", warmup=10), 100) for s in range(100))
+    # a floor after a decay still counts as decayed; a warmup never does, even below the peak
+    s = PhaseSchedule((Phase("warmup", "linear", 0, 10, 0.0, 1.0), Phase("cos", "cosine", 10, 110, 1.0, 0.0, floor=0.2)))
+    assert not schedule_decaying(5, s) and not schedule_decaying(10, s) and schedule_decaying(11, s)
+    assert schedule_state(105, s) == (0.2, "cos-floor", True)
+
+
+def test_schedule_name_is_validated_on_construction():
+    with pytest.raises(QuantdynError, match=r"unknown schedule 'cosin' \(did you mean 'cosine'\?\)"):
+        ScheduleConfig(name="cosin")
+
+
+def test_gpt_neox_cosine_with_min_lr_clamp():
+    """Pythia's schedule (GPT-NeoX AnnealingLR): lr = peak*step/1430 in warmup, then
+    max(peak/2 (1 + cos(pi (step-1430)/143000)), min_lr) -- hand-computed."""
+    peak, mn = 6e-4, 6e-5
+    s = PhaseSchedule((Phase("warmup", "linear", 0, 1430, 0.0, peak),
+                       Phase("cosine", "cosine", 1430, 144430, peak, 0.0, floor=mn)))
+    assert schedule_lr(715, s) == pytest.approx(peak * 715 / 1430, rel=1e-12)
+    assert schedule_lr(72000, s) == pytest.approx(peak / 2 * (1 + math.cos(math.pi * 70570 / 143000)), rel=1e-12)
+    cross = 1430 + 143000 * math.acos(2 * mn / peak - 1) / math.pi  # where the cosine meets min_lr (~115,140)
+    assert schedule_state(cross - 50, s)[1] == "cosine" and schedule_state(cross + 50, s)[1] == "cosine-floor"
+    assert schedule_lr(143000, s) == mn
+
+
+def test_phase_validation_and_description():
+    with pytest.raises(QuantdynError, match="did you mean 'cosine'"):
+        Phase("x", "cosin", 0, 1, 1.0, 0.0)
+    with pytest.raises(QuantdynError, match="end .* must lie after start"):
+        Phase("x", "linear", 5, 5, 1.0, 0.0)
+    with pytest.raises(QuantdynError, match="constant phase"):
+        Phase("x", "constant", 0, 0, 1.0, 0.5)
+    with pytest.raises(QuantdynError, match="in order of start"):
+        PhaseSchedule((Phase("a", "constant", 5, 5, 1.0, 1.0), Phase("b", "constant", 0, 0, 1.0, 1.0)))
+    with pytest.raises(QuantdynError, match="did you mean 'tokens'"):
+        PhaseSchedule((Phase("a", "constant", 0, 0, 1.0, 1.0),), unit="token")
+    s = PhaseSchedule((Phase("warmup", "linear", 0, 8.388608e9, 0.0, 3e-4),
+                       Phase("cosine", "cosine", 8.388608e9, 5e12, 3e-4, 3e-5)), unit="tokens")
+    assert describe_schedule(s) == "warmup 0->0.0003 over 0-8.389B; cosine 0.0003->3e-05 over 8.389B-5T [tok]"
+    xs = [x for x, _ in schedule_curve(s, 0, 4e12, n=50)]
+    assert 8.388608e9 in xs and xs == sorted(xs) and len(xs) == 51
