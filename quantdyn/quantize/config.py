@@ -1,6 +1,23 @@
 """Quantizer configuration, named presets, the QUANTIZERS registry and
 short-name parsing ("gptq4", "rtn3g64", "gptq4-gptqmodel", "awq4-sym").
 
+Labels
+------
+Every configuration has one canonical label, :attr:`QuantConfig.name`, and
+``parse_quantizer(cfg.name) == cfg`` for every valid config.  The label is
+``<method><bits>`` plus ``g<group>`` unless the group is the default 128, then
+at most one preset and the tokens that set the remaining fields, in a fixed
+order; of the spellings with and without a preset the shortest wins (ties: no
+preset).  The parser also accepts every other spelling and normalises it:
+``gptq4g128``, ``GPTQ4`` and ``gptq4-reference`` are all ``gptq4``.  Rows are
+keyed by :func:`quantdyn.config.config_hash` of the config, never by label.
+
+Tokens after the head, applied left to right: a preset name; ``sym``/``asym``,
+``mse``/``nomse``, ``act``/``noact``, ``gar``/``nogar``, ``static``/``nostatic``,
+``seq``/``noseq``, ``head``/``nohead``, ``clip``/``noclip``; and values
+``damp<x>`` (damp_percent), ``dampinc<x>`` (damp_auto_increment),
+``block<n>`` (block_size), ``grid<n>`` (awq_grid), e.g. ``gptq3-act-damp0.1``.
+
 Presets
 -------
 ``reference``  IST-DASLab/gptq (``llama.py``/``opt.py`` argument defaults, commit
@@ -24,8 +41,11 @@ Presets
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import re
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -44,7 +64,7 @@ class QuantConfig:
     bits: int = 4
     """Bit width of the codes, 2..8."""
     group_size: int | None = 128
-    """Input columns sharing one (scale, zero); 0 (or -1/None) = one group per output row.
+    """Input columns sharing one (scale, zero), >= 1; 0 (or None) = one group per output row (GPTQModel's -1).
     If it does not divide in_features the last group is shorter (as the reference does);
     act_group_aware needs it to divide in_features."""
     sym: bool = False
@@ -52,9 +72,9 @@ class QuantConfig:
     mse: bool = False
     """Search the clipping range per row/group minimising |Q(w) - w|^2.4 (reference Quantizer(mse=True))."""
     damp_percent: float = 0.01
-    """GPTQ damping: add damp_percent * mean(diag H) to diag H."""
+    """GPTQ damping, in (0, 1): add damp_percent * mean(diag H) to diag H."""
     damp_auto_increment: float = 0.0
-    """If the damped Hessian is not positive definite, raise damp_percent by this and retry
+    """In [0, 1): if the damped Hessian is not positive definite, raise damp_percent by this and retry
     (GPTQModel); 0 = fail with an error (reference)."""
     act_order: bool = False
     """GPTQ: quantize columns in order of decreasing diag H (reference --act-order, GPTQModel desc_act)."""
@@ -67,9 +87,9 @@ class QuantConfig:
     """Within a block, quantize layer groups in order (attention inputs, attention output, MLP in, MLP out),
     re-running the block so later groups see quantized earlier ones."""
     block_size: int = 128
-    """GPTQ lazy-update block width (columns)."""
+    """GPTQ lazy-update block width (columns), >= 1."""
     awq_grid: int = 20
-    """AWQ: number of alpha values in [0, 1) searched for the scales s = mean|x|^alpha."""
+    """AWQ: number of alpha values in [0, 1) searched for the scales s = mean|x|^alpha, >= 1."""
     awq_clip: bool = True
     """AWQ: search a per-(row, group) clipping range after scaling (llm-awq auto_clip)."""
     quantize_head: bool = False
@@ -78,32 +98,64 @@ class QuantConfig:
     def __post_init__(self):
         if self.method not in QUANTIZERS:
             raise unknown_name("quantizer", self.method, QUANTIZERS.names())
-        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 2 <= self.bits <= 8:
+        bits = _integer(self.bits)
+        if bits is None or not 2 <= bits <= 8:
             raise QuantdynError(f"quantizer bits={self.bits!r} is not supported; choose an integer from 2 to 8")
         g = self.group_size
-        if g is None or g == -1:
-            object.__setattr__(self, "group_size", 0)
-        elif isinstance(g, bool) or not isinstance(g, int) or g < 0:
-            raise QuantdynError(f"quantizer group_size={g!r} must be a positive integer, or 0 for one group per row")
-        if not 0.0 <= self.damp_percent < 1.0:
-            raise QuantdynError(f"quantizer damp_percent={self.damp_percent} must lie in [0, 1)")
-        if self.damp_auto_increment < 0:
-            raise QuantdynError(f"quantizer damp_auto_increment={self.damp_auto_increment} must be >= 0")
+        gi = 0 if g is None else _integer(g)
+        if gi == -1:
+            raise QuantdynError("quantizer group_size=-1 is not a group size; write 0 for one group per output row "
+                                "(what GPTQModel and HF write as -1), or a positive size such as 128")
+        if gi is None or gi < 0:
+            raise QuantdynError(f"quantizer group_size={g!r} must be 0 (one group per output row) or a positive "
+                                "integer such as 128")
+        damp = _real(self.damp_percent)
+        if damp is None or not 0.0 < damp < 1.0:
+            raise QuantdynError(f"quantizer damp_percent={self.damp_percent!r} must lie in (0, 1), e.g. 0.01")
+        inc = _real(self.damp_auto_increment)
+        if inc is None or not 0.0 <= inc < 1.0:
+            raise QuantdynError(f"quantizer damp_auto_increment={self.damp_auto_increment!r} must lie in [0, 1) "
+                                "(0 = fail on a Hessian that is not positive definite)")
+        block = _integer(self.block_size)
+        if block is None or block < 1:
+            raise QuantdynError(f"quantizer block_size={self.block_size!r} must be an integer >= 1 (columns per "
+                                "GPTQ lazy update, e.g. 128)")
+        grid = _integer(self.awq_grid)
+        if grid is None or grid < 1:
+            raise QuantdynError(f"quantizer awq_grid={self.awq_grid!r} must be an integer >= 1 (alpha values "
+                                "searched, e.g. 20)")
+        for name in _BOOL_TOKENS:
+            if not isinstance(getattr(self, name), bool):
+                raise QuantdynError(f"quantizer {name}={getattr(self, name)!r} must be true or false")
+        # store plain int/float so equal configs hash equally (numpy scalars, 0 vs 0.0)
+        for name, value in (("bits", bits), ("group_size", gi), ("damp_percent", damp),
+                            ("damp_auto_increment", inc), ("block_size", block), ("awq_grid", grid)):
+            object.__setattr__(self, name, value)
         if self.act_order and self.act_group_aware:
             raise QuantdynError("quantizer act_order and act_group_aware exclude each other; set only one")
         if self.act_group_aware and not self.group_size:
             raise QuantdynError("quantizer act_group_aware needs group_size > 0")
         if self.static_groups and not self.group_size:
             raise QuantdynError("quantizer static_groups needs group_size > 0")
-        if self.block_size < 1:
-            raise QuantdynError(f"quantizer block_size={self.block_size} must be >= 1")
-        if self.awq_grid < 1:
-            raise QuantdynError(f"quantizer awq_grid={self.awq_grid} must be >= 1")
 
     @property
     def name(self) -> str:
-        """Short label, e.g. 'gptq4g128'."""
-        return f"{self.method}{self.bits}g{self.group_size}"
+        """The canonical label, e.g. 'gptq4', 'rtn3g64', 'gptq4-gptqmodel' (module docstring: Labels)."""
+        return canonical_label(self)
+
+
+def _integer(value: Any) -> int | None:
+    """``value`` as an int if it is an integer (not a bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
+
+
+def _real(value: Any) -> float | None:
+    """``value`` as a finite float if it is a real number (not a bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        return None
+    return float(value)
 
 
 # ----------------------------------------------------------------------------- registry
@@ -135,18 +187,53 @@ PRESETS: dict[str, dict[str, Any]] = {
                          static_groups=False, sym=True, true_sequential=True, mse=False, group_size=128),
 }
 
-_FLAGS: dict[str, dict[str, Any]] = {
-    "sym": dict(sym=True),
-    "asym": dict(sym=False),
-    "mse": dict(mse=True),
-    "act": dict(act_order=True),
-    "gar": dict(act_group_aware=True),
-    "static": dict(static_groups=True),
-    "seq": dict(true_sequential=True),
-    "head": dict(quantize_head=True),
+# field -> (token when True, token when False); also the canonical order of boolean tokens
+_BOOL_TOKENS: dict[str, tuple[str, str]] = {
+    "sym": ("sym", "asym"),
+    "mse": ("mse", "nomse"),
+    "act_order": ("act", "noact"),
+    "act_group_aware": ("gar", "nogar"),
+    "static_groups": ("static", "nostatic"),
+    "true_sequential": ("seq", "noseq"),
+    "quantize_head": ("head", "nohead"),
+    "awq_clip": ("clip", "noclip"),
 }
+_FLAGS: dict[str, dict[str, Any]] = {tok: {f: value} for f, pair in _BOOL_TOKENS.items()
+                                     for tok, value in zip(pair, (True, False))}
+# token prefix -> field; canonical order of valued tokens
+_VALUE_TOKENS: dict[str, str] = {"damp": "damp_percent", "dampinc": "damp_auto_increment", "block": "block_size",
+                                 "grid": "awq_grid"}
+_VALUE = re.compile(r"^(?P<prefix>dampinc|damp|block|grid)(?P<value>\d+(?:\.\d*)?|\.\d+)$")
 
 _SPEC = re.compile(r"^(?P<method>[a-z]+?)(?P<bits>\d+)(?:g(?P<group>\d+))?$")
+_DEFAULT_GROUP = 128
+
+
+def _number_token(value: float | int) -> str:
+    """A number without exponent or sign (tokens are '-'-separated): 1e-05 -> '0.00001'."""
+    if isinstance(value, int):
+        return str(value)
+    return format(Decimal(repr(float(value))), "f")
+
+
+def canonical_label(cfg: "QuantConfig") -> str:
+    """The one label of ``cfg``; ``parse_quantizer(canonical_label(cfg)) == cfg``."""
+    defaults = {f.name: f.default for f in dataclasses.fields(QuantConfig)}
+    head = f"{cfg.method}{cfg.bits}" + ("" if cfg.group_size == _DEFAULT_GROUP else f"g{cfg.group_size}")
+    best = ""
+    for preset in (None, *PRESETS):
+        base = {**defaults, **(PRESETS[preset] if preset else {})}
+        tokens = [preset] if preset else []
+        for f, (on, off) in _BOOL_TOKENS.items():
+            if getattr(cfg, f) != base[f]:
+                tokens.append(on if getattr(cfg, f) else off)
+        for prefix, f in _VALUE_TOKENS.items():
+            if getattr(cfg, f) != base[f]:
+                tokens.append(prefix + _number_token(getattr(cfg, f)))
+        label = "-".join([head, *tokens])
+        if not best or len(label) < len(best):
+            best = label
+    return best
 
 
 def quant_preset(name: str, **overrides: Any) -> QuantConfig:
@@ -177,15 +264,25 @@ def _parse_short(spec: str) -> dict[str, Any]:
         )
     fields: dict[str, Any] = {}
     for t in parts:
+        v = _VALUE.match(t)
         if t in PRESETS:
             fields = {**fields, **PRESETS[t]}
         elif t in _FLAGS:
             fields.update(_FLAGS[t])
+        elif v is not None:
+            f = _VALUE_TOKENS[v["prefix"]]
+            text = v["value"]
+            if f in ("block_size", "awq_grid"):
+                if "." in text:
+                    raise QuantdynError(f"quantizer option '{t}' in '{spec}' needs an integer, e.g. {v['prefix']}64")
+                fields[f] = int(text)
+            else:
+                fields[f] = float(text)
         else:
             choices = sorted([*PRESETS, *_FLAGS])
             raise QuantdynError(
-                f"unknown quantizer option '{t}' in '{spec}'{did_you_mean(t, choices)}; "
-                f"choose presets/flags from: {', '.join(choices)}"
+                f"unknown quantizer option '{t}' in '{spec}'{did_you_mean(t, [*choices, *_VALUE_TOKENS])}; "
+                f"choose presets/flags from: {', '.join(choices)}, or damp<x>, dampinc<x>, block<n>, grid<n>"
             )
     method = m["method"]
     if method not in QUANTIZERS:
