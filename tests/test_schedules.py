@@ -3,7 +3,19 @@ import math
 import pytest
 
 from quantdyn.errors import QuantdynError
-from quantdyn.train.schedules import ScheduleConfig, is_decaying, lr_at
+from quantdyn.train.schedules import (
+    Phase,
+    PhaseSchedule,
+    ScheduleConfig,
+    describe_schedule,
+    is_decaying,
+    lr_at,
+    phases_of,
+    schedule_curve,
+    schedule_decaying,
+    schedule_lr,
+    schedule_state,
+)
 
 
 def test_wsd_linear_shape():
@@ -45,16 +57,6 @@ def test_bad_schedule():
 
 
 # -- one definition of a schedule: ScheduleConfig and phases ------------------------------------------------------
-from quantdyn.train.schedules import (  # noqa: E402
-    Phase,
-    PhaseSchedule,
-    describe_schedule,
-    phases_of,
-    schedule_curve,
-    schedule_decaying,
-    schedule_lr,
-    schedule_state,
-)
 
 
 @pytest.mark.parametrize("cfg,total", [
