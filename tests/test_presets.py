@@ -417,3 +417,37 @@ def test_sweep_over_a_preset_offline_rows_carry_the_presets_step_tokens_lr(hf_ca
         assert math.isfinite(r["delta_ce"])
     assert by[("ptq", 1000)]["decaying"] is False and by[("ptq", 2000)]["decaying"] is True
     assert by[("ptq", 1000)]["peak_lr"] == 6e-4
+
+
+# -- the command -------------------------------------------------------------------------------------------------
+def _cli(monkeypatch, capsys, *args):
+    import sys
+
+    from quantdyn.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["quantdyn", *args])
+    code = 0
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_trajectories_command_lists_and_shows_presets(monkeypatch, capsys):
+    code, out, _ = _cli(monkeypatch, capsys, "trajectories")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split()[:4] == ["preset", "family", "size", "revisions"]
+    row = next(ln for ln in lines if ln.startswith("pythia-160m "))
+    assert " 154 " in row and "EleutherAI/pythia-160m (+1)" in row and "floor 6e-05" in row
+    assert len(lines) == len(load_presets()) + 2
+    code, out, _ = _cli(monkeypatch, capsys, "trajectories", "pythia-1b")
+    assert code == 0 and "all 154 revisions" in out and "3.0e-4" in out and "2.5e-4" in out
+    code, out, _ = _cli(monkeypatch, capsys, "trajectories", "--json")
+    import json
+
+    assert {r["preset"] for r in json.loads(out)} == set(load_presets())
+    code, out, err = _cli(monkeypatch, capsys, "trajectories", "olmo2-70b")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "did you mean 'olmo2-7b'" in err
