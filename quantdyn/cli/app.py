@@ -1,39 +1,193 @@
-"""The Typer application and the entry point; every user error ends as one line on stderr (exit 2)."""
+"""The Typer application and the entry point.
+
+Every mistake a user can make ends as one line on stderr that says what to fix, exit status 2, no
+traceback: a :class:`QuantdynError` from the library, and every usage error of the command line
+(unknown command or option, a bad or missing value).  ``quantdyn --version`` prints the installed
+version; ``-h`` and ``--help`` work on every command; help text is plain (literal ``[...]``, real
+types).  Ctrl-C ends with one line (exit 130) that says how to go on, true for the command that ran.
+"""
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import sys
+from importlib import metadata
+from typing import Sequence
 
 import typer
 
-from quantdyn.errors import QuantdynError
+from quantdyn.errors import QuantdynError, did_you_mean
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="How training dynamics decide post-training quantization robustness.")
+try:  # typer >= 0.22 carries its own copy of click
+    from typer._click import exceptions as click_exceptions
+except ImportError:  # pragma: no cover - older typer on top of click
+    from click import exceptions as click_exceptions
+
+PROG = "quantdyn"
+
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help: rich markup ate "[...]" in help texts and showed flags as <bool>
+    context_settings={"help_option_names": ["-h", "--help"]},  # inherited by every subcommand
+    help="How training dynamics decide post-training quantization robustness.",
+)
+
+# What Ctrl-C tells the user, per command (the first word after `quantdyn`); true for that command.
+# Commands that resume by rerunning are listed; owners of new resumable commands add theirs.
+RESUME_HINTS: dict[str, str] = {
+    "sweep": "rerun the same command to resume (stored rows are kept)",
+    "analyze": "rerun the same command to resume (stored rows are kept)",
+    "cooldown": "rerun the same command to resume from the branches' last checkpoints",
+    "grid": "rerun the same command to resume (finished runs are skipped, partial ones resumed)",
+    "study": "rerun the same command to resume (every stage skips what is done)",
+    "demo": "rerun the same command to resume (every stage skips what is done)",
+}
+_DEFAULT_HINT = "files already written are complete; rerun the command to start it again"
+
+
+def version() -> str:
+    """The installed version of quantdyn (package metadata)."""
+    try:
+        return metadata.version("quantdyn")
+    except metadata.PackageNotFoundError:  # a source tree that was never installed
+        return "unknown (not installed; `pip install -e .`)"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"{PROG} {version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    show_version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                      help="Print the version and exit."),
+) -> None:
+    """How training dynamics decide post-training quantization robustness."""
 
 
 def echo_json(obj) -> None:
     typer.echo(json.dumps(obj, default=str))
 
 
-def main() -> None:
-    import logging
+# --------------------------------------------------------------------------- errors as one line
 
+
+def _fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    sys.exit(2)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _help_hint(ctx, args: Sequence[str] = ()) -> str:
+    if ctx is not None and ctx.parent is not None:
+        path = ctx.command_path
+    else:  # errors raised while the root parses a subcommand's options carry no (or the root's) context
+        path = " ".join([PROG, *_command_path_of(args)])
+    return f"see `{path} -h`"
+
+
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "text", "Path": "a path"}
+
+
+def usage_message(e: Exception, args: Sequence[str] = ()) -> str:
+    """One line for a click usage error, ending with where to read the help."""
+    ctx = getattr(e, "ctx", None)
+    hint = _help_hint(ctx, args)
+    if isinstance(e, click_exceptions.NoSuchOption):
+        opts = sorted(getattr(e, "possibilities", None) or []) or (
+            sorted(o for p in ctx.command.params for o in getattr(p, "opts", []) if o.startswith("-")) if ctx else [])
+        return f"no such option {e.option_name} for `{ctx.command_path if ctx else PROG}`" \
+               f"{did_you_mean(e.option_name, opts)}; {hint}"
+    if isinstance(e, click_exceptions.BadParameter) and not isinstance(e, click_exceptions.MissingParameter):
+        param = getattr(e, "param", None)
+        cause = e.__cause__
+        errors = getattr(cause, "errors", None)
+        if param is not None and callable(errors):
+            try:
+                raw = errors()[0].get("input")
+            except Exception:  # noqa: BLE001 - fall back to click's own words
+                raw = None
+            tp = getattr(getattr(param, "type_descriptor", None), "annotation", None)
+            want = _TYPE_WORDS.get(getattr(tp, "__name__", ""), None)
+            name = (getattr(param, "opts", None) or [param.name])[0]
+            if raw is not None and want is not None:
+                return f"invalid value for {name}: {raw!r} is not {want}; {hint}"
+        return f"{_one_line(e.format_message()).rstrip('.')}; {hint}"
+    msg = _one_line(e.format_message()).rstrip(".")
+    if ctx is not None and msg.startswith("No such command"):
+        name = msg.split("'")[1] if "'" in msg else ""
+        commands = ctx.command.list_commands(ctx)
+        return f"no such command '{name}'{did_you_mean(name, commands)}; commands: {', '.join(commands)}; {hint}"
+    return f"{msg[:1].lower() + msg[1:]}; {hint}"
+
+
+def _command_of(args: Sequence[str]) -> str:
+    """The subcommand a command line names (first word that is not an option)."""
+    return next((a for a in args if not a.startswith("-")), "")
+
+
+def _command_path_of(args: Sequence[str]) -> list[str]:
+    """The (sub)command names at the start of a command line, e.g. ['average', 'lawa']."""
+    group = typer.main.get_command(app)
+    path: list[str] = []
+    for a in args:
+        sub = getattr(group, "commands", {}).get(a)
+        if a.startswith("-") or sub is None:
+            break
+        path.append(a)
+        group = sub
+    return path
+
+
+def interrupt_message(args: Sequence[str]) -> str:
+    """The one line printed on Ctrl-C for this command line."""
+    command = _command_of(args)
+    if command == "train":
+        hint = ("rerun the same command to resume from the last checkpoint" if "--resume" in args
+                else "continue from the last checkpoint with `quantdyn train --resume RUN_DIR`")
+    else:
+        hint = RESUME_HINTS.get(command, _DEFAULT_HINT)
+    return f"interrupted; {hint}"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """The console script: run the command line ``argv`` (default ``sys.argv[1:]``) and exit.
+
+    Exit status: 0 done, 2 a user or usage error (one line on stderr), 130 interrupted."""
+    args = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    command = typer.main.get_command(app)
     try:
-        app(standalone_mode=False)
+        with command.make_context(PROG, args) as ctx:
+            command.invoke(ctx)
     except QuantdynError as e:
-        typer.echo(f"error: {e}", err=True)
+        _fail(_one_line(e))
+    except click_exceptions.NoArgsIsHelpError as e:
+        e.show()  # the help text; asked for by giving no arguments
         sys.exit(2)
-    except (typer.Abort, KeyboardInterrupt):
-        typer.echo("interrupted; rerun the same command to resume", err=True)
+    except click_exceptions.UsageError as e:
+        _fail(usage_message(e, args))
+    except typer.Exit as e:  # --help, --version, typer.Exit(code)
+        sys.exit(e.exit_code)
+    except typer.Abort:  # end of input at a prompt
+        _fail("aborted (no input)")
+    except KeyboardInterrupt:
+        typer.echo(interrupt_message(args), err=True)
         sys.exit(130)
-    except Exception as e:  # click usage errors
-        import click
-
-        if isinstance(e, click.exceptions.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
-        if isinstance(e, click.exceptions.Exit):
-            sys.exit(e.exit_code)
+    except click_exceptions.ClickException as e:
+        _fail(_one_line(e.format_message()))
+    except OSError as e:
+        if e.errno == errno.EPIPE:  # `quantdyn results | head`: the reader went away
+            sys.stderr.close()
+            sys.exit(1)
+        if e.errno in (errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)):
+            _fail(f"disk full writing '{e.filename or '?'}' ({e.strerror}); free space and rerun")
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            _fail(f"cannot write or read '{e.filename or '?'}' ({e.strerror}); check the path and its permissions")
         raise

@@ -1,4 +1,9 @@
-"""Commands that read results and run studies: results, report, scaling, study, demo."""
+"""Commands that read results and run studies: results, report, scaling, study, demo.
+
+Names shared with every other command: ``--store`` (a results store), ``--out`` (an output file or
+directory), ``--device`` (where computation runs).  Old spellings stay as hidden aliases:
+``results --csv FILE`` (= ``--out FILE.csv``), ``scaling STORE`` (= ``--store STORE``).
+"""
 from __future__ import annotations
 
 import json
@@ -8,46 +13,97 @@ from typing import Optional
 import typer
 
 from quantdyn.cli.app import app, echo_json
+from quantdyn.errors import QuantdynError
 
 
 @app.command()
 def results(
     store: str = typer.Option("results", "--store", help="Results store directory."),
     where: Optional[str] = typer.Option(None, "--where", help="SQL condition, e.g. \"bits = 3 AND branch = 'main'\""),
-    csv: Optional[Path] = typer.Option(None, "--csv", help="Also write the rows as CSV."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Also write the rows to this file: .csv, .json or .jsonl."),
+    csv: Optional[Path] = typer.Option(None, "--csv", hidden=True, help="Old spelling of --out FILE.csv."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON array of rows."),
     all_columns: bool = typer.Option(False, "--all", help="Every column (default: the main ones)."),
+    check: bool = typer.Option(False, "--check", help="Check every line of the store instead; move unreadable "
+                               "lines to STORE/quarantine/ and remove temporary files left by killed writers."),
 ):
-    """Print result rows (default: the store `make demo` wrote)."""
+    """Print result rows (default: the store `make demo` wrote), or check the store with --check."""
+    from quantdyn.files import write_text_atomic
     from quantdyn.results.store import ResultStore
 
     st = ResultStore(store, create=False)
-    main_cols = ("run, branch, kind, step, tokens, lr, quantizer, ce_fp, ce_q, delta_ce, delta_ce_se, kl, top1_agree")
-    cols, rows = st.query(where, "* EXCLUDE (window_delta)" if (all_columns or as_json or csv) else main_cols,
-                          order="run, branch, tokens, quantizer")
-    recs = [dict(zip(cols, r)) for r in rows]
-    if csv:
-        import csv as _csv
-
-        with open(csv, "w", newline="") as f:
-            w = _csv.DictWriter(f, fieldnames=cols)
-            w.writeheader()
-            w.writerows(recs)
+    if check:
+        typer.echo(st.check(repair=True).summary(st.root, repair=True))
+        return
+    target, fmt = _output(out, csv)
+    cols, rows = st.query(where)
+    recs = sorted((dict(zip(cols, r)) for r in rows), key=lambda r: tuple(_sort_key(r.get(c)) for c in _ORDER))
+    cols = [c for c in cols if c != "window_delta"] if (all_columns or as_json or target) else \
+        [c for c in _MAIN_COLUMNS if c in cols]  # a store holds the columns its rows have
+    recs = [{c: r[c] for c in cols} for r in recs]
+    if target is not None:
+        write_text_atomic(target, _render(recs, cols, fmt))
     if as_json:
         typer.echo(json.dumps(recs, default=str))
         return
     if not recs:
         typer.echo("no rows")
         return
-    def fmt(v):
+    def fmt_cell(v):
         if isinstance(v, float):
             return f"{v:.4g}"
         return "" if v is None else str(v)
-    widths = [max(len(c), *(len(fmt(r[c])) for r in recs)) for c in cols]
+    widths = [max(len(c), *(len(fmt_cell(r[c])) for r in recs)) for c in cols]
     typer.echo("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
     for r in recs:
-        typer.echo("  ".join(fmt(r[c]).ljust(w) for c, w in zip(cols, widths)))
-    typer.echo(f"({len(recs)} rows)")
+        typer.echo("  ".join(fmt_cell(r[c]).ljust(w) for c, w in zip(cols, widths)))
+    typer.echo(f"({len(recs)} rows)" + (f"; written to {target}" if target is not None else ""))
+
+
+_FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "jsonl"}
+_MAIN_COLUMNS = ("run", "branch", "kind", "step", "tokens", "lr", "quantizer", "ce_fp", "ce_q", "delta_ce", "delta_ce_se",
+                 "kl", "top1_agree")
+_ORDER = ("run", "branch", "tokens", "quantizer")
+
+
+def _sort_key(v) -> tuple:
+    """Numbers before text before missing values, so columns of mixed rows sort without errors."""
+    if v is None:
+        return (2, "")
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return (0, v)
+    return (1, str(v))
+
+
+def _output(out: Optional[Path], csv: Optional[Path]) -> tuple[Optional[Path], str]:
+    """The file to write rows to and its format (checked before any work)."""
+    if out is not None and csv is not None:
+        raise QuantdynError("give --out FILE (the --csv spelling is old), not both")
+    if csv is not None:
+        return csv, "csv"
+    if out is None:
+        return None, ""
+    fmt = _FORMATS.get(out.suffix.lower())
+    if fmt is None:
+        raise QuantdynError(f"--out '{out}': name a .csv, .json or .jsonl file")
+    if out.is_dir():
+        raise QuantdynError(f"--out '{out}' is a directory; name a file, e.g. {out / ('rows' + out.suffix)}")
+    return out, fmt
+
+
+def _render(recs: list[dict], cols: list[str], fmt: str) -> str:
+    if fmt == "json":
+        return json.dumps(recs, default=str, indent=1)
+    if fmt == "jsonl":
+        return "".join(json.dumps(r, default=str) + "\n" for r in recs)
+    import csv as _csv
+    import io
+
+    buf = io.StringIO()
+    w = _csv.DictWriter(buf, fieldnames=cols)
+    w.writeheader()
+    w.writerows(recs)
+    return buf.getvalue()
 
 
 @app.command()
@@ -65,24 +121,54 @@ def report(
 
 @app.command()
 def study(spec: Path = typer.Argument(..., help="Study spec YAML (see configs/kjv_cooldown_study.yaml)."),
+          store: Optional[str] = typer.Option(None, "--store", help="Results store (default: the spec's sweep.store)."),
+          out: Optional[Path] = typer.Option(None, "--out", help="Report directory (default: the spec's report)."),
+          device: Optional[str] = typer.Option(None, "--device", help="Device for training and sweeps "
+                                               "(auto, cpu, cuda, cuda:N; default: the spec's)."),
           quiet: bool = typer.Option(False, "--quiet")):
     """A cooldown study: train (seeds), cooldowns + controls, sweep, report, endpoint-vs-control summary."""
     from quantdyn.study.demo import load_study_spec, run_study
 
-    run_study(load_study_spec(spec), progress=not quiet, echo=typer.echo)
+    run_study(_with_options(load_study_spec(spec), store, out, device), progress=not quiet, echo=typer.echo)
 
 
 @app.command()
-def demo(quiet: bool = typer.Option(False, "--quiet")):
+def demo(store: Optional[str] = typer.Option(None, "--store", help="Results store (default: results)."),
+         out: Optional[Path] = typer.Option(None, "--out", help="Report directory (default: report)."),
+         device: Optional[str] = typer.Option(None, "--device", help="Device for training and sweeps "
+                                              "(auto, cpu, cuda, cuda:N; default: auto)."),
+         quiet: bool = typer.Option(False, "--quiet")):
     """The embedded default study: train, cooldowns + controls, sweep, report, summary."""
-    from quantdyn.study.demo import run_demo
+    import quantdyn.study.demo as demo_mod
 
-    run_demo(progress=not quiet, echo=typer.echo)
+    demo_mod.run_study(_with_options(demo_mod.demo_spec(), store, out, device), progress=not quiet, echo=typer.echo)
+
+
+def _with_options(spec: dict, store: Optional[str], out: Optional[Path], device: Optional[str]) -> dict:
+    """The study spec with the command line's --store, --out and --device applied (unchanged without them)."""
+    if store is None and out is None and device is None:
+        return spec
+    spec = dict(spec)
+    sweep = dict(spec.get("sweep") or {})
+    if store is not None:
+        sweep["store"] = store
+    if device is not None:
+        sweep["device"] = device
+        run = dict(spec.get("run") or {})
+        run["train"] = {**dict(run.get("train") or {}), "device": device}
+        spec["run"] = run
+    if sweep:
+        spec["sweep"] = sweep
+    if out is not None:
+        spec["report"] = str(out)
+    return spec
 
 
 @app.command()
 def scaling(
-    store: str = typer.Argument("results", help="Results store with swept FP and QAT runs."),
+    store_arg: Optional[str] = typer.Argument(None, metavar="STORE", help="Old spelling of --store."),
+    store_opt: Optional[str] = typer.Option(None, "--store", help="Results store with swept FP and QAT runs "
+                                            "[default: results]."),
     by: str = typer.Option("optim.name", "--by", help="Group runs by this key (optim.name, or a row column)."),
     all_checkpoints: bool = typer.Option(False, "--all-checkpoints", help="Every checkpoint, not only each run's last."),
     bootstrap: int = typer.Option(200, "--bootstrap", help="Bootstrap resamples for intervals."),
@@ -91,7 +177,9 @@ def scaling(
     """Fit L(N, D) = A(ρN)^-α + B·D^-β + E per group for FP and QAT runs; rows go to the store."""
     from quantdyn.study.scaling_study import fit_scaling
 
-    rows = fit_scaling(store, by, all_checkpoints, bootstrap)
+    if store_arg is not None and store_opt is not None and store_arg != store_opt:
+        raise QuantdynError(f"two stores given ('{store_arg}' and --store '{store_opt}'); give only --store")
+    rows = fit_scaling(store_opt or store_arg or "results", by, all_checkpoints, bootstrap)
     if as_json:
         echo_json([{k: v for k, v in r.items() if k != "points"} for r in rows])
         return

@@ -1,0 +1,233 @@
+"""The command-line framework: usage errors are one line + a hint (exit 2), --version, -h, plain help,
+a truthful Ctrl-C line, and the results commands' options."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from importlib import metadata
+
+import pytest
+
+from quantdyn.cli import app, main
+from quantdyn.cli.app import interrupt_message
+from quantdyn.results.store import QUARANTINE, ResultStore
+
+
+def run(capsys, *args: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as e:
+        main(list(args))
+        raise SystemExit(0)
+    out, err = capsys.readouterr()
+    return e.value.code or 0, out, err
+
+
+def one_line_error(code: int, err: str) -> str:
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["frobnicate"], "no such command 'frobnicate'; commands: train,"),
+    (["trian"], "did you mean 'train'?"),
+    (["quantize", "--bits", "x", "foo"], "invalid value for --bits: 'x' is not an integer; see `quantdyn quantize -h`"),
+    (["quantize", "foo", "--bit", "3"], "no such option --bit for `quantdyn quantize` (did you mean '--bits'?)"),
+    (["quantize"], "missing argument"),
+    (["sweep", "--shard"], "option '--shard' requires an argument; see `quantdyn sweep -h`"),
+    (["average", "lawa", "r", "--window", "x", "--every", "2"], "see `quantdyn average lawa -h`"),
+    (["average", "frob"], "no such command 'frob'; commands: lawa, soup"),
+    (["results", "--json=3"], "json"),
+    (["--frob"], "no such option --frob"),
+])
+def test_usage_errors_are_one_line_with_a_hint(capsys, args, says):
+    code, out, err = run(capsys, *args)
+    line = one_line_error(code, err)
+    assert says in line and "-h`" in line
+
+
+def test_user_errors_from_the_library_are_one_line(capsys, tmp_path):
+    code, _, err = run(capsys, "results", "--store", str(tmp_path / "nope"))
+    assert "does not exist" in one_line_error(code, err)
+
+
+def test_version_matches_the_package_metadata(capsys):
+    code, out, _ = run(capsys, "--version")
+    assert code == 0 and out.strip() == f"quantdyn {metadata.version('quantdyn')}"
+
+
+def _all_commands(group, path=()):
+    import typer
+
+    cmd = typer.main.get_command(app) if group is None else group
+    for name, sub in sorted(getattr(cmd, "commands", {}).items()):
+        yield (*path, name)
+        yield from _all_commands(sub, (*path, name))
+
+
+def test_every_command_takes_h_and_help_and_shows_plain_help(capsys):
+    commands = list(_all_commands(None))
+    assert {("train",), ("sweep",), ("results",), ("average", "lawa")} <= set(commands)
+    for cmd in [(), *commands]:
+        for flag in ("-h", "--help"):
+            code, out, err = run(capsys, *cmd, flag)
+            assert code == 0 and out.startswith("Usage: quantdyn"), (cmd, flag, err)
+            assert "<bool>" not in out and "╭" not in out, (cmd, out)  # plain text, flags without a type
+    _, out, _ = run(capsys, "results", "-h")
+    assert "\"bits = 3 AND branch = 'main'\"" in out and "--where <str>" in out and "--out <path>" in out
+    _, out, _ = run(capsys, "train", "-h")
+    assert "[dist.strategy=fsdp2]" in out  # brackets in help texts are kept
+
+
+def test_no_arguments_prints_the_help(capsys):
+    code, out, err = run(capsys)
+    assert code == 2 and "Commands:" in out + err
+
+
+def test_interrupt_messages_are_true_for_the_command():
+    assert interrupt_message(["sweep", "spec.yaml"]) == "interrupted; rerun the same command to resume (stored rows are kept)"
+    assert "quantdyn train --resume RUN_DIR" in interrupt_message(["train", "configs/tiny.yaml"])
+    assert "rerun the same command to resume" in interrupt_message(["train", "--resume", "runs/x"])
+    assert "resume" not in interrupt_message(["quantize", "m"])  # nothing to resume there
+    assert "resume" in interrupt_message(["cooldown", "runs/x", "--from-step", "4", "--decay-steps", "2"])
+
+
+def test_ctrl_c_is_one_line_and_exit_130(capsys, monkeypatch):
+    import quantdyn.study.demo as demo
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "run_study", interrupted)
+    code, out, err = run(capsys, "demo", "--quiet")
+    assert code == 130 and err.strip() == interrupt_message(["demo"]) and "resume" in err
+
+
+def test_sigint_in_a_real_process_ends_in_one_line(tmp_path):
+    """The real signal path: SIGINT while a command works -> one line, exit 130."""
+    script = tmp_path / "slow.py"
+    script.write_text(
+        "import sys, time\n"
+        "import quantdyn.cli as cli\n"
+        "import quantdyn.study.demo as demo\n"
+        "def slow(*a, **k):\n"
+        "    print('working', flush=True)\n"
+        "    time.sleep(60)\n"
+        "demo.run_study = slow\n"
+        "cli.main(['demo', '--quiet'])\n"
+    )
+    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "working"
+    time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and err.strip() == interrupt_message(["demo"]), err
+
+
+@pytest.mark.parametrize("module", ["quantdyn", "quantdyn.cli"])
+def test_python_m_entry_points(module):
+    r = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("quantdyn "), r.stderr
+    r = subprocess.run([sys.executable, "-m", module, "frobnicate"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+# ---------------------------------------------------------------------- results, report, scaling, study, demo
+
+
+def _store(tmp_path):
+    st = ResultStore(tmp_path / "st")
+    st.append([{"key": "a", "kind": "ptq", "run": "r", "branch": "main", "step": 1, "tokens": 10, "quantizer": "rtn4",
+                "delta_ce": 0.5, "window_delta": [0.1, 0.2]},
+               {"key": "b", "kind": "ptq", "run": "r", "branch": "main", "step": 2, "tokens": 20, "quantizer": "rtn4",
+                "delta_ce": 0.25, "window_delta": [0.3]}])
+    return st
+
+
+def test_results_check_moves_bad_lines_to_quarantine(capsys, caplog, tmp_path):
+    st = _store(tmp_path)
+    part = st.parts()[0]
+    with open(part, "ab") as f:
+        f.write(b"garbage\n{\"key\": \"c\", \"x\":")
+    code, out, err = run(capsys, "results", "--store", str(st.root), "--json")
+    assert code == 0 and [r["key"] for r in json.loads(out)] == ["a", "b"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and f"{part} line 3" in warnings[0]  # one warning naming file and line
+    code, out, _ = run(capsys, "results", "--store", str(st.root), "--check")
+    assert code == 0 and "moved 2 unreadable lines" in out
+    assert (st.root / QUARANTINE / part.name).read_bytes() == b"garbage\n{\"key\": \"c\", \"x\":\n"
+    code, out, _ = run(capsys, "results", "--store", str(st.root), "--check")
+    assert "all lines readable" in out
+
+
+@pytest.mark.parametrize("name, parse", [
+    ("rows.csv", lambda t: t.splitlines()[0].split(",")[:2]),
+    ("rows.json", lambda t: list(json.loads(t)[0])[:2]),
+    ("rows.jsonl", lambda t: list(json.loads(t.splitlines()[0]))[:2]),
+])
+def test_results_out_writes_the_rows(capsys, tmp_path, name, parse):
+    st = _store(tmp_path)
+    code, out, _ = run(capsys, "results", "--store", str(st.root), "--out", str(tmp_path / name))
+    assert code == 0 and "(2 rows); written to" in out
+    text = (tmp_path / name).read_text()
+    assert parse(text) == ["key", "kind"] and "window_delta" not in text
+
+
+def test_results_out_errors_and_old_csv_spelling(capsys, tmp_path):
+    st = _store(tmp_path)
+    code, _, err = run(capsys, "results", "--store", str(st.root), "--out", str(tmp_path / "rows.txt"))
+    assert ".csv, .json or .jsonl" in one_line_error(code, err)
+    code, _, err = run(capsys, "results", "--store", str(st.root), "--out", str(tmp_path / "a.csv"),
+                       "--csv", str(tmp_path / "b.csv"))
+    assert "not both" in one_line_error(code, err)
+    code, _, _ = run(capsys, "results", "--store", str(st.root), "--csv", str(tmp_path / "old.csv"))
+    assert code == 0 and (tmp_path / "old.csv").read_text().startswith("key,")
+    code, _, err = run(capsys, "results", "--store", str(st.root), "--where", "nope = 1")
+    assert "check the --where expression" in one_line_error(code, err)
+
+
+def test_scaling_takes_store_as_option_or_old_argument(capsys, tmp_path, monkeypatch):
+    import quantdyn.study.scaling_study as sc
+
+    seen = []
+    monkeypatch.setattr(sc, "fit_scaling", lambda store, *a: seen.append(store) or [])
+    assert run(capsys, "scaling", "--store", "s1")[0] == 0
+    assert run(capsys, "scaling", "s2")[0] == 0
+    assert run(capsys, "scaling")[0] == 0
+    assert seen == ["s1", "s2", "results"]
+    code, _, err = run(capsys, "scaling", "s3", "--store", "s4")
+    assert "give only --store" in one_line_error(code, err)
+
+
+def test_study_and_demo_options_override_the_spec(capsys, tmp_path, monkeypatch):
+    import yaml
+
+    import quantdyn.study.demo as demo
+
+    seen = []
+    monkeypatch.setattr(demo, "run_study", lambda spec, progress=True, echo=print: seen.append(spec) or {})
+    assert run(capsys, "demo", "--quiet")[0] == 0
+    assert seen[-1] == demo.demo_spec()
+    assert run(capsys, "demo", "--store", "S", "--out", "R", "--device", "cpu", "--quiet")[0] == 0
+    spec = seen[-1]
+    assert spec["sweep"]["store"] == "S" and spec["report"] == "R" and spec["sweep"]["device"] == "cpu"
+    assert spec["run"]["train"]["device"] == "cpu" and spec["run"]["model"] == demo.demo_spec()["run"]["model"]
+    p = tmp_path / "s.yaml"
+    p.write_text(yaml.safe_dump({"run": {"name": "x"}}))
+    assert run(capsys, "study", str(p), "--store", "T", "--quiet")[0] == 0
+    assert seen[-1] == {"run": {"name": "x"}, "sweep": {"store": "T"}}
+
+
+def test_logging_warnings_reach_stderr_as_one_line(tmp_path):
+    # main() configures logging so the store's warning is one plain line (no logger name, no level prefix)
+    st = _store(tmp_path)
+    with open(st.parts()[0], "ab") as f:
+        f.write(b"\xff\n")
+    r = subprocess.run([sys.executable, "-m", "quantdyn", "results", "--store", str(st.root)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "(2 rows)" in r.stdout
+    assert r.stderr.startswith("results store ") and "not UTF-8" in r.stderr and len(r.stderr.splitlines()) == 1
