@@ -451,3 +451,61 @@ def test_trajectories_command_lists_and_shows_presets(monkeypatch, capsys):
     assert {r["preset"] for r in json.loads(out)} == set(load_presets())
     code, out, err = _cli(monkeypatch, capsys, "trajectories", "olmo2-70b")
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "did you mean 'olmo2-7b'" in err
+
+
+# -- figures -----------------------------------------------------------------------------------------------------
+def _rows_of(preset: str, revisions: tuple[str, ...], with_fields: bool = True) -> list[dict]:
+    """Result rows as a sweep writes them, with a made-up error that rises when the LR decays."""
+    from quantdyn.study.trajectory import preset_row_fields
+
+    rows = []
+    for p in plan_points(TrajectoryConfig(preset=preset, revisions=revisions)):
+        for q, bits in (("rtn4", 4), ("gptq3", 3)):
+            d = (0.05 if bits == 3 else 0.01) * (2.0 if p.decaying else 1.0)
+            r = {"kind": "ptq", "run": p.run, "branch": p.branch, "ckpt_kind": p.kind, "checkpoint": p.ref,
+                 "step": p.step, "tokens": p.tokens, "lr": p.lr, "decaying": p.decaying, "quantizer": q,
+                 "bits": bits, "delta_ce": d, "delta_ce_se": 0.001, "ce_fp": 2.5}
+            if with_fields:
+                r.update(preset_row_fields(p))
+            rows.append(r)
+    return rows
+
+
+def test_trajectory_figures_from_rows(tmp_path):
+    from quantdyn.report.trajectories import (
+        error_vs_tokens,
+        families_side_by_side,
+        lr_curves,
+        rel_delta_ce,
+        sections,
+        soup_vs_ingredients,
+    )
+
+    pythia = _rows_of("pythia-160m", ("step1000", "step36000", "step72000", "step143000"), with_fields=False)
+    pythia[0]["rel_delta_ce"] = 0.123  # written by newer sweeps; older rows fall back to delta_ce / ce_fp
+    assert rel_delta_ce(pythia[0]) == 0.123 and rel_delta_ce(pythia[2]) == pytest.approx(pythia[2]["delta_ce"] / 2.5)
+    table = error_vs_tokens(pythia, REPO, tmp_path / "pythia")
+    assert (tmp_path / "pythia.png").stat().st_size > 0 and (tmp_path / "pythia.svg").stat().st_size > 0
+    assert len(table) == 8 and {t["preset"] for t in table} == {"pythia-160m"}  # found through the repo
+    (_, curve), = lr_curves(get_preset("pythia-160m"), pythia)
+    x, y = min(curve, key=lambda xy: abs(xy[0] - 72000 * PYTHIA_TPS))
+    assert y == pytest.approx(neox_lr(round(x / PYTHIA_TPS), 6e-4), rel=1e-3)
+
+    olmo = _rows_of("olmo2-7b", ("stage1-step5000-tokens21B", "stage1-step928646-tokens3896B",
+                                 "stage2-ingredient1-step5000-tokens21B", "stage2-ingredient1-step11931-tokens50B",
+                                 "stage2-ingredient2-step11931-tokens50B", "main"))
+    curves = lr_curves(get_preset("olmo2-7b"), olmo)
+    assert [c for c, _ in curves] == ["stage1", "stage2"]
+    assert curves[1][1][0] == (928646 * 4_194_304, pytest.approx(6.1499e-5))  # stage 2 starts at its branch point
+    soup = soup_vs_ingredients(olmo, "allenai/OLMo-2-1124-7B", tmp_path / "soup")
+    assert (tmp_path / "soup.svg").exists()
+    got = {(t["quantizer"], t["branch"], t["stage_tokens"]) for t in soup}
+    assert ("rtn4", "soup", 11931 * 4_194_304) in got and ("rtn4", "main", 0) in got
+    assert ("gptq3", "ingredient1", 5000 * 4_194_304) in got
+    assert soup_vs_ingredients(pythia, REPO, tmp_path / "none") == [] and not (tmp_path / "none.png").exists()
+    fam = families_side_by_side(pythia + olmo, tmp_path / "families")
+    assert {t["run"] for t in fam} == {REPO, "allenai/OLMo-2-1124-7B"} and (tmp_path / "families.png").exists()
+    assert all(t["branch"] in ("main", "soup") for t in fam)
+    secs = sections(pythia + olmo, tmp_path / "report")
+    assert len(secs) == 4 and all((tmp_path / "report" / png).exists() for _, png, _, _ in secs)
+

@@ -1,0 +1,362 @@
+"""Figures of public training trajectories (paper A's Pythia, OLMo, OLMo-2, SmolLM3, ... sweeps), drawn from
+result rows (``ResultStore.rows()``) and the trajectory presets; each writes PNG and SVG and returns the table
+of numbers behind it.
+
+  error_vs_tokens       Δ CE and Δ CE / CE(FP) against tokens for one trajectory, LR overlaid
+  families_side_by_side Δ CE / CE(FP) against tokens, one panel per trajectory (family and size)
+  soup_vs_ingredients   OLMo-2 stage 2: each ingredient's error along its own tokens, the soup beside them
+  sections              the three above as report sections, for the rows a store holds
+
+The LR overlay is drawn from the preset's schedule (the functions quantdyn trains with); without a preset
+it joins the rows' own ``lr`` values.  The relative error is the row's ``rel_delta_ce`` or, for rows written
+before it existed, ``delta_ce / ce_fp``.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from quantdyn.errors import QuantdynError
+from quantdyn.study.presets import Preset, get_preset, preset_for_repo
+from quantdyn.train.schedules import PhaseSchedule, schedule_curve
+
+LR_STYLE = {"color": "0.55", "lw": 1.0, "ls": "-", "alpha": 0.8}
+PUBLIC_KINDS = ("hub", "soup")
+
+
+def rel_delta_ce(row: dict) -> float | None:
+    """Δ CE / CE(FP) of a row: its ``rel_delta_ce``, else computed from ``delta_ce`` and ``ce_fp``."""
+    v = row.get("rel_delta_ce")
+    if v is not None:
+        return float(v)
+    d, fp = row.get("delta_ce"), row.get("ce_fp")
+    if d is None or not fp:
+        return None
+    return float(d) / float(fp)
+
+
+def preset_of_rows(rows: Iterable[dict]) -> Preset | None:
+    """The preset of a trajectory's rows: their ``preset`` field, else the preset whose repos hold their run."""
+    for r in rows:
+        name = r.get("preset")
+        if name:
+            try:
+                return get_preset(name)
+            except QuantdynError:  # a preset renamed since the rows were written: fall back to the repo
+                pass
+        if r.get("run"):
+            found = preset_for_repo(r["run"])
+            if found is not None:
+                return found
+    return None
+
+
+def public_runs(rows: list[dict]) -> list[str]:
+    """Runs (hub repos) with PTQ rows of public checkpoints, in order of first appearance."""
+    out: list[str] = []
+    for r in rows:
+        public = r.get("kind") == "ptq" and (r.get("ckpt_kind") in PUBLIC_KINDS or r.get("preset"))
+        if public and r.get("run") and r["run"] not in out:
+            out.append(r["run"])
+    return out
+
+
+def _label(run: str, pre: Preset | None) -> str:
+    return pre.name if pre is not None else run
+
+
+def _quantizers(rows: list[dict]) -> list[str]:
+    def key(q):
+        bits = next((r.get("bits") for r in rows if r.get("quantizer") == q), 0)
+        return (-(bits or 0), q)
+
+    return sorted({r["quantizer"] for r in rows if r.get("kind") == "ptq" and r.get("quantizer")}, key=key)
+
+
+def _ptq(rows: list[dict], run: str, quantizers: list[str] | None = None) -> list[dict]:
+    pts = [r for r in rows if r.get("kind") == "ptq" and r.get("run") == run and r.get("tokens") is not None
+           and r.get("delta_ce") is not None and (quantizers is None or r.get("quantizer") in quantizers)]
+    return sorted(pts, key=lambda r: r["tokens"])
+
+
+def _schedule_tokens_curve(pre: Preset, sched: PhaseSchedule, lo: float, hi: float, offset: float = 0.0,
+                           n: int = 300) -> list[tuple[float, float]]:
+    """(tokens, LR) of ``sched`` over [lo, hi] global tokens; ``offset`` = tokens where the stage starts."""
+    if sched.unit == "tokens":
+        return [(x + offset, y) for x, y in schedule_curve(sched, max(0.0, lo - offset), hi - offset, n)]
+    if not pre.tokens_per_step:
+        return []
+    tps = pre.tokens_per_step
+    return [(x * tps + offset, y) for x, y in schedule_curve(sched, max(0.0, (lo - offset) / tps), (hi - offset) / tps, n)]
+
+
+def lr_curves(pre: Preset | None, rows: list[dict]) -> list[tuple[str, list[tuple[float, float]]]]:
+    """LR against global tokens for the main line (and a stage that branches off), over the rows' token range."""
+    toks = [r["tokens"] for r in rows if r.get("tokens") is not None]
+    if not toks:
+        return []
+    lo, hi = min(toks), max(toks)
+    if pre is None:
+        main = sorted({(r["tokens"], r["lr"]) for r in rows if r.get("lr") is not None and r.get("branch") == "main"})
+        return [("main", main)] if main else []
+    if pre.schedule is not None:
+        return [("main", _schedule_tokens_curve(pre, pre.schedule, lo, hi))]
+    out = []
+    for st in pre.stages:
+        if st.schedule is None:
+            continue
+        offset = 0.0
+        if st.branches_from:
+            base = pre.locate(st.branches_from)
+            if isinstance(base, str) or base.tokens is None:
+                continue
+            offset = float(base.tokens)
+            if hi <= offset:
+                continue
+        curve = _schedule_tokens_curve(pre, st.schedule, max(lo, offset), hi, offset)
+        if curve:
+            out.append((st.name, curve))
+    return out
+
+
+def _overlay(ax, curves) -> None:
+    if not curves:
+        return
+    ax2 = ax.twinx()
+    for k, (_, curve) in enumerate(curves):
+        xs, ys = zip(*curve)
+        ax2.plot(xs, ys, **{**LR_STYLE, "ls": "-" if k == 0 else "--"}, label="LR" if k == 0 else None)
+    ax2.set_ylabel("LR", color="0.45", fontsize=8)
+    ax2.tick_params(axis="y", labelsize=7, colors="0.45")
+    ax2.set_ylim(bottom=0)
+
+
+def _tokens_label(v: float, _pos=None) -> str:
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(v) >= div:
+            return f"{v / div:g}{unit}"
+    return f"{v:g}"
+
+
+def _tokens_axis(ax) -> None:
+    from matplotlib.ticker import FuncFormatter
+
+    ax.xaxis.set_major_formatter(FuncFormatter(_tokens_label))
+
+
+def _log_x(tokens: list[float]) -> bool:
+    pos = [t for t in tokens if t and t > 0]
+    return bool(pos) and max(pos) / min(pos) > 1e3
+
+
+def _save(fig, out: Path) -> list[Path]:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    paths = [out.with_suffix(".png"), out.with_suffix(".svg")]
+    fig.tight_layout()
+    fig.savefig(paths[0], dpi=110)
+    fig.savefig(paths[1])
+    plt.close(fig)
+    return paths
+
+
+def _branch_style(branch: str) -> dict:
+    if branch == "main":
+        return {"lw": 1.3, "alpha": 1.0}
+    return {"lw": 0.9, "alpha": 0.6, "ls": "--"}
+
+
+def _stage_start(pre: Preset | None) -> int | None:
+    """Tokens of the checkpoint a branching stage (OLMo-2 stage 2) starts from."""
+    stage = next((s for s in pre.stages if s.branches_from), None) if pre is not None else None
+    base = pre.locate(stage.branches_from) if stage is not None else None
+    return None if base is None or isinstance(base, str) else base.tokens
+
+
+def _table_row(run: str, pre: Preset | None, branch: str, q: str, r: dict) -> dict:
+    return {"run": run, "preset": pre.name if pre else None, "branch": branch, "quantizer": q,
+            "revision": r.get("revision") or str(r.get("checkpoint", "")).partition("@")[2],
+            "step": r.get("step"), "tokens": r["tokens"], "lr": r.get("lr"), "phase": r.get("phase"),
+            "decaying": r.get("decaying"), "ce_fp": r.get("ce_fp"), "delta_ce": r["delta_ce"],
+            "delta_ce_se": r.get("delta_ce_se"), "rel_delta_ce": rel_delta_ce(r)}
+
+
+def error_vs_tokens(rows: list[dict], run: str, out: Path, quantizers: list[str] | None = None) -> list[dict]:
+    """Δ CE (± SE) and Δ CE / CE(FP) against tokens of one public trajectory (all its branches: stage-1 main,
+    stage-2 ingredients dashed, the soup as a star), with the preset's LR overlaid; filled markers = decaying.
+    Writes ``out``.png and .svg; returns the table behind it ([] and no files when the run has no rows)."""
+    pts = _ptq(rows, run, quantizers)
+    if not pts:
+        return []
+    pre = preset_of_rows(pts)
+    qs = _quantizers(pts)
+    curves = lr_curves(pre, pts)
+    start = _stage_start(pre)
+    fig, axes = plt.subplots(2, 1, figsize=(7.5, 5.2), sharex=True)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    table = []
+    for qi, q in enumerate(qs):
+        c = colors[qi % len(colors)]
+        mine = [r for r in pts if r["quantizer"] == q]
+        for branch in sorted({r.get("branch") or "main" for r in mine}, key=lambda b: (b != "main", b)):
+            br = [r for r in mine if (r.get("branch") or "main") == branch]
+            table += [_table_row(run, pre, branch, q, r) for r in br]
+            if branch.startswith("ingredient"):  # drawn from the checkpoint the stage starts at
+                br = [r for r in mine if (r.get("branch") or "main") == "main" and r["tokens"] == start] + br
+            xs = [r["tokens"] for r in br]
+            if branch == "soup":
+                axes[0].plot(xs, [r["delta_ce"] for r in br], "*", color=c, ms=10, label=f"{q} soup")
+                axes[1].plot(xs, [rel_delta_ce(r) for r in br], "*", color=c, ms=10)
+            else:
+                st = _branch_style(branch)
+                axes[0].errorbar(xs, [r["delta_ce"] for r in br], yerr=[r.get("delta_ce_se") or 0 for r in br],
+                                 color=c, capsize=2, ms=0, label=q if branch == "main" else None, **st)
+                axes[1].plot(xs, [rel_delta_ce(r) for r in br], color=c, **st)
+                for ax, key in ((axes[0], "delta_ce"), (axes[1], None)):
+                    ys = [r["delta_ce"] if key else rel_delta_ce(r) for r in br]
+                    ax.scatter(xs, ys, s=12, color=c, zorder=3,
+                               facecolors=[c if r.get("decaying") else "white" for r in br])
+    axes[0].set_ylabel("Δ CE (nats)", fontsize=8)
+    axes[1].set_ylabel("Δ CE / CE(FP)", fontsize=8)
+    axes[0].set_title(f"{_label(run, pre)}: quantization error along training (filled = LR decaying)", fontsize=10)
+    axes[0].legend(fontsize=7, loc="upper left")
+    for ax in axes:
+        _overlay(ax, curves)
+        ax.grid(alpha=0.3)
+        ax.tick_params(labelsize=7)
+    if _log_x([r["tokens"] for r in pts]):
+        axes[1].set_xscale("log")
+    else:
+        _tokens_axis(axes[1])
+    axes[1].set_xlabel("tokens", fontsize=8)
+    _save(fig, out)
+    return table
+
+
+def families_side_by_side(rows: list[dict], out: Path, runs: list[str] | None = None,
+                          quantizers: list[str] | None = None) -> list[dict]:
+    """Δ CE / CE(FP) against tokens, one panel per trajectory (shared y: the relative error compares across
+    families), each with its LR overlaid; main line and soups only.  Returns the table behind it."""
+    runs = [r for r in (runs or public_runs(rows)) if _ptq(rows, r, quantizers)]
+    if not runs:
+        return []
+    qs = _quantizers([r for r in rows if r.get("run") in runs and (quantizers is None or r.get("quantizer") in quantizers)])
+    fig, axes = plt.subplots(1, len(runs), figsize=(3.6 * len(runs) + 0.6, 3.4), sharey=True, squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    table = []
+    for ax, run in zip(axes[0], runs):
+        pts = [r for r in _ptq(rows, run, quantizers) if (r.get("branch") or "main") in ("main", "soup")]
+        pre = preset_of_rows(pts)
+        for qi, q in enumerate(qs):
+            c = colors[qi % len(colors)]
+            line = [r for r in pts if r["quantizer"] == q and (r.get("branch") or "main") == "main"]
+            soup = [r for r in pts if r["quantizer"] == q and r.get("branch") == "soup"]
+            if line:
+                ax.plot([r["tokens"] for r in line], [rel_delta_ce(r) for r in line], "o-", color=c, ms=3, lw=1.2,
+                        label=q)
+            if soup:
+                ax.plot([r["tokens"] for r in soup], [rel_delta_ce(r) for r in soup], "*", color=c, ms=10)
+            for r in line + soup:
+                table.append({"run": run, "preset": pre.name if pre else None, "quantizer": q,
+                              "branch": r.get("branch") or "main", "tokens": r["tokens"], "lr": r.get("lr"),
+                              "rel_delta_ce": rel_delta_ce(r), "delta_ce": r["delta_ce"]})
+        _overlay(ax, lr_curves(pre, pts)[:1])
+        ax.set_title(_label(run, pre), fontsize=9)
+        ax.set_xlabel("tokens", fontsize=8)
+        _tokens_axis(ax)
+        ax.grid(alpha=0.3)
+        ax.tick_params(labelsize=7)
+    axes[0][0].set_ylabel("Δ CE / CE(FP)", fontsize=8)
+    axes[0][0].legend(fontsize=7, loc="upper left")
+    _save(fig, out)
+    return table
+
+
+def soup_vs_ingredients(rows: list[dict], run: str, out: Path, quantizers: list[str] | None = None) -> list[dict]:
+    """Stage 2 of a multi-stage trajectory (OLMo-2): per quantizer, Δ CE and Δ CE / CE(FP) of each ingredient
+    against tokens since the stage-1 checkpoint it starts from, the stage-1 checkpoint at 0 and the soup as a
+    star at its tokens.  Returns the table behind it ([] when the run has no ingredient rows)."""
+    pts = _ptq(rows, run, quantizers)
+    ings = [r for r in pts if str(r.get("branch") or "").startswith("ingredient")]
+    if not ings:
+        return []
+    pre = preset_of_rows(pts)
+    base_tokens = _stage_start(pre)
+    base_rev = next((s.branches_from for s in pre.stages if s.branches_from), None) if pre is not None else None
+    if base_tokens is None:  # no preset: stage 2 starts at the last main checkpoint before the ingredients
+        first = min(r["tokens"] for r in ings)
+        before = [r["tokens"] for r in pts if (r.get("branch") or "main") == "main" and r["tokens"] <= first]
+        base_tokens = max(before) if before else first
+    qs = _quantizers(ings)
+    fig, axes = plt.subplots(2, len(qs), figsize=(4.2 * len(qs) + 0.6, 5.2), sharex=True, squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    table = []
+    for j, q in enumerate(qs):
+        mine = [r for r in pts if r["quantizer"] == q]
+        branches = sorted({r["branch"] for r in mine if str(r["branch"]).startswith("ingredient")})
+        start = [r for r in mine if (r.get("branch") or "main") == "main" and r["tokens"] == base_tokens]
+        soup = [r for r in mine if r.get("branch") == "soup"]
+        for k, b in enumerate(branches):
+            br = [r for r in mine if r["branch"] == b]
+            xs = [r["tokens"] - base_tokens for r in start + br]
+            for ax, f in ((axes[0][j], lambda r: r["delta_ce"]), (axes[1][j], rel_delta_ce)):
+                ax.plot(xs, [f(r) for r in start + br], "o-", ms=3, lw=1.1, color=colors[k % len(colors)],
+                        label=b if ax is axes[0][j] else None)
+            table += [{"run": run, "quantizer": q, "branch": b, "stage_tokens": r["tokens"] - base_tokens,
+                       "tokens": r["tokens"], "lr": r.get("lr"), "delta_ce": r["delta_ce"],
+                       "rel_delta_ce": rel_delta_ce(r)} for r in br]
+        for r in soup:
+            for ax, v in ((axes[0][j], r["delta_ce"]), (axes[1][j], rel_delta_ce(r))):
+                ax.plot([r["tokens"] - base_tokens], [v], "*", color="k", ms=12, label="soup" if ax is axes[0][j] else None)
+            table.append({"run": run, "quantizer": q, "branch": "soup", "stage_tokens": r["tokens"] - base_tokens,
+                          "tokens": r["tokens"], "lr": r.get("lr"), "delta_ce": r["delta_ce"],
+                          "rel_delta_ce": rel_delta_ce(r)})
+        for r in start:
+            table.append({"run": run, "quantizer": q, "branch": "main", "stage_tokens": 0, "tokens": r["tokens"],
+                          "lr": r.get("lr"), "delta_ce": r["delta_ce"], "rel_delta_ce": rel_delta_ce(r)})
+        axes[0][j].set_title(f"{_label(run, pre)} stage 2, {q}", fontsize=9)
+        axes[1][j].set_xlabel(f"tokens since {base_rev or 'the stage-1 checkpoint'}", fontsize=8)
+        _tokens_axis(axes[1][j])
+        axes[0][j].legend(fontsize=7)
+    axes[0][0].set_ylabel("Δ CE (nats)", fontsize=8)
+    axes[1][0].set_ylabel("Δ CE / CE(FP)", fontsize=8)
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+        ax.tick_params(labelsize=7)
+    _save(fig, out)
+    return table
+
+
+def sections(rows: list[dict], out: Path) -> list[tuple[str, str, list[dict], str]]:
+    """Report sections (title, PNG name, table, caption) for the public trajectories among ``rows``."""
+    out = Path(out)
+    found = []
+    runs = public_runs(rows)
+    for run in runs:
+        stem = "trajectory_" + run.replace("/", "_")
+        table = error_vs_tokens(rows, run, out / stem)
+        if table:
+            name = table[0]["preset"] or run
+            found.append((f"Public trajectory {name}: quantization error and LR against tokens", f"{stem}.png", table,
+                          ("Δ CE (± paired SE over evaluation windows) and Δ CE / CE(FP) of each quantizer at each "
+                          "revision, against tokens; the LR of the preset's schedule overlaid (grey; dashed: a "
+                          "later stage); filled markers where the LR is decaying; dashed lines: stage-2 ingredients, "
+                          "stars: soups (paper A, public trajectories).")))
+        table = soup_vs_ingredients(rows, run, out / f"{stem}_soup")
+        if table:
+            found.append((f"{run}: stage-2 ingredients and their soup", f"{stem}_soup.png", table,
+                          ("Each stage-2 ingredient's error along its own tokens from the stage-1 checkpoint it "
+                          "starts from (at 0), and the soup of their final checkpoints (star): averaging the "
+                          "decayed ingredients lowers the error (paper A).")))
+    if len(runs) > 1:
+        table = families_side_by_side(rows, out / "trajectories_families")
+        if table:
+            found.append(("Public trajectories side by side", "trajectories_families.png", table,
+                          ("Relative error Δ CE / CE(FP) against tokens, one panel per family and size, each with "
+                          "its LR: the error rises when the LR decays, whatever the token budget (paper A).")))
+    return found
