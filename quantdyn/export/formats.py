@@ -1,0 +1,338 @@
+"""The two deployable checkpoint formats: what each can hold and how a layer is stored.
+
+quantdyn's codes for one linear layer (see ``ModelQuantization.packed``):
+``codes`` uint8 (out, in) in [0, 2^bits), ``scales`` and ``zeros`` (out, groups),
+``g_idx`` int (in,), with the dequantized weight
+
+    W[o, i] = scales[o, g_idx[i]] * (codes[o, i] - zeros[o, g_idx[i]]).
+
+GPTQ (``quant_method: gptq``; read by GPTQModel, AutoGPTQ, transformers + optimum, vLLM)
+    ``qweight`` int32 (in*bits/32, out): codes packed along the input dim (packing.py);
+    ``qzeros`` int32 (groups, out*bits/32): zero points packed along the output dim;
+    ``scales`` float16 (groups, out) -- the GPTQ linear layers of GPTQModel/AutoGPTQ keep
+    float16 scale buffers, so scales are rounded to float16 (relative error <= 2^-11);
+    ``g_idx`` int32 (in,): the group of each input column (a permutation of groups with
+    act-order, ``desc_act: true``). Bits 2, 3, 4 or 8 (5-7 exist only in GPTQModel's own
+    planar ``gptq_p`` layout, which transformers cannot load). 3 bits needs in and out
+    features divisible by 32 (32 codes fill 3 words).
+    ``checkpoint_format``: ``gptq`` (v1) stores every zero point minus one, the convention
+    of the original GPTQ/AutoGPTQ code; a zero point of 0 (asymmetric grid of a group with
+    no negative weight) has no v1 encoding that all readers agree on (field-wise readers --
+    vLLM's GPTQ kernels, GPTQModel's dequantizer -- wrap it to 2^bits-1, GPTQModel's loader
+    carries into the neighbouring field), so v1 refuses it with an error naming the layer;
+    ``gptq_v2`` stores zero points as they are (GPTQModel's internal form; transformers and
+    vLLM >= 0.11 read it).
+
+compressed-tensors ``pack-quantized`` (``quant_method: compressed-tensors``; written by
+llm-compressor, served by vLLM, read by transformers with the compressed-tensors package)
+    ``weight_packed`` int32 (out, in*bits/32): the codes packed along the input dim -- the
+    library stores signed values q - 2^(bits-1) plus an offset of 2^(bits-1), i.e. exactly
+    quantdyn's unsigned codes; ``weight_scale`` (out, groups) in ``scale_dtype``;
+    ``weight_zero_point`` int32 (out*bits/32, groups), asymmetric grids only: the signed zero
+    point z - 2^(bits-1), offset and packed along the output dim; ``weight_shape`` int64
+    [out, in]. Symmetric grids (zero 2^(bits-1)) store no zero point. Bits 2..8; vLLM's
+    kernels serve 4 and 8 bits; widths that do not divide 32 (3, 5, 6, 7) use the dense
+    layout of compressed-tensors >= 0.18 (older versions packed floor(32/bits) codes per
+    word). Groups must divide in_features (the library's rule). Act-order with a permuted
+    ``g_idx`` (``actorder: group``, tensor ``weight_g_idx``) was removed from
+    compressed-tensors in 0.19, so it is refused: export such quantizers as GPTQ, or
+    quantize with static groups or group-aware ordering, whose groups stay contiguous.
+
+Neither format has per-input-channel scales, so quantdyn's AWQ (scales s per linear, divided
+back out of the weight) cannot be exported; neither loader quantizes the output head
+through these configs, so ``quantize_head`` is refused too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from quantdyn import __version__
+from quantdyn.config import config_hash, to_dict
+from quantdyn.errors import QuantdynError
+from quantdyn.export.packing import pack_rows
+from quantdyn.quantize.config import QuantConfig
+from quantdyn.registry import Registry
+
+GPTQ_BITS = (2, 3, 4, 8)
+"""Bit widths a GPTQ v1/v2 checkpoint holds."""
+CT_BITS = (2, 3, 4, 5, 6, 7, 8)
+"""Bit widths quantdyn writes as compressed-tensors pack-quantized."""
+GPTQ_CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
+"""Zero-point conventions of GPTQ checkpoints (v1: zero - 1; v2: zero)."""
+SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+"""Scale dtypes by name (compressed-tensors stores the model's dtype)."""
+
+
+@dataclass(frozen=True)
+class ExportSettings:
+    """Resolved per-export choices, fixed when the export is opened."""
+
+    scale_dtype: torch.dtype
+    """dtype of the stored scales."""
+    checkpoint_format: str | None
+    """GPTQ only: 'gptq' or 'gptq_v2'."""
+    desc_act: bool
+    """GPTQ only: whether g_idx may be a permutation of groups (act-order)."""
+
+
+@dataclass(frozen=True)
+class ExportFormat:
+    """A checkpoint format: its checks, per-layer tensors and quantization_config."""
+
+    name: str
+    """Registry name ('gptq', 'compressed-tensors')."""
+    summary: str
+    """One line: what reads it."""
+    check: Callable[[QuantConfig, str, torch.dtype, dict], ExportSettings]
+    """(qcfg, model_type, model dtype, options) -> settings, or a QuantdynError naming what the format supports."""
+    layer_tensors: Callable[[str, dict[str, torch.Tensor], QuantConfig, ExportSettings], dict[str, torch.Tensor]]
+    """(layer name, quantdyn codes/scales/zeros/g_idx, qcfg, settings) -> checkpoint tensors."""
+    config: Callable[[QuantConfig, list[str], ExportSettings], dict]
+    """(qcfg, quantized layer names, settings) -> the quantization_config of config.json."""
+
+
+EXPORT_FORMATS: Registry[ExportFormat] = Registry("export format")
+"""Formats quantdyn writes (``quantdyn quantize --export NAME``)."""
+
+
+# ----------------------------------------------------------------------------- shared checks
+
+
+def permuted_groups(qcfg: QuantConfig) -> bool:
+    """Whether ``qcfg`` gives g_idx that is not ``i // group_size`` (act-order with dynamic groups)."""
+    return bool(qcfg.act_order and qcfg.group_size and not qcfg.static_groups)
+
+
+def _common_refusals(qcfg: QuantConfig, fmt: str) -> None:
+    if qcfg.method == "awq":
+        raise QuantdynError(
+            f"{fmt} checkpoints have no per-input-channel scales, and quantdyn's AWQ gives every linear its own "
+            f"scales (they cannot be folded into a shared norm); export an rtn or gptq quantizer"
+        )
+    if qcfg.quantize_head:
+        raise QuantdynError(
+            f"{fmt} export holds the quantized linears of the decoder blocks only (transformers keeps the head in "
+            f"full precision); quantize without 'quantize_head' (-head)"
+        )
+
+
+def _scale_dtype(options: dict, default: torch.dtype) -> torch.dtype:
+    name = options.get("scale_dtype")
+    if name is None:
+        return default
+    if isinstance(name, torch.dtype):
+        if name not in SCALE_DTYPES.values():
+            raise QuantdynError(f"scale_dtype {name} is not supported; choose one of: {', '.join(SCALE_DTYPES)}")
+        return name
+    if name not in SCALE_DTYPES:
+        raise QuantdynError(f"scale_dtype '{name}' is not supported; choose one of: {', '.join(SCALE_DTYPES)}")
+    return SCALE_DTYPES[name]
+
+
+def _as_int_zeros(name: str, zeros: torch.Tensor, bits: int) -> torch.Tensor:
+    """Zero points as int64, checked integral and inside [0, 2^bits)."""
+    z = zeros.detach().to(torch.float64)
+    if not torch.equal(torch.round(z), z):
+        raise QuantdynError(f"layer '{name}': zero points are not integers; pass the zeros quantize_model returned")
+    zi = z.to(torch.int64)
+    if zi.numel() and (int(zi.min()) < 0 or int(zi.max()) > 2**bits - 1):
+        raise QuantdynError(f"layer '{name}': zero points lie in [{int(zi.min())}, {int(zi.max())}], outside the "
+                            f"{bits}-bit grid [0, {2**bits - 1}]")
+    return zi
+
+
+def _cast_scales(name: str, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    s = scales.detach().to(dtype)
+    if not torch.isfinite(s).all() or bool(((s == 0) & (scales != 0)).any()):
+        raise QuantdynError(
+            f"layer '{name}': scales overflow or underflow in {str(dtype).replace('torch.', '')} "
+            f"(range [{float(scales.abs().min()):.3g}, {float(scales.abs().max()):.3g}]); export with a wider "
+            f"scale_dtype where the format allows it"
+        )
+    return s.contiguous()
+
+
+def _provenance(qcfg: QuantConfig) -> dict:
+    return {"version": __version__, "quantizer": to_dict(qcfg), "config_hash": config_hash(qcfg), "name": qcfg.name}
+
+
+# ----------------------------------------------------------------------------- GPTQ
+
+
+def _gptq_check(qcfg: QuantConfig, model_type: str, model_dtype: torch.dtype, options: dict) -> ExportSettings:
+    _common_refusals(qcfg, "GPTQ")
+    if qcfg.bits not in GPTQ_BITS:
+        raise QuantdynError(
+            f"GPTQ checkpoints hold {', '.join(map(str, GPTQ_BITS))} bits, not {qcfg.bits}; export "
+            f"compressed-tensors (2..8 bits) or quantize with one of those widths"
+        )
+    unknown = set(options) - {"scale_dtype", "checkpoint_format"}
+    if unknown:
+        raise QuantdynError(f"unknown GPTQ export option(s) {sorted(unknown)}; options: scale_dtype, checkpoint_format")
+    ckpt = options.get("checkpoint_format") or "gptq"
+    if ckpt not in GPTQ_CHECKPOINT_FORMATS:
+        raise QuantdynError(f"GPTQ checkpoint_format '{ckpt}' is not supported; choose one of: "
+                            f"{', '.join(GPTQ_CHECKPOINT_FORMATS)}")
+    dtype = _scale_dtype(options, torch.float16)
+    if dtype != torch.float16:
+        raise QuantdynError("GPTQ checkpoints store float16 scales (the GPTQ linear layers keep float16 buffers); "
+                            "leave scale_dtype unset or use compressed-tensors")
+    return ExportSettings(scale_dtype=dtype, checkpoint_format=ckpt, desc_act=permuted_groups(qcfg))
+
+
+def _gptq_tensors(name: str, q: dict[str, torch.Tensor], qcfg: QuantConfig, st: ExportSettings) -> dict:
+    codes, scales, g_idx = q["codes"], q["scales"], q["g_idx"]
+    bits = qcfg.bits
+    out_f, in_f = codes.shape
+    if bits == 3 and (in_f % 32 or out_f % 32):
+        raise QuantdynError(f"layer '{name}' is {out_f}x{in_f}; 3-bit GPTQ packs 32 codes into 3 words and needs in "
+                            f"and out features divisible by 32; export compressed-tensors or use 2, 4 or 8 bits")
+    zeros = _as_int_zeros(name, q["zeros"], bits)
+    natural = torch.equal(g_idx.long(), torch.arange(in_f) // qcfg.group_size) if qcfg.group_size else bool(
+        (g_idx == 0).all())
+    if not natural and not st.desc_act:
+        raise QuantdynError(f"layer '{name}' has permuted groups (act-order) but the export was opened for natural "
+                            f"group order; open it with the QuantConfig that produced the codes")
+    if st.checkpoint_format == "gptq":
+        if bool((zeros == 0).any()):
+            raise QuantdynError(
+                f"layer '{name}' has zero points equal to 0 (a group with no negative weight), which GPTQ v1 "
+                f"(checkpoint_format 'gptq', zeros stored minus one) cannot store unambiguously; export with "
+                f"checkpoint_format='gptq_v2', as compressed-tensors, or with a symmetric quantizer"
+            )
+        stored_zeros = zeros - 1
+    else:
+        stored_zeros = zeros
+    return {
+        f"{name}.qweight": pack_rows(codes, bits).t().contiguous(),
+        f"{name}.qzeros": pack_rows(stored_zeros.t().contiguous(), bits),
+        f"{name}.scales": _cast_scales(name, scales.t(), st.scale_dtype),
+        f"{name}.g_idx": g_idx.to(torch.int32).contiguous(),
+    }
+
+
+def _gptq_config(qcfg: QuantConfig, layers: list[str], st: ExportSettings) -> dict:
+    return {
+        "quant_method": "gptq",
+        "bits": qcfg.bits,
+        "group_size": qcfg.group_size or -1,
+        "desc_act": st.desc_act,
+        "sym": qcfg.sym,
+        "lm_head": False,
+        "checkpoint_format": st.checkpoint_format,
+        "format": st.checkpoint_format,  # optimum >= 2 / GPTQModel >= 5 read 'format'
+        "pack_dtype": "int32",
+        "damp_percent": qcfg.damp_percent,
+        "true_sequential": qcfg.true_sequential,
+        "static_groups": qcfg.static_groups,
+        "meta": {
+            "quantizer": [f"quantdyn:{__version__}"],
+            "quantdyn": _provenance(qcfg),
+            "act_group_aware": qcfg.act_group_aware,
+            "damp_auto_increment": qcfg.damp_auto_increment,
+            "mse": qcfg.mse,
+        },
+    }
+
+
+EXPORT_FORMATS.add("gptq", ExportFormat(
+    name="gptq", summary="GPTQ qweight/qzeros/scales/g_idx (GPTQModel, AutoGPTQ, transformers+optimum, vLLM)",
+    check=_gptq_check, layer_tensors=_gptq_tensors, config=_gptq_config,
+))
+
+
+# ----------------------------------------------------------------------------- compressed-tensors
+
+
+def _ct_check(qcfg: QuantConfig, model_type: str, model_dtype: torch.dtype, options: dict) -> ExportSettings:
+    _common_refusals(qcfg, "compressed-tensors")
+    if qcfg.bits not in CT_BITS:
+        raise QuantdynError(f"compressed-tensors pack-quantized holds 2..8 bits here, not {qcfg.bits}")
+    if permuted_groups(qcfg):
+        raise QuantdynError(
+            "compressed-tensors holds contiguous groups only (act-order with permuted groups, actorder 'group' "
+            "with weight_g_idx, was removed in compressed-tensors 0.19); export act-order quantizers as gptq, or "
+            "quantize with static groups (-static) or group-aware ordering (-gar)"
+        )
+    if model_type == "gpt2":
+        raise QuantdynError("compressed-tensors quantizes nn.Linear layers, and GPT-2 uses Conv1D; export gpt2 "
+                            "models as gptq")
+    unknown = set(options) - {"scale_dtype"}
+    if unknown:
+        raise QuantdynError(f"unknown compressed-tensors export option(s) {sorted(unknown)}; options: scale_dtype")
+    dtype = _scale_dtype(options, model_dtype)  # llm-compressor stores scales in the model's dtype
+    return ExportSettings(scale_dtype=dtype, checkpoint_format=None, desc_act=False)
+
+
+def _ct_tensors(name: str, q: dict[str, torch.Tensor], qcfg: QuantConfig, st: ExportSettings) -> dict:
+    codes, scales, g_idx = q["codes"], q["scales"], q["g_idx"]
+    bits = qcfg.bits
+    out_f, in_f = codes.shape
+    g = qcfg.group_size
+    if g and in_f % g:
+        raise QuantdynError(f"layer '{name}' has {in_f} input features, not a multiple of group_size {g}; "
+                            f"compressed-tensors needs groups that divide in_features (export gptq instead)")
+    want = torch.arange(in_f) // g if g else torch.zeros(in_f, dtype=torch.long)
+    if not torch.equal(g_idx.long(), want):
+        raise QuantdynError(f"layer '{name}' has permuted groups; compressed-tensors holds contiguous groups only")
+    zeros = _as_int_zeros(name, q["zeros"], bits)
+    half = 2 ** (bits - 1)
+    out = {
+        f"{name}.weight_packed": pack_rows(codes, bits),
+        f"{name}.weight_scale": _cast_scales(name, scales, st.scale_dtype),
+        f"{name}.weight_shape": torch.tensor([out_f, in_f], dtype=torch.int64),
+    }
+    if qcfg.sym:
+        if not bool((zeros == half).all()):
+            raise QuantdynError(f"layer '{name}': a symmetric quantizer must have every zero point at {half}")
+    else:
+        # the library packs the signed zero point z - 2^(bits-1) plus the same offset: the unsigned z
+        out[f"{name}.weight_zero_point"] = pack_rows(zeros.t().contiguous(), bits).t().contiguous()
+    return out
+
+
+def _ct_config(qcfg: QuantConfig, layers: list[str], st: ExportSettings) -> dict:
+    weights = {
+        "num_bits": qcfg.bits,
+        "type": "int",
+        "symmetric": qcfg.sym,
+        "group_size": qcfg.group_size or None,
+        "strategy": "group" if qcfg.group_size else "channel",
+        "dynamic": False,
+        "observer": "minmax",
+    }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": sorted(layers),  # exact module names: no family-specific class or regex guessing
+                "weights": weights,
+                "input_activations": None,
+                "output_activations": None,
+                "format": "pack-quantized",
+            }
+        },
+        "ignore": [],
+        "kv_cache_scheme": None,
+        "global_compression_ratio": None,
+        "sparsity_config": {},
+        "quantdyn": _provenance(qcfg),
+    }
+
+
+EXPORT_FORMATS.add("compressed-tensors", ExportFormat(
+    name="compressed-tensors",
+    summary="compressed-tensors pack-quantized (llm-compressor's layout; vLLM, transformers+compressed-tensors)",
+    check=_ct_check, layer_tensors=_ct_tensors, config=_ct_config,
+))
+
+
+def check_exportable(fmt: str, qcfg: QuantConfig, model_type: str = "", model_dtype: torch.dtype = torch.float32,
+                     **options: Any) -> ExportSettings:
+    """Raise a one-line QuantdynError if ``fmt`` cannot hold what ``qcfg`` produces (call it before any work)."""
+    return EXPORT_FORMATS.get(fmt).check(qcfg, model_type, model_dtype, options)

@@ -1,0 +1,275 @@
+"""Streaming writer of a quantized checkpoint directory (GPTQ or compressed-tensors).
+
+The measurement engine quantizes one decoder block at a time; the writer takes each layer's
+codes as they come and keeps at most one shard of tensors in memory::
+
+    w = open_export("gptq", out_dir, source_config=hf_config_dict, qcfg=qcfg, model_type="llama")
+    try:
+        w.add_tensor("model.embed_tokens.weight", emb)            # everything not quantized, as in the checkpoint
+        for name, codes, scales, zeros, g_idx in layers:        # per block, as they are produced
+            w.add_quantized(name, codes, scales, zeros, g_idx, bias=bias_or_None)
+        ...
+        w.add_file("tokenizer.json", tokenizer_dir / "tokenizer.json")
+        w.close()                                                # shards renamed, index + config.json written
+    except BaseException:
+        w.abort()                                                # nothing is left behind
+        raise
+
+(or ``with open_export(...) as w: ...``: close on success, abort on an exception).
+
+Layout of ``out_dir`` (owned by this module): ``model.safetensors`` -- or
+``model-0000i-of-0000N.safetensors`` plus ``model.safetensors.index.json`` once the tensors
+exceed one shard -- ``config.json`` (the source config plus ``quantization_config``), for GPTQ
+also ``quantize_config.json`` (read by AutoGPTQ-era tools), ``quantdyn_export.json``
+(provenance: quantizer config and hash, layers, git commit, time) and any files added with
+:meth:`ExportWriter.add_file`. Everything is written into a temporary directory beside
+``out_dir`` and renamed into place by :meth:`ExportWriter.close` (quantdyn.files.atomic_dir):
+a crash or :meth:`ExportWriter.abort` leaves ``out_dir`` as it was.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quantdyn.errors import QuantdynError
+from quantdyn.export.formats import EXPORT_FORMATS, SCALE_DTYPES, ExportFormat
+from quantdyn.files import atomic_dir
+from quantdyn.quantize.config import QuantConfig, parse_quantizer
+from quantdyn.quantize.primitives import n_groups
+
+PROVENANCE_FILE = "quantdyn_export.json"
+"""Provenance file of an export (also how an existing export directory is recognised)."""
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+DEFAULT_SHARD_BYTES = 2 * 1024**3
+"""Largest shard (bytes of tensor data) held in memory before it is written."""
+
+
+class _Aborted(Exception):
+    """Raised into the atomic directory to discard it."""
+
+
+def _model_dtype(source_config: dict) -> torch.dtype:
+    name = source_config.get("dtype") or source_config.get("torch_dtype") or "float32"
+    return SCALE_DTYPES.get(str(name).replace("torch.", ""), torch.float32)
+
+
+def _family(model_type: str) -> str:
+    return "gpt_neox" if model_type == "quantdyn-gpt" else model_type
+
+
+def _check_out_dir(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise QuantdynError(f"export directory '{out}' is a file; pass a directory with --out")
+    if out.is_dir() and any(out.iterdir()) and not (out / PROVENANCE_FILE).is_file():
+        raise QuantdynError(f"'{out}' exists and is not a quantdyn export; pass an empty or new directory with --out "
+                            f"(an earlier quantdyn export there would be replaced)")
+
+
+def _cpu_tensor(name: str, t: Any) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise QuantdynError(f"tensor '{name}' is a {type(t).__name__}, not a torch.Tensor")
+    t = t.detach().to("cpu").contiguous()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size():  # a view: safetensors wants its own storage
+        t = t.clone()
+    return t
+
+
+class ExportWriter:
+    """Writes one quantized checkpoint directory, a shard at a time; see the module docstring."""
+
+    def __init__(self, fmt: str, out_dir: str | Path, source_config: dict, qcfg: QuantConfig | str | dict,
+                 model_type: str, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES, **options: Any):
+        self.format: ExportFormat = EXPORT_FORMATS.get(fmt)
+        self.qcfg = parse_quantizer(qcfg)
+        if not isinstance(source_config, dict) or not source_config.get("model_type"):
+            raise QuantdynError("source_config must be the model's HF config.json as a dict (with 'model_type')")
+        if source_config.get("quantization_config"):
+            raise QuantdynError("the source model is already quantized (its config has a quantization_config); "
+                                "export from a full-precision checkpoint")
+        if max_shard_bytes < 1:
+            raise QuantdynError(f"max_shard_bytes={max_shard_bytes} must be >= 1")
+        self.model_type = str(model_type)
+        self.settings = self.format.check(self.qcfg, _family(self.model_type), _model_dtype(source_config), options)
+        self.out_dir = Path(out_dir)
+        _check_out_dir(self.out_dir)
+        self.source_config = json.loads(json.dumps(source_config, default=str))
+        self.max_shard_bytes = int(max_shard_bytes)
+        self._layers: list[str] = []
+        self._names: set[str] = set()
+        self._files: set[str] = set()
+        self._buffer: dict[str, torch.Tensor] = {}
+        self._buffer_bytes = 0
+        self._shards: list[tuple[Path, list[str]]] = []
+        self._total_bytes = 0
+        self._t0 = time.time()
+        self._cm = atomic_dir(self.out_dir)  # the temporary directory exists from here on
+        self._tmp: Path | None = self._cm.__enter__()
+
+    # ------------------------------------------------------------------ adding
+    def _live(self) -> Path:
+        if self._tmp is None:
+            raise QuantdynError(f"the export to '{self.out_dir}' is already closed or aborted")
+        return self._tmp
+
+    def _put(self, name: str, t: torch.Tensor) -> None:
+        if name in self._names:
+            raise QuantdynError(f"tensor '{name}' was added to the export twice")
+        nbytes = t.numel() * t.element_size()
+        if self._buffer and self._buffer_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self._names.add(name)
+        self._buffer[name] = t
+        self._buffer_bytes += nbytes
+        self._total_bytes += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        tmp = self._live()
+        path = tmp / f".shard-{len(self._shards) + 1:05d}.safetensors"
+        save_file(self._buffer, str(path), metadata={"format": "pt"})
+        self._shards.append((path, list(self._buffer)))
+        self._buffer, self._buffer_bytes = {}, 0
+
+    def add_quantized(self, layer_name: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                      g_idx: torch.Tensor, bias: torch.Tensor | None = None,
+                      awq_scales: torch.Tensor | None = None) -> None:
+        """Add one quantized linear in quantdyn's layout (``ModelQuantization.packed``):
+        codes (out, in) integers, scales/zeros (out, groups), g_idx (in,), optional bias (out,)."""
+        self._live()
+        if awq_scales is not None:
+            raise QuantdynError(f"layer '{layer_name}' has AWQ input scales, which {self.format.name} checkpoints "
+                                f"cannot hold; export an rtn or gptq quantizer")
+        q = {"codes": _cpu_tensor(f"{layer_name}.codes", codes), "scales": _cpu_tensor(f"{layer_name}.scales", scales),
+             "zeros": _cpu_tensor(f"{layer_name}.zeros", zeros), "g_idx": _cpu_tensor(f"{layer_name}.g_idx", g_idx)}
+        if q["codes"].dim() != 2:
+            raise QuantdynError(f"layer '{layer_name}': codes must be (out, in), got shape {tuple(q['codes'].shape)}")
+        out_f, in_f = q["codes"].shape
+        groups = n_groups(in_f, self.qcfg.group_size)
+        want = {"scales": (out_f, groups), "zeros": (out_f, groups), "g_idx": (in_f,)}
+        for k, shape in want.items():
+            if tuple(q[k].shape) != shape:
+                raise QuantdynError(f"layer '{layer_name}': {k} has shape {tuple(q[k].shape)}, expected {shape} for "
+                                    f"{out_f}x{in_f} codes with group_size {self.qcfg.group_size}")
+        if q["codes"].numel() and int(q["codes"].max()) > 2**self.qcfg.bits - 1:
+            raise QuantdynError(f"layer '{layer_name}': codes exceed {self.qcfg.bits} bits; export with the QuantConfig "
+                                f"that produced them")
+        tensors = self.format.layer_tensors(layer_name, q, self.qcfg, self.settings)
+        if bias is not None:
+            tensors[f"{layer_name}.bias"] = _cpu_tensor(f"{layer_name}.bias", bias)
+        for k in tensors:
+            if k in self._names:
+                raise QuantdynError(f"tensor '{k}' was added to the export twice")
+        for k, t in tensors.items():
+            self._put(k, t)
+        self._layers.append(layer_name)
+
+    def add_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        """Add a tensor that stays as it is (embeddings, norms, biases, the head), under its checkpoint name."""
+        self._live()
+        self._put(name, _cpu_tensor(name, tensor))
+
+    def add_file(self, name: str, source: str | Path | bytes) -> None:
+        """Copy a file (tokenizer, generation config, README) into the export under ``name``."""
+        tmp = self._live()
+        rel = Path(name)
+        if rel.is_absolute() or ".." in rel.parts or not rel.parts:
+            raise QuantdynError(f"file name '{name}' must be a relative path inside the export")
+        if name in self._files or rel.name in ("config.json", PROVENANCE_FILE, INDEX) or rel.suffix == ".safetensors":
+            raise QuantdynError(f"file '{name}' is written by the exporter itself or was added twice")
+        dest = tmp / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(source, bytes):
+            dest.write_bytes(source)
+        else:
+            src = Path(source)
+            if not src.is_file():
+                raise QuantdynError(f"cannot add '{src}' to the export: no such file")
+            shutil.copyfile(src, dest)
+        self._files.add(name)
+
+    # ------------------------------------------------------------------ finishing
+    @property
+    def layers(self) -> list[str]:
+        """Names of the quantized layers added so far."""
+        return list(self._layers)
+
+    def close(self) -> Path:
+        """Write the last shard, the index, config.json and provenance; move the directory into place."""
+        tmp = self._live()
+        if not self._layers:
+            self.abort()
+            raise QuantdynError("no quantized layer was added; nothing was exported")
+        try:
+            self._finish(tmp)
+        except BaseException:
+            self.abort()
+            raise
+        self._tmp = None
+        self._cm.__exit__(None, None, None)
+        return self.out_dir
+
+    def _finish(self, tmp: Path) -> None:
+        from quantdyn.runtime import git_sha
+
+        if self._buffer or not self._shards:
+            self._flush()
+        n = len(self._shards)
+        weight_map: dict[str, str] = {}
+        for i, (path, names) in enumerate(self._shards, 1):
+            final = WEIGHTS if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
+            path.rename(tmp / final)
+            weight_map.update(dict.fromkeys(names, final))
+        if n > 1:
+            index = {"metadata": {"total_size": self._total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / INDEX).write_text(json.dumps(index, indent=2))
+        qconfig = self.format.config(self.qcfg, self._layers, self.settings)
+        config = dict(self.source_config)
+        config["quantization_config"] = qconfig
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if self.format.name == "gptq":
+            (tmp / "quantize_config.json").write_text(json.dumps(qconfig, indent=2))
+        provenance = dict(
+            format=self.format.name, model_type=self.model_type, quantizer=qconfig.get("meta", {}).get("quantdyn")
+            or qconfig.get("quantdyn"), layers=self._layers, tensors=len(weight_map), bytes=self._total_bytes,
+            shards=n, scale_dtype=str(self.settings.scale_dtype).replace("torch.", ""),
+            checkpoint_format=self.settings.checkpoint_format, git_sha=git_sha(),
+            created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), seconds=time.time() - self._t0,
+        )
+        (tmp / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2))
+
+    def abort(self) -> None:
+        """Discard everything written so far (``out_dir`` stays as it was); safe to call twice."""
+        if self._tmp is None:
+            return
+        self._tmp = None
+        self._buffer, self._buffer_bytes = {}, 0
+        self._cm.__exit__(_Aborted, _Aborted("export aborted"), None)
+
+    def __enter__(self) -> "ExportWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif self._tmp is not None:
+            self.close()
+
+
+def open_export(fmt: str, out_dir: str | Path, source_config: dict, qcfg: QuantConfig | str | dict,
+                model_type: str, **options: Any) -> ExportWriter:
+    """Start a streaming export of format ``fmt`` ('gptq' or 'compressed-tensors') into ``out_dir``.
+
+    source_config: the model's HF config.json as a dict (for quantdyn's GPT: ``hf_config_dict``);
+    qcfg: the QuantConfig the codes come from; model_type: 'quantdyn-gpt' or the HF model_type.
+    options: ``scale_dtype`` ('float16' | 'bfloat16' | 'float32'; GPTQ: float16 only; compressed-tensors:
+    default the model's dtype), ``checkpoint_format`` (GPTQ: 'gptq' (v1, default) | 'gptq_v2'),
+    ``max_shard_bytes``. Everything the format cannot hold is refused here, before anything is written.
+    """
+    return ExportWriter(fmt, out_dir, source_config, qcfg, model_type, **options)
