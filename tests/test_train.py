@@ -62,7 +62,7 @@ def test_checkpoint_metadata_and_loss_falls(tmp_path, kjv_small):
 
 def test_atomic_checkpoint_survives_crash(tmp_path, kjv_small, monkeypatch):
     data_cfg, _ = kjv_small
-    run = train(_cfg(tmp_path, data_cfg, "a", steps=4), progress=False)
+    run = train(_cfg(tmp_path, data_cfg, "a", steps=4, checkpoint_every=2), progress=False)
     before = (run / "checkpoints" / "step-0000004" / "model.safetensors").read_bytes()
     import quantdyn.train.checkpoint as ck
 
@@ -70,8 +70,10 @@ def test_atomic_checkpoint_survives_crash(tmp_path, kjv_small, monkeypatch):
         raise RuntimeError("disk full")
 
     monkeypatch.setattr(ck.torch, "save", boom)
+    # resuming from step 2 rewrites step 4: the failed write leaves the old checkpoint in place
     with pytest.raises(RuntimeError):
-        train(_cfg(tmp_path, data_cfg, "a", steps=4), progress=False)
+        train(_cfg(tmp_path, data_cfg, "a", steps=4, checkpoint_every=2), run, resume=list_checkpoints(run)[0],
+              progress=False)
     assert (run / "checkpoints" / "step-0000004" / "model.safetensors").read_bytes() == before
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import List, Optional
 
@@ -17,9 +18,17 @@ def train(
     config: Optional[Path] = typer.Argument(None, help="Run config YAML (see configs/)."),
     overrides: Optional[List[str]] = typer.Argument(None, help="key=value overrides, e.g. optim.lr=1e-3"),
     resume: Optional[Path] = typer.Option(None, "--resume", help="Continue RUN_DIR from its last checkpoint."),
+    overwrite: bool = typer.Option(False, "--overwrite",
+                                   help="Start again in a run directory that has checkpoints (deletes them)."),
+    device: Optional[str] = typer.Option(None, "--device", help="auto | cpu | cuda | cuda:N (sets train.device)."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
 ):
-    """Train a model: `quantdyn train CONFIG.yaml [key=value ...]` or `--resume RUN_DIR`."""
+    """Train a model: `quantdyn train CONFIG.yaml [key=value ...]` or `--resume RUN_DIR`.
+
+    Several processes: `torchrun --nproc_per_node N -m quantdyn.cli train CONFIG [dist.strategy=fsdp2]`.
+    """
+    from dataclasses import replace
+
     from quantdyn.config import apply_overrides, from_dict, load_yaml
     from quantdyn.train.branches import load_run_config
     from quantdyn.train.checkpoint import latest_resumable
@@ -29,18 +38,39 @@ def train(
     if resume is not None:
         if config is not None:
             raise QuantdynError("give either CONFIG.yaml or --resume RUN_DIR, not both")
+        if overwrite:
+            raise QuantdynError("--overwrite starts a run again from CONFIG.yaml; it does not go with --resume")
         cfg = load_run_config(resume)
+        if device:
+            cfg = replace(cfg, train=replace(cfg.train, device=device))
         ckpt = latest_resumable(resume)
         if ckpt is None:
-            raise QuantdynError(f"run '{resume}' has no resumable checkpoint yet; start it again with its config")
+            raise QuantdynError(
+                f"run '{resume}' has no resumable checkpoint yet; start it again with "
+                f"`quantdyn train {resume / 'config.yaml'}`"
+            )
         info = json.loads((resume / "run.json").read_text()) if (resume / "run.json").is_file() else {}
-        out = run_train(cfg, resume, resume=ckpt, parent=info.get("parent"), progress=not quiet)
+        run_dir = Path(resume)
+        kwargs = dict(resume=ckpt, parent=info.get("parent"))
     else:
         if config is None:
             raise QuantdynError("missing CONFIG.yaml; e.g. `quantdyn train configs/tiny.yaml` (or --resume RUN_DIR)")
-        data = apply_overrides(load_yaml(config), overrides or [])
+        data = apply_overrides(load_yaml(config), [*(overrides or []), *([f"train.device={device}"] if device else [])])
         cfg = from_dict(RunConfig, data)
-        out = run_train(cfg, progress=not quiet)
+        run_dir = Path(cfg.out_dir) / cfg.name
+        kwargs = dict(overwrite=overwrite)
+    try:
+        out = run_train(cfg, run_dir, progress=not quiet, **kwargs)
+    except KeyboardInterrupt:
+        last = latest_resumable(run_dir)
+        if last is not None:
+            hint = f"continue from step {last.step} with `quantdyn train --resume {run_dir}`"
+        elif resume is None:
+            hint = "no checkpoint was written yet; rerun the same command to start again"
+        else:
+            hint = f"rerun `quantdyn train --resume {run_dir}`"
+        typer.echo(f"interrupted; {hint}", err=True)
+        sys.exit(130)
     typer.echo(f"run directory: {out}")
 
 

@@ -16,6 +16,12 @@ import torch
 StateDict = dict[str, torch.Tensor]
 
 
+def local_state_dict(model: torch.nn.Module) -> StateDict:
+    """``model.state_dict()`` with every sharded tensor (an FSDP2 DTensor) replaced by this
+    process's shard: what the online averagers keep, so their memory is sharded like the model's."""
+    return {k: v.to_local() if hasattr(v, "to_local") else v for k, v in model.state_dict().items()}
+
+
 def _float_keys(sd: StateDict) -> list[str]:
     return [k for k, v in sd.items() if torch.is_floating_point(v)]
 
@@ -57,7 +63,7 @@ def lawa_steps(step: int, window: int, every: int) -> list[int]:
 
 
 class OnlineLAWA:
-    """Ring buffer of the last K snapshots, kept on the CPU."""
+    """Ring buffer of the last K snapshots, kept on the CPU (under FSDP2: each process's shards)."""
 
     def __init__(self, window: int, every: int):
         self.window, self.every = window, every
@@ -65,7 +71,7 @@ class OnlineLAWA:
 
     def update(self, step: int, model: torch.nn.Module) -> None:
         if step % self.every == 0:
-            self.buffer.append((step, {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}))
+            self.buffer.append((step, {k: v.detach().to("cpu", copy=True) for k, v in local_state_dict(model).items()}))
 
     def ready(self) -> bool:
         return len(self.buffer) > 0
@@ -86,7 +92,8 @@ class OnlineLAWA:
 
 
 class OnlineEMA:
-    """Bias-corrected EMA of the weights (float64 accumulator on the CPU)."""
+    """Bias-corrected EMA of the weights (float64 accumulator on the CPU; under FSDP2 each process
+    accumulates its own shards)."""
 
     def __init__(self, decay: float):
         self.decay = decay
@@ -95,7 +102,7 @@ class OnlineEMA:
 
     def update(self, model: torch.nn.Module) -> None:
         self.t += 1
-        for k, v in model.state_dict().items():
+        for k, v in local_state_dict(model).items():
             if not torch.is_floating_point(v):
                 continue
             x = v.detach().to("cpu", torch.float64)

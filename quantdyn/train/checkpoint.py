@@ -11,11 +11,14 @@
       averages/NAME/              averaged checkpoints (LAWA, EMA, soups) as HF checkpoints
 
 Every checkpoint is written to a temporary directory and renamed into place,
-so a crash never leaves a half-written checkpoint under its final name.
+so a crash never leaves a half-written checkpoint under its final name; the
+temporaries a killed process leaves (``.step-*.tmp-*``, ``.step-*.old-*``) are
+removed when the run next starts (:func:`remove_stale_temporaries`).
 """
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,3 +106,54 @@ def latest_resumable(run_dir: Path) -> CheckpointInfo | None:
         if (c.path / STATE).is_file():
             return c
     return None
+
+
+def has_checkpoints(run_dir: Path) -> list[int]:
+    """Steps of the checkpoints a run directory holds (any ``checkpoints/step-*`` directory)."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    steps = []
+    for d in root.iterdir():
+        if d.is_dir() and d.name.startswith("step-") and d.name[5:].isdigit():
+            steps.append(int(d.name[5:]))
+    return sorted(steps)
+
+
+def _stale(directory: Path) -> list[Path]:
+    if not directory.is_dir():
+        return []
+    return [p for p in directory.iterdir() if p.name.startswith(".step-") and (".tmp-" in p.name or ".old-" in p.name)]
+
+
+def remove_stale_temporaries(run_dir: Path) -> list[Path]:
+    """Remove the half-written checkpoint directories a killed process left behind
+    (``checkpoints/.step-*.tmp-*`` and ``.step-*.old-*``, the same under ``averages/*/``).
+
+    Call only when no other process writes checkpoints of this run (at the start of training).
+    Returns what was removed.
+    """
+    run_dir = Path(run_dir)
+    found = _stale(run_dir / "checkpoints")
+    averages = run_dir / "averages"
+    if averages.is_dir():
+        for d in sorted(averages.iterdir()):
+            found += _stale(d)
+    for p in found:
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    return found
+
+
+#: what a run directory holds that a fresh start of the run replaces (see :func:`clear_run`)
+RUN_CONTENTS = ("checkpoints", "averages", "branches", "metrics.jsonl", "run.json", "config.yaml")
+
+
+def clear_run(run_dir: Path) -> None:
+    """Delete a run's checkpoints, averages, branches and logs (``train --overwrite``)."""
+    run_dir = Path(run_dir)
+    for name in RUN_CONTENTS:
+        p = run_dir / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()

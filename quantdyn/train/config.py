@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from quantdyn.config import from_dict
 from quantdyn.data.prepare import DataConfig
-from quantdyn.errors import QuantdynError
+from quantdyn.errors import QuantdynError, unknown_name
 from quantdyn.models.gpt import ModelConfig
 from quantdyn.quantize.qat import QATConfig
 from quantdyn.train.optimizers import OptimConfig
@@ -52,6 +52,33 @@ class LoopConfig:
                 raise QuantdynError(f"train.{k} must be >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise QuantdynError(f"train.dtype '{self.dtype}' must be auto, float32 or bfloat16")
+
+
+DIST_STRATEGIES: tuple[str, ...] = ("ddp", "fsdp2")
+"""How a run started by torchrun spreads over its processes (see quantdyn/train/distributed.py)."""
+
+
+@dataclass(frozen=True)
+class DistConfig:
+    """Data-parallel training over the processes torchrun starts (one process: plain training)."""
+
+    strategy: str = "ddp"
+    """ddp: every process holds the whole model and optimizer state, gradients are all-reduced
+    (DistributedDataParallel); fsdp2: parameters, gradients and optimizer state are sharded over the
+    processes (torch.distributed.fsdp.fully_shard per block + root) — for models whose optimizer state
+    does not fit one device. fsdp2 needs torchrun (even with --nproc_per_node 1)."""
+    reshard_after_forward: bool = True
+    """fsdp2: free the gathered parameters of a block after its forward and gather them again for the
+    backward (less memory, one more all-gather per block); False keeps them until the backward."""
+    data_timeout_min: int = 1440
+    """Minutes the other processes wait for rank 0 to prepare the token shards (tokenizing a large
+    corpus can take hours; the training collectives keep torch's default timeout)."""
+
+    def __post_init__(self):
+        if self.strategy not in DIST_STRATEGIES:
+            raise unknown_name("dist.strategy", self.strategy, DIST_STRATEGIES)
+        if self.data_timeout_min < 1:
+            raise QuantdynError(f"dist.data_timeout_min={self.data_timeout_min} must be >= 1 (minutes)")
 
 
 @dataclass(frozen=True)
@@ -118,6 +145,7 @@ class RunConfig:
     train: LoopConfig = field(default_factory=LoopConfig)
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
     qat: QATConfig | None = None
     """Quantization-aware training (paper B: QuEST W4A4): fake-quantize every block linear's weights
     and inputs in the forward pass; None = full-precision training."""

@@ -1,14 +1,19 @@
 """The training loop: one function, :func:`train`, for fresh runs, resumed
-runs and cooldown branches; data-parallel under torchrun (DDP).
+runs and cooldown branches; data-parallel under torchrun (``dist.strategy``:
+DDP, or FSDP2 sharding — see train/distributed.py).
 
 Data order is a pure function of (seed, step): the global batch of step s is
 drawn from ``np.random.default_rng([seed, s])`` and sliced per rank and
-micro-batch, so a resumed run, a cooldown branch and a 2-process DDP run see
-exactly the batches a single uninterrupted process would.
+micro-batch, so a resumed run, a cooldown branch and a 2-process DDP or FSDP2
+run see exactly the batches a single uninterrupted process would.  A run can
+therefore resume with another number of processes as long as the global batch
+(batch_size x grad_accum x processes) stays the same.
+
+Everything a resume can get wrong (model shape, optimizer, data, global batch)
+is checked before anything in the run directory is written.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -27,29 +32,27 @@ from quantdyn.evaluate.loss import mean_loss
 from quantdyn.models.gpt import GPT, resolve_model_config
 from quantdyn.files import write_json_atomic
 from quantdyn.runtime import git_sha, hardware, resolve_device, seed_everything
-from quantdyn.train.averaging import OnlineEMA, OnlineLAWA
+from quantdyn.train.averaging import OnlineEMA, OnlineLAWA, local_state_dict
 from quantdyn.train.checkpoint import (
     CheckpointInfo,
     checkpoint_dir,
+    clear_run,
+    has_checkpoints,
     load_training_state,
+    remove_stale_temporaries,
     save_checkpoint,
 )
 from quantdyn.train.config import RunConfig
+from quantdyn.train.distributed import (
+    dist_info,
+    init_distributed,
+    launched_by_torchrun,
+    make_strategy,
+    mean_over_ranks,
+    rank0_first,
+)
 from quantdyn.train.optimizers import build_optimizer, optimizer_eval_mode, optimizer_train_mode
 from quantdyn.train.schedules import lr_at
-
-
-# ---------------------------------------------------------------- distributed
-def dist_info() -> tuple[int, int, int]:
-    """(rank, world_size, local_rank) from torchrun's environment."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
-
-
-def init_distributed(device: torch.device) -> None:
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
 
 
 # ---------------------------------------------------------------------- data
@@ -129,6 +132,7 @@ def train(
     parent: dict | None = None,
     progress: bool = True,
     stop_after: int | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Train ``cfg``; return the run directory.
 
@@ -137,20 +141,30 @@ def train(
                 how cooldown branches and controls begin.
     stop_after: stop (after checkpointing) once this step is reached; for tests
                 that simulate an interrupted run.
+    overwrite:  a fresh start (no resume/init_from) in a run directory that already has
+                checkpoints deletes them; without it such a start is refused.
     """
     rank, world, local_rank = dist_info()
     device = resolve_device(cfg.train.device)
-    if world > 1:
-        if device.type == "cuda":
-            device = torch.device(f"cuda:{local_rank}")
-            torch.cuda.set_device(device)
+    distributed = world > 1 or (cfg.dist.strategy == "fsdp2" and launched_by_torchrun())
+    if distributed and device.type == "cuda":
+        device = torch.device(f"cuda:{local_rank}")
+        torch.cuda.set_device(device)
+    strategy = make_strategy(cfg.dist, device, world, rank)  # fsdp2 without torchrun: says how to launch
+    strategy.check_optimizer(cfg.optim)
+    run_dir = Path(run_dir) if run_dir is not None else Path(cfg.out_dir) / cfg.name
+    is_main = rank == 0
+    source = resume or init_from
+    tokens_per_step = cfg.tokens_per_step * world
+    _check_start(cfg, run_dir, resume, init_from, overwrite, tokens_per_step, world)
+    if distributed:
         init_distributed(device)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    run_dir = Path(run_dir) if run_dir is not None else Path(cfg.out_dir) / cfg.name
-    is_main = rank == 0
 
-    data = prepare_data(cfg.data, progress=progress and is_main)
+    # rank 0 tokenizes and caches the shards; the other processes wait, then open the cache
+    data = rank0_first(lambda: prepare_data(cfg.data, progress=progress and is_main),
+                       timeout_min=cfg.dist.data_timeout_min, what="preparing the token shards")
     mcfg = resolve_model_config(cfg.model, data.vocab_size)
     if mcfg.vocab_size < data.vocab_size:
         raise QuantdynError(
@@ -159,6 +173,12 @@ def train(
         )
     if cfg.train.seq_len > mcfg.max_seq_len:
         raise QuantdynError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={mcfg.max_seq_len}")
+    if resume is not None and resume.meta.get("data_key") not in (None, data.data_hash):
+        raise QuantdynError(
+            f"checkpoint '{resume.path}' was trained on other data (data key {resume.meta['data_key']}, the "
+            f"config's data section gives {data.data_hash}); restore the run's data section to resume exactly, or "
+            "start a new run from this checkpoint's weights with init_weights=CHECKPOINT"
+        )
     resolved = replace(cfg, model=mcfg)
 
     seed_everything(cfg.seed)
@@ -169,16 +189,7 @@ def train(
         from quantdyn.quantize.qat import prepare_qat
 
         prepare_qat(model, cfg.qat)  # same parameter names: checkpoints load into a plain GPT
-    optimizer = build_optimizer(model, cfg.optim)
-    start_step = 0
-    lawa = OnlineLAWA(cfg.averaging.lawa_window, cfg.averaging.lawa_every) if cfg.averaging.lawa_window else None
-    tokens_per_step = cfg.tokens_per_step * world
-    ema_decay = cfg.averaging.ema_decay or (
-        0.5 ** (tokens_per_step / cfg.averaging.ema_half_life_tokens) if cfg.averaging.ema_half_life_tokens else 0.0
-    )
-    ema = OnlineEMA(ema_decay) if ema_decay else None
-
-    source = resume or init_from
+    state = None
     if source is not None:
         from quantdyn.models.hf_io import load_gpt
 
@@ -188,15 +199,28 @@ def train(
                 f"checkpoint '{source.path}' has model shape {to_dict(src.config)} but the config asks for "
                 f"{to_dict(mcfg)}; resume with the run's own config.yaml"
             )
-        model.load_state_dict(src.state_dict())
+        model.load_state_dict(src.state_dict())  # the whole model, before any sharding
         del src
         state = load_training_state(source.path)
+    amp = _amp_dtype(cfg, device)
+    train_model = strategy.wrap(model, cfg.train.compile, amp)  # fsdp2: shards `model` in place
+    optimizer = build_optimizer(model, cfg.optim)
+    start_step = 0
+    lawa = OnlineLAWA(cfg.averaging.lawa_window, cfg.averaging.lawa_every) if cfg.averaging.lawa_window else None
+    ema_decay = cfg.averaging.ema_decay or (
+        0.5 ** (tokens_per_step / cfg.averaging.ema_half_life_tokens) if cfg.averaging.ema_half_life_tokens else 0.0
+    )
+    ema = OnlineEMA(ema_decay) if ema_decay else None
+
+    if source is not None:
         try:
-            optimizer.load_state_dict(state["optimizer"])
-        except (ValueError, KeyError, RuntimeError) as e:
+            strategy.load_optimizer_state(model, optimizer, state["optimizer"])
+        except QuantdynError:
+            raise
+        except (ValueError, KeyError, RuntimeError, TypeError, IndexError) as e:
             raise QuantdynError(
-                f"optimizer state in '{source.path}' does not fit optim.name='{cfg.optim.name}' ({e}); "
-                "resume with the optimizer the checkpoint was trained with"
+                f"optimizer state in '{source.path}' does not fit optim.name='{cfg.optim.name}' "
+                f"({type(e).__name__}: {str(e)[:120]}); resume with the optimizer the checkpoint was trained with"
             ) from None
         optimizer_train_mode(optimizer)  # checkpoints hold the eval-mode point (schedule-free)
         start_step = int(state["step"])
@@ -206,15 +230,22 @@ def train(
             set_numpy_rng(state["numpy_rng"])
         if resume is not None:
             if lawa is not None and "lawa" in state:
-                lawa.load_state_dict(state["lawa"])
+                saved = state["lawa"]
+                lawa.load_state_dict({"steps": saved["steps"],
+                                      "states": [strategy.scatter(sd, model) for sd in saved["states"]]})
             if ema is not None and "ema" in state:
-                ema.load_state_dict(state["ema"])
+                ema.load_state_dict({**state["ema"], "acc": strategy.scatter(state["ema"]["acc"], model)})
+        del state
     if start_step >= cfg.train.steps:
         raise QuantdynError(f"the run is already at step {start_step} >= train.steps={cfg.train.steps}; nothing to do")
 
+    # everything is checked: from here on the run directory is written
     metrics_path = run_dir / "metrics.jsonl"
     if is_main:
+        if overwrite and resume is None and init_from is None:
+            clear_run(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(run_dir)
         (run_dir / "config.yaml").write_text(dump_yaml(resolved))
         info_path = run_dir / "run.json"
         info = json.loads(info_path.read_text()) if info_path.is_file() else {}
@@ -225,6 +256,7 @@ def train(
                 "data_key": data.data_hash,
                 "tokens_per_step": tokens_per_step,
                 "world_size": world,
+                "dist_strategy": strategy.name,
                 "git_sha": git_sha(),
                 "hardware": hardware(),
             }
@@ -234,23 +266,10 @@ def train(
         write_json_atomic(info_path, info)
         if resume is not None:
             truncate_metrics(metrics_path, start_step)
+        elif init_from is None:
+            metrics_path.unlink(missing_ok=True)  # rows of an attempt that crashed before its first checkpoint
 
-    train_model = model
-    if cfg.train.compile:
-        train_model = torch.compile(model)
-    if world > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        train_model = DDP(train_model, device_ids=[device.index] if device.type == "cuda" else None)
-
-    amp = _amp_dtype(cfg, device)
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16)
-        if (amp == "bfloat16" and device.type == "cuda")
-        else torch.autocast("cpu", dtype=torch.bfloat16)
-        if amp == "bfloat16"
-        else contextlib.nullcontext()
-    )
+    autocast = strategy.autocast(amp)
     val_windows = data.eval_windows(cfg.train.seq_len, cfg.train.eval_windows)
     ckpt_steps = checkpoint_steps(cfg, tokens_per_step, start_step)
     T, B, A = cfg.train.seq_len, cfg.train.batch_size, cfg.train.grad_accum
@@ -270,6 +289,8 @@ def train(
             "data_key": data.data_hash,
             "git_sha": git_sha(),
             "seed": cfg.seed,
+            "world_size": world,
+            "dist_strategy": strategy.name,
             **({"parent": parent} if parent else {}),
             **extra,
         }
@@ -290,17 +311,13 @@ def train(
             sl = starts[(micro * world + rank) * B : (micro * world + rank + 1) * B]
             x, y = get_batch(train_tokens, sl, T)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            sync = contextlib.nullcontext() if (world == 1 or micro == A - 1) else train_model.no_sync()
-            with sync:
+            with strategy.gradient_sync(train_model, last_micro=micro == A - 1):
                 with autocast:
                     logits = train_model(x)
                     loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1)) / A
                 loss.backward()
             loss_sum += float(loss.detach())
-        if cfg.train.grad_clip > 0:
-            gn = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip))
-        else:
-            gn = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])))
+        gn = strategy.clip_grad_norm(model, cfg.train.grad_clip)
         if not math.isfinite(loss_sum):
             raise QuantdynError(
                 f"training diverged at step {step} (loss {loss_sum}); lower optim.lr or check the data"
@@ -316,11 +333,7 @@ def train(
         bar.update(1)
 
         if world > 1:
-            import torch.distributed as dist
-
-            t = torch.tensor([loss_sum], device=device)
-            dist.all_reduce(t)
-            loss_sum = float(t) / world
+            loss_sum = mean_over_ranks(loss_sum, device)
         row = None
         if done % cfg.train.log_every == 0 or done in ckpt_steps or done == cfg.train.steps:
             now = time.perf_counter()
@@ -335,34 +348,41 @@ def train(
             t_last, tok_since = now, 0
         want_eval = (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done in ckpt_steps
         want_ckpt = done in ckpt_steps or (stop_after is not None and done == stop_after)
-        want_monitor = bool(cfg.monitor.every and done % cfg.monitor.every == 0 and is_main)
+        want_monitor = bool(cfg.monitor.every and done % cfg.monitor.every == 0)
         if want_eval or want_ckpt or want_monitor:
             # schedule-free optimizers evaluate and save the averaged point, not the training point
             optimizer_eval_mode(optimizer)
-        if want_eval:
+        if want_eval:  # every process evaluates (under FSDP2 each forward gathers the weights)
             val = mean_loss(model, val_windows, batch_size=max(1, min(32, B)), dtype=amp)
             row = dict(row or {"step": done, "tokens": done * tokens_per_step, "lr": lr}, val_loss=val)
             bar.set_postfix(val=f"{val:.3f}", lr=f"{lr:.2e}")
         if want_monitor:
-            from quantdyn.study.monitor import monitor_quantization
+            monitored = _whole_model(strategy, model, mcfg, device) if strategy.shards else model
+            if is_main:
+                from quantdyn.study.monitor import monitor_quantization
 
-            row = dict(row or {"step": done, "tokens": done * tokens_per_step, "lr": lr})
-            row.update(monitor_quantization(model, data, cfg.monitor, cfg.train.seq_len))
+                row = dict(row or {"step": done, "tokens": done * tokens_per_step, "lr": lr})
+                row.update(monitor_quantization(monitored, data, cfg.monitor, cfg.train.seq_len))
+            del monitored
         if row is not None and is_main:
             append_metrics(metrics_path, row)
         if want_ckpt:
+            # gathering is collective under FSDP2: every process takes part, rank 0 writes
+            whole = _whole_model(strategy, model, mcfg, torch.device("cpu")) if strategy.shards else model
+            # weights and optimizer state are both saved in eval mode (consistent for schedule-free);
+            # a resumed run switches back to train mode after loading them
+            state = {"optimizer": strategy.optimizer_state(model, optimizer), "step": done,
+                     "torch_rng": torch.get_rng_state(), "numpy_rng": numpy_rng_state()}
+            if lawa is not None:
+                state["lawa"] = {"steps": lawa.steps(), "states": [strategy.gather(sd, model) for sd in lawa.state_dict()["states"]]}
+            if ema is not None:
+                state["ema"] = {**ema.state_dict(), "acc": strategy.gather(ema.state_dict()["acc"], model)}
+            averages = _online_averages(strategy, model, lawa, ema)
             if is_main:
-                # weights and optimizer state are both saved in eval mode (consistent for schedule-free);
-                # a resumed run switches back to train mode after loading them
-                state = {"optimizer": optimizer.state_dict(), "step": done, "torch_rng": torch.get_rng_state(),
-                         "numpy_rng": numpy_rng_state()}
-                if lawa is not None:
-                    state["lawa"] = lawa.state_dict()
-                if ema is not None:
-                    state["ema"] = ema.state_dict()
                 extra = {"val_loss": row.get("val_loss")} if row else {}
-                save_checkpoint(checkpoint_dir(run_dir, done), model, meta_for(done, lr, **extra), data.tokenizer, state)
-                _save_online_averages(run_dir, done, model, lawa, ema, meta_for, lr, data)
+                save_checkpoint(checkpoint_dir(run_dir, done), whole, meta_for(done, lr, **extra), data.tokenizer, state)
+                _save_online_averages(run_dir, done, mcfg, averages, lawa, ema, meta_for, lr, data)
+            del whole, state, averages
             if world > 1:
                 import torch.distributed as dist
 
@@ -373,6 +393,69 @@ def train(
             break
     bar.close()
     return run_dir
+
+
+def _check_start(cfg: RunConfig, run_dir: Path, resume, init_from, overwrite: bool, tokens_per_step: int,
+                 world: int) -> None:
+    """What can be checked before any data or weights are read: a fresh run does not silently
+    replace a run's checkpoints, and a resume keeps the optimizer and the global batch."""
+    if resume is None and init_from is None:
+        steps = has_checkpoints(run_dir)
+        if steps and not overwrite:
+            raise QuantdynError(
+                f"run directory '{run_dir}' already has checkpoints (last: step {steps[-1]}); continue it with "
+                f"`quantdyn train --resume {run_dir}`, or start again (deleting them) with --overwrite"
+            )
+        return
+    source = resume or init_from
+    saved = (source.meta.get("config") or {}).get("optim") or {}
+    if saved.get("name") and saved["name"] != cfg.optim.name:
+        raise QuantdynError(
+            f"checkpoint '{source.path}' was trained with optim.name='{saved['name']}' but the config asks for "
+            f"'{cfg.optim.name}'; set optim.name back to '{saved['name']}' to continue it (a new optimizer needs "
+            "a new run, e.g. with init_weights=CHECKPOINT)"
+        )
+    saved_groups = [g.get("optimizer", "main") for g in saved.get("groups") or []]
+    if saved_groups and saved_groups != [g.optimizer for g in cfg.optim.groups]:
+        raise QuantdynError(
+            f"checkpoint '{source.path}' was trained with per-group optimizers {saved_groups} (optim.groups) but the "
+            f"config asks for {[g.optimizer for g in cfg.optim.groups]}; restore optim.groups to continue it"
+        )
+    if resume is None:
+        return
+    step, tokens = int(resume.meta.get("step", resume.step) or 0), resume.meta.get("tokens")
+    if step > 0 and tokens is not None and int(tokens) != step * tokens_per_step:
+        before = int(tokens) // step
+        was = resume.meta.get("world_size")
+        raise QuantdynError(
+            f"checkpoint '{resume.path}' was trained with {before} tokens per step"
+            f"{f' ({was} processes)' if was else ''}, this launch gives {tokens_per_step} "
+            f"(train.batch_size={cfg.train.batch_size} x grad_accum={cfg.train.grad_accum} x seq_len="
+            f"{cfg.train.seq_len} x {world} processes); keep the global batch: launch with the same number of "
+            "processes, or change train.batch_size/grad_accum so that the product is unchanged"
+        )
+
+
+def _whole_model(strategy, model, mcfg, device) -> GPT | None:
+    """A plain GPT with the gathered weights on rank 0 (None on the others); collective."""
+    full = strategy.full_state(model)
+    if full is None:
+        return None
+    whole = GPT(mcfg)
+    whole.load_state_dict(full)
+    return whole.to(device)
+
+
+def _online_averages(strategy, model, lawa, ema) -> dict:
+    """Whole-model LAWA and EMA weights on rank 0 (collective under FSDP2)."""
+    out = {}
+    if not strategy.shards and strategy.rank != 0:
+        return out  # whole replicas: rank 0 has everything
+    if lawa is not None and lawa.ready():
+        out["lawa"] = strategy.gather(lawa.average(), model)
+    if ema is not None and ema.t > 0:
+        out["ema"] = strategy.gather(ema.average(local_state_dict(model)), model)
+    return out
 
 
 def _load_weights(model: GPT, path: str, device) -> None:
@@ -386,10 +469,10 @@ def _load_weights(model: GPT, path: str, device) -> None:
     model.load_state_dict(src.state_dict())
 
 
-def _save_online_averages(run_dir, step, model, lawa, ema, meta_for, lr, data) -> None:
-    if lawa is not None and lawa.ready():
-        avg = GPT(model.config)
-        avg.load_state_dict(lawa.average())
+def _save_online_averages(run_dir, step, mcfg, averages, lawa, ema, meta_for, lr, data) -> None:
+    if "lawa" in averages:
+        avg = GPT(mcfg)
+        avg.load_state_dict(averages["lawa"])
         ingredients = [{"step": s, "weight": 1.0 / len(lawa.steps())} for s in lawa.steps()]
         save_checkpoint(
             Path(run_dir) / "averages" / f"lawa-k{lawa.window}-p{lawa.every}" / f"step-{step:07d}",
@@ -397,9 +480,9 @@ def _save_online_averages(run_dir, step, model, lawa, ema, meta_for, lr, data) -
             meta_for(step, lr, kind="lawa", ingredients=ingredients, window=lawa.window, every=lawa.every),
             data.tokenizer,
         )
-    if ema is not None and ema.t > 0:
-        avg = GPT(model.config)
-        avg.load_state_dict(ema.average(model.state_dict()))
+    if "ema" in averages:
+        avg = GPT(mcfg)
+        avg.load_state_dict(averages["ema"])
         save_checkpoint(
             Path(run_dir) / "averages" / f"ema-{ema.decay:.6g}" / f"step-{step:07d}",
             avg,
