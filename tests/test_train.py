@@ -235,3 +235,141 @@ def test_exact_resume_stateful_optimizers(tmp_path, kjv_small, optim):
     a, b = load_gpt(full / "checkpoints" / "step-0000008"), load_gpt(part / "checkpoints" / "step-0000008")
     for (k, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
         assert torch.equal(x, y), k
+
+
+class _Result:
+    def __init__(self, returncode, stderr):
+        self.returncode, self.stderr = returncode, stderr
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys):
+    """Run the quantdyn CLI in this process (as `python -m quantdyn.cli ARGS`): (exit code, stderr)."""
+    from quantdyn.cli import main
+
+    def run(*args):
+        monkeypatch.setattr(sys, "argv", ["quantdyn", *map(str, args)])
+        capsys.readouterr()
+        try:
+            main()
+            code = 0
+        except SystemExit as e:
+            code = e.code
+        return _Result(code, capsys.readouterr().err)
+
+    return run
+
+
+def _one_line_exit2(r, *needles):
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def test_train_refuses_a_run_with_checkpoints_unless_resume_or_overwrite(tmp_path, kjv_small, cli):
+    import yaml
+
+    data_cfg, _ = kjv_small
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(yaml.safe_dump({**tiny_run_dict(tmp_path, data_cfg, steps=4, checkpoint_every=2), "name": "r"}))
+    assert cli("train", cfg_path, "--quiet", "--device", "cpu").returncode == 0
+    run = tmp_path / "r"
+    files = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    r = cli("train", cfg_path, "--quiet")
+    _one_line_exit2(r, "already has checkpoints (last: step 4)", f"--resume {run}", "--overwrite")
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == files  # nothing touched
+    # --overwrite starts again: the old checkpoints, averages and metrics go, the new run is complete
+    (run / "checkpoints" / "step-0000002" / "stale-marker").write_text("old")
+    r = cli("train", cfg_path, "--quiet", "--overwrite")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not (run / "checkpoints" / "step-0000002" / "stale-marker").exists()
+    assert [c.step for c in list_checkpoints(run)] == [2, 4]
+    assert [x["step"] for x in read_metrics(run) if "train_loss" in x] == [2, 4]  # one set of rows, not two
+    _one_line_exit2(cli("train", "--resume", run, "--overwrite"), "does not go with --resume")
+    _one_line_exit2(cli("train", cfg_path, "--device", "cuda:0", "name=gpu"), "no CUDA GPU is visible")
+    assert not (tmp_path / "gpu").exists()
+
+
+def test_resume_checks_the_edited_config_before_writing_anything(tmp_path, kjv_small, cli):
+    """F4: an edited optim.name (or global batch, or data) is refused in one line, before
+    config.yaml, run.json or metrics.jsonl are rewritten."""
+    import yaml
+
+    data_cfg, _ = kjv_small
+    run = train(_cfg(tmp_path, data_cfg, "e", steps=4, checkpoint_every=2), progress=False)
+    original = yaml.safe_load((run / "config.yaml").read_text())
+
+    def edited(change):
+        d = yaml.safe_load(yaml.safe_dump(original))
+        change(d)
+        (run / "config.yaml").write_text(yaml.safe_dump(d))
+        d["train"]["steps"] = 8
+        return {p: p.read_bytes() for p in (run / "config.yaml", run / "run.json", run / "metrics.jsonl")}
+
+    cases = [
+        (lambda d: d["optim"].update(name="lion"), ["optim.name='adamw'", "'lion'"]),
+        (lambda d: d["optim"].update(name="muon"), ["optim.name='adamw'"]),
+        (lambda d: d["train"].update(batch_size=8), ["tokens per step", "keep the global batch"]),
+        (lambda d: d["data"].update(max_tokens=150_000), ["other data", "init_weights"]),
+        (lambda d: d["model"].update(d_model=64), ["model shape"]),
+    ]
+    for change, needles in cases:
+        before = edited(change)
+        r = cli("train", "--resume", run, "--quiet")
+        _one_line_exit2(r, *needles)
+        assert {p: p.read_bytes() for p in before} == before
+    (run / "config.yaml").write_text(yaml.safe_dump({**original, "train": {**original["train"], "steps": 6}}))
+    assert cli("train", "--resume", run, "--quiet").returncode == 0  # extending the run is a valid edit
+    assert [c.step for c in list_checkpoints(run)] == [2, 4, 6]
+
+
+def test_stale_checkpoint_temporaries_are_removed_at_start(tmp_path, kjv_small):
+    data_cfg, _ = kjv_small
+    d = tiny_run_dict(tmp_path, data_cfg, steps=4, checkpoint_every=2)
+    d.update(name="s", schedule={"name": "constant", "warmup": 1}, averaging={"ema_decay": 0.9})
+    run = train(from_dict(RunConfig, d), progress=False, stop_after=2)
+    # what a kill -9 in the middle of a save leaves behind
+    stale = [run / "checkpoints" / ".step-0000004.tmp-abc123", run / "checkpoints" / ".step-0000002.old-999",
+             run / "averages" / "ema-0.9" / ".step-0000004.tmp-x"]
+    for p in stale:
+        p.mkdir(parents=True)
+        (p / "model.safetensors").write_bytes(b"half")
+    keep = run / "checkpoints" / "notes.txt"
+    keep.write_text("mine")
+    train(from_dict(RunConfig, d), run, resume=latest_resumable(run), progress=False)
+    assert not any(p.exists() for p in stale) and keep.exists()
+    # cooldown removes those of its branches too
+    branch = run / "branches" / "cooldown-s2-d2-linear" / "checkpoints" / ".step-0000004.tmp-q"
+    branch.mkdir(parents=True)
+    cooldown(run, 2, [2], progress=False)
+    assert not branch.exists()
+
+
+def test_ctrl_c_message_says_how_to_continue(tmp_path, kjv_small, monkeypatch, cli):
+    import yaml
+
+    import quantdyn.train.trainer as trainer
+
+    data_cfg, _ = kjv_small
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(yaml.safe_dump({**tiny_run_dict(tmp_path, data_cfg, steps=4, checkpoint_every=2), "name": "k"}))
+    real = trainer.train
+
+    def interrupted(*a, **k):
+        real(*a, **k, stop_after=2)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "train", interrupted)
+    run = tmp_path / "k"
+    for args in (["train", cfg_path, "--quiet"], ["train", "--resume", run, "--quiet"]):
+        r = cli(*args)
+        assert r.returncode == 130
+        assert r.stderr.strip().splitlines() == [f"interrupted; continue from step 2 with `quantdyn train --resume {run}`"]
+
+    def early(*a, **k):  # interrupted before the first checkpoint: rerunning the same command starts again
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "train", early)
+    r = cli("train", cfg_path, "name=fresh", "--quiet")
+    assert r.returncode == 130 and "no checkpoint was written yet; rerun the same command" in r.stderr

@@ -81,6 +81,7 @@ def cooldown(
     decay_steps: str = typer.Option(..., "--decay-steps", help="Decay lengths, comma-separated: 200,400"),
     shape: str = typer.Option("linear", "--shape", help="linear | cosine | 1-sqrt"),
     control: bool = typer.Option(False, "--control", help="Also run constant-LR control twins."),
+    device: Optional[str] = typer.Option(None, "--device", help="auto | cpu | cuda | cuda:N (default: the run's)."),
     quiet: bool = typer.Option(False, "--quiet"),
 ):
     """Branch cooldowns (LR decay to lr_end) from a stable-phase checkpoint."""
@@ -90,7 +91,7 @@ def cooldown(
         ds = [int(x) for x in decay_steps.split(",") if x.strip()]
     except ValueError:
         raise QuantdynError(f"--decay-steps '{decay_steps}' must be integers separated by commas, e.g. 200,400") from None
-    for p in run_cooldown(run_dir, from_step, ds, shape, control, progress=not quiet):
+    for p in run_cooldown(run_dir, from_step, ds, shape, control, progress=not quiet, device=device):
         typer.echo(f"branch: {p}")
 
 

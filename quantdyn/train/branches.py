@@ -14,7 +14,14 @@ from pathlib import Path
 
 from quantdyn.config import from_dict, load_yaml
 from quantdyn.errors import QuantdynError
-from quantdyn.train.checkpoint import checkpoint_dir, latest_resumable, list_checkpoints, read_meta, CheckpointInfo
+from quantdyn.train.checkpoint import (
+    CheckpointInfo,
+    checkpoint_dir,
+    latest_resumable,
+    list_checkpoints,
+    read_meta,
+    remove_stale_temporaries,
+)
 from quantdyn.train.config import RunConfig
 from quantdyn.train.schedules import ScheduleConfig, _steps, lr_at
 
@@ -63,11 +70,17 @@ def run_branch(cfg: RunConfig, branch_dir: Path, source: CheckpointInfo, parent:
 
 def cooldown(
     run_dir: Path, from_step: int, decay_steps: list[int], shape: str = "linear", control: bool = False,
-    progress: bool = True,
+    progress: bool = True, device: str | None = None,
 ) -> list[Path]:
-    """Start cooldown branches (and control twins) from the run's checkpoint at ``from_step``."""
+    """Start cooldown branches (and control twins) from the run's checkpoint at ``from_step``.
+
+    device: overrides the parent's train.device for the branches (e.g. 'cpu', 'cuda:1').
+    Half-written checkpoints that a killed cooldown left in a branch are removed first.
+    """
     run_dir = Path(run_dir)
     parent_cfg = load_run_config(run_dir)
+    if device:
+        parent_cfg = replace(parent_cfg, train=replace(parent_cfg.train, device=device))
     ckpt = checkpoint_dir(run_dir, from_step)
     if not (ckpt / "training_state.pt").is_file():
         have = [c.step for c in list_checkpoints(run_dir)]
@@ -83,6 +96,7 @@ def cooldown(
         pairs = [(cool, "cooldown")] + ([(ctrl, "control")] if control else [])
         for cfg, kind in pairs:
             bdir = run_dir / "branches" / cfg.name
+            remove_stale_temporaries(bdir)
             parent = {"run_dir": "../..", "run": parent_cfg.name, "from_step": from_step, "kind": kind,
                       "decay_steps": d, "shape": shape if kind == "cooldown" else "constant"}
             out.append(run_branch(cfg, bdir, source, parent, progress))
