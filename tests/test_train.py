@@ -23,6 +23,14 @@ def _cfg(tmp_path, data_cfg, name="t", **train_kw):
     return from_dict(RunConfig, d)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _losses(run_dir):
     return [(r["step"], r["train_loss"]) for r in read_metrics(run_dir) if "train_loss" in r]
 
@@ -149,7 +157,7 @@ def test_ddp_two_processes_match_single(tmp_path, kjv_small):
     p.write_text(yaml.safe_dump(ddp))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
          "-m", "quantdyn.cli", "train", str(p), "--quiet"],
         capture_output=True, text=True, env=env, timeout=300,
     )
