@@ -96,8 +96,8 @@ class QuantConfig:
     """Also quantize the output head (lm_head); embeddings always stay full precision."""
 
     def __post_init__(self):
-        if self.method not in QUANTIZERS:
-            raise unknown_name("quantizer", self.method, QUANTIZERS.names())
+        if not isinstance(self.method, str) or self.method not in QUANTIZERS:
+            raise unknown_name("quantizer", str(self.method), QUANTIZERS.names())
         bits = _integer(self.bits)
         if bits is None or not 2 <= bits <= 8:
             raise QuantdynError(f"quantizer bits={self.bits!r} is not supported; choose an integer from 2 to 8")
@@ -314,7 +314,7 @@ def parse_quantizer(spec: str | dict | QuantConfig) -> QuantConfig:
     preset = data.pop("preset", None)
     name = data.pop("name", None)
     if preset is not None:
-        if preset not in PRESETS:
+        if not isinstance(preset, str) or preset not in PRESETS:
             raise unknown_name("quantizer preset", str(preset), PRESETS)
         fields.update(PRESETS[preset])
     if name is not None:

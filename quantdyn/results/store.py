@@ -54,6 +54,11 @@ _LOCK = ".lock"
 _DISK_FULL = {errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
 
+class StoreWriteError(QuantdynError):
+    """The store cannot be written (full disk, no permission): every later write would fail the same way,
+    so a caller looping over work should stop rather than go on to the next item."""
+
+
 @dataclass(frozen=True)
 class BadLine:
     """A line of a part file that is not a result row."""
@@ -256,12 +261,12 @@ class ResultStore:
                 write_text_atomic(path, text)  # removes its temporary file if the write fails
             except OSError as e:
                 if e.errno in _DISK_FULL:
-                    raise QuantdynError(
+                    raise StoreWriteError(
                         f"results store '{self.root}' is full ({e.strerror}) while writing {len(rows)} rows; free "
                         "space and rerun the same command (rows stored before are kept, these were not written)"
                     ) from None
-                raise QuantdynError(f"cannot write to results store '{self.root}': {e.strerror}; "
-                                    "pass a writable directory with --store") from None
+                raise StoreWriteError(f"cannot write to results store '{self.root}': {e.strerror}; "
+                                      "pass a writable directory with --store") from None
             _summarise(path, [(0, r) for r in rows], [], _signature(path))
             return path, rows
 
@@ -275,7 +280,7 @@ class ResultStore:
         try:
             fd = os.open(self.root / _LOCK, os.O_RDWR | os.O_CREAT, 0o666)
         except OSError as e:
-            raise QuantdynError(f"cannot write to results store '{self.root}': {e.strerror}; "
+            raise StoreWriteError(f"cannot write to results store '{self.root}': {e.strerror}; "
                                 "pass a writable directory with --store") from None
         try:
             held = False

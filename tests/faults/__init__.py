@@ -1,0 +1,1 @@
+"""Fault-injection suite (see README.md here)."""
