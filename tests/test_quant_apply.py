@@ -179,14 +179,15 @@ def test_per_layer_block_arguments_sliding_window():
     """Qwen2 passes its sliding-window layers another mask than its full layers: quantization and
     error propagation must call each block with its own arguments, not block 0's."""
     from quantdyn.analysis.propagation import model_error_propagation
-    from quantdyn.quantize.apply import _capture_inputs, _same
+    from quantdyn.quantize.blockwise import capture_inputs, same_value
 
     model, ids = _sliding_qwen2(), calib(4, 24)
     blocks = adapter_for(model).get_blocks(model)
     ref = _block_outputs(model, ids)
     with torch.no_grad():
-        hiddens, block_args = _capture_inputs(model, blocks, ids, torch.device("cpu"), batch_size=3)
-        assert not _same(block_args(1, 0), block_args(0, 0))  # sliding vs full mask
+        cap = capture_inputs(model, blocks, ids, torch.device("cpu"), batch_size=3, returns_tuple=False)
+        hiddens, block_args = cap.hiddens, cap.args
+        assert cap.per_layer and not same_value(block_args(1, 0), block_args(0, 0))  # sliding vs full mask
         outs = []
         for b, blk in enumerate(blocks):  # chaining the blocks as quantize_model does reproduces the forward
             hiddens = [blk(h, *block_args(b, i)[0], **block_args(b, i)[1]) for i, h in enumerate(hiddens)]

@@ -71,31 +71,42 @@ def propagation_sums(
     hq = h0 if h0_q is None else h0_q
     if hq.shape != h.shape:
         raise QuantdynError(f"error propagation: h0_q shape {tuple(hq.shape)} differs from h0 shape {tuple(h.shape)}")
-    d0 = (hq - h).double()
-    out = [{"hh": _sq(h), "ee": float((d0 * d0).sum())}]
+    out = [input_sums(h, hq)]
     for f, fq in zip(fp_blocks, q_blocks):
-        h_next = f(h)  # FP block, FP input
-        f_hq = f(hq)  # FP block, quantized input
-        fq_h = fq(h)  # quantized block, FP input
-        hq_next = fq(hq)  # quantized block, quantized input
-        H = h_next.double()
-        e = hq_next.double() - H
-        a = f_hq.double() - H
-        b = fq_h.double() - H
-        d = e - a - b
-        out.append(
-            {
-                "hh": float((H * H).sum()),
-                "ee": float((e * e).sum()),
-                "aa": float((a * a).sum()),
-                "bb": float((b * b).sum()),
-                "ab": float((a * b).sum()),
-                "abd": float(((a + b) * d).sum()),
-                "dd": float((d * d).sum()),
-            }
-        )
-        h, hq = h_next, hq_next
+        sums, h, hq = block_sums(f, fq, h, hq)
+        out.append(sums)
     return out
+
+
+def input_sums(h: torch.Tensor, hq: torch.Tensor) -> dict[str, float]:
+    """Entry 0 of the sums: ‖h_0‖² and ‖h^q_0 − h_0‖² of the block inputs."""
+    d0 = (hq - h).double()
+    return {"hh": _sq(h), "ee": float((d0 * d0).sum())}
+
+
+def block_sums(f: BlockFn, fq: BlockFn, h: torch.Tensor, hq: torch.Tensor) -> tuple[dict[str, float], torch.Tensor,
+                                                                                        torch.Tensor]:
+    """The sums of one block from its FP input ``h`` and quantized input ``hq`` (four forward passes);
+    returns (sums, h_next, hq_next)."""
+    h_next = f(h)  # FP block, FP input
+    f_hq = f(hq)  # FP block, quantized input
+    fq_h = fq(h)  # quantized block, FP input
+    hq_next = fq(hq)  # quantized block, quantized input
+    H = h_next.double()
+    e = hq_next.double() - H
+    a = f_hq.double() - H
+    b = fq_h.double() - H
+    d = e - a - b
+    sums = {
+        "hh": float((H * H).sum()),
+        "ee": float((e * e).sum()),
+        "aa": float((a * a).sum()),
+        "bb": float((b * b).sum()),
+        "ab": float((a * b).sum()),
+        "abd": float(((a + b) * d).sum()),
+        "dd": float((d * d).sum()),
+    }
+    return sums, h_next, hq_next
 
 
 def _sq(x: torch.Tensor) -> float:
@@ -210,7 +221,7 @@ def model_error_propagation(
     sequences, eval mode, ``torch.no_grad``; sums accumulated over all tokens.
     """
     from quantdyn.models.adapters import adapter_for
-    from quantdyn.quantize.apply import capture_block_inputs
+    from quantdyn.quantize.blockwise import capture_inputs, first_block_inputs
 
     if ids.dim() != 2 or ids.size(0) == 0:
         raise QuantdynError(f"error propagation: ids must be token ids shaped [N, T], got {tuple(ids.shape)}")
@@ -227,11 +238,13 @@ def model_error_propagation(
         with torch.no_grad():
             for i in range(0, ids.size(0), batch_size):
                 x = ids[i : i + batch_size].to(device)
-                args = capture_block_inputs(fp_model, fp_blocks, x, device, x.size(0), every_block=True)[0]
-                h0 = args[0][0]
-                h0_q = capture_block_inputs(q_model, q_blocks, x, device, x.size(0), every_block=False)[0][0][0]
-                fp = [_call(b, rest, kwargs) for b, (_, rest, kwargs) in zip(fp_blocks, args)]
-                qb = [_call(b, rest, kwargs) for b, (_, rest, kwargs) in zip(q_blocks, args)]
+                h, (rest, kw) = first_block_inputs(fp_model, fp_blocks, x)
+                tuple_out = isinstance(fp_blocks[0](h, *rest, **kw), (tuple, list))
+                cap = capture_inputs(fp_model, fp_blocks, x, device, x.size(0), tuple_out)
+                h0 = cap.hiddens[0]
+                h0_q = first_block_inputs(q_model, q_blocks, x)[0]
+                fp = [_call(b, *cap.args(k, 0)) for k, b in enumerate(fp_blocks)]
+                qb = [_call(b, *cap.args(k, 0)) for k, b in enumerate(q_blocks)]
                 total = add_sums(total, propagation_sums(fp, qb, h0, h0_q))
     finally:
         fp_model.train(modes[0])

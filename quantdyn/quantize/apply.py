@@ -1,46 +1,358 @@
-"""Quantize a whole model, block by block (the only place in quantize/ with hooks).
+"""Walk a model block by block: quantize it, and carry token sets through its full-precision
+and quantized blocks — the one pipeline behind every "quantize, then compare" in quantdyn.
 
-Pipeline (as the GPTQ reference ``llama_sequential``):
+:func:`walk` takes a :class:`~quantdyn.models.streamed.BlockSource` (a checkpoint read lazily
+one module at a time, or a model already in memory), any number of quantizers, calibration
+ids and named *probe* token sets (e.g. the evaluation windows), and runs (as the GPTQ
+reference's ``llama_sequential``, generalised to several quantizers at once):
 
-1. capture the inputs of block 0 (positional and keyword arguments: hidden
-   states, rotary tables / ``position_embeddings``, masks) by running the
-   model on the calibration ids with a forward pre-hook on block 0 that stops
-   the forward;
-2. for each block, on the compute device (one block there at a time):
-   hook its linear layers, run the block on all captured inputs to collect
-   ActStats (H = 2/N sum x x^T, mean |x|), quantize the layers; with
-   ``true_sequential`` one layer group at a time, re-running the block so a
-   later group sees the already quantized earlier ones;
-3. re-run the block with quantized weights: its outputs are the next block's inputs.
+1. capture the inputs of every block for each token set: block 0's hidden states and the
+   other arguments each block receives (``blockwise.capture_inputs``; only the embedding
+   needs weights);
+2. for each block, loaded onto the compute device alone:
+   for each quantizer, on a copy of the block (one extra block in memory at any time):
+   collect its layers' input statistics from *that quantizer's own* calibration stream (the
+   outputs of its already quantized earlier blocks), quantize the layers
+   (``blockwise.quantize_block``, true-sequential groups when asked), then advance its
+   calibration stream and its probe streams through the quantized block;
+   then advance the full-precision probe streams through the block itself — computed once,
+   shared by all quantizers;
+3. at the end, the final norm and head are loaded; quantizers with ``quantize_head``
+   quantize a copy of the head from their calibration stream.
 
-Embeddings and the head stay in full precision unless ``quantize_head``.
-The model is modified in place; pass a copy to keep the original.
+The streams (lists of activation batches) live on the device, in host RAM or spilled to
+disk, as a memory budget decides (``quantize/streams.py``). Each quantizer's work equals
+what quantizing its own copy of the whole model would do, operation for operation, so codes
+and outputs are the same as with the in-memory pipeline; memory is one block plus the
+streams instead of one model copy per quantizer.
+
+:func:`quantize_model` is the walk with one quantizer applied to an in-memory model in place.
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Callable, Mapping
 
 import torch
 import torch.nn as nn
 
 from quantdyn.config import config_hash, to_dict
 from quantdyn.errors import QuantdynError
-from quantdyn.models.adapters import adapter_for, get_weight, model_type_of, set_weight
-from quantdyn.models.gpt import GPT
+from quantdyn.models.adapters import model_type_of
+from quantdyn.models.streamed import BlockSource, InMemoryModel
+from quantdyn.quantize.blockwise import (
+    CapturedInputs,
+    capture_inputs,
+    check_calibration,
+    check_finite_weights,
+    first_block_inputs,
+    layer_row,
+    quantize_block,
+    quantize_layer,
+    run_block,
+    vocab_size_of,
+)
 from quantdyn.quantize.config import QUANTIZERS, QuantConfig, parse_quantizer
-from quantdyn.quantize.gptq import ActStats, stats_update
+from quantdyn.quantize.gptq import stats_update
 from quantdyn.quantize.primitives import QuantResult, num_threads
+from quantdyn.quantize.streams import Stream, StreamStore
 
 log = logging.getLogger("quantdyn")
 
-__all__ = ["ModelQuantization", "quantize_model", "save_quantized", "num_threads"]
+__all__ = ["ModelQuantization", "Walk", "WalkConfig", "quantize_model", "save_quantized", "walk", "num_threads"]
 
 
+@dataclass(frozen=True)
+class WalkConfig:
+    """How a walk batches, threads and stores its work."""
+
+    calib_batch_size: int = 8
+    """Calibration sequences per block call (results do not depend on it beyond float rounding)."""
+    probe_batch_size: int = 16
+    """Probe (evaluation) sequences per block call."""
+    calib_threads: int | None = None
+    """torch threads while calibrating and quantizing a block (None = leave as set). 1 makes the codes
+    independent of the machine's core count (BLAS rounds differently with more threads)."""
+    layer_threads: int | None = None
+    """torch threads inside each layer's quantizer function only (None = leave as set)."""
+    calibrate_all: bool = True
+    """Collect calibration statistics for calibration-free quantizers too (RTN), for their per-layer
+    loss and output-error diagnostics; False skips their calibration passes."""
+    max_memory: int = 0
+    """Bytes the activation streams may take in memory (0 = half the free RAM / GPU memory); above it
+    they spill to disk."""
+    spill_dir: str | None = None
+    """Directory for spilled streams (default: the system temporary directory)."""
+    in_place: bool = False
+    """Quantize the model's own blocks (one quantizer, no probes): quantize_model."""
+    streams: str = "auto"
+    """Where activation streams live: auto (by max_memory) | memory | disk."""
+
+    def __post_init__(self):
+        if self.calib_batch_size < 1 or self.probe_batch_size < 1:
+            raise QuantdynError(f"batch sizes must be >= 1 (calibration {self.calib_batch_size}, "
+                                f"evaluation {self.probe_batch_size})")
+        for name in ("calib_threads", "layer_threads"):
+            v = getattr(self, name)
+            if v is not None and v < 0:
+                raise QuantdynError(f"{name}={v} must be >= 0 (0 = torch's setting)")
+
+
+class BlockTransform:
+    """A variant that is not a weight quantizer but a change of each block's forward (e.g. QAT's deployed
+    W+A fake-quantized form). It needs no calibration; the walk applies it to its copy of every block
+    (and of the head) and carries the probe sets through the result."""
+
+    name: str = "transform"
+
+    def block(self, block: nn.Module) -> nn.Module:
+        """The transformed block (may modify and return ``block``, which is the walk's own copy)."""
+        raise NotImplementedError
+
+    def head(self, head: nn.Module) -> nn.Module | None:
+        """The transformed head (``head`` is a copy), or None to keep the full-precision head."""
+        return None
+
+
+@dataclass
+class VariantQuantization:
+    """One quantizer's part of a walk."""
+
+    config: QuantConfig | None
+    """The quantizer's configuration (None for a BlockTransform variant)."""
+    rows: list[dict] = field(default_factory=list)
+    """One diagnostics row per quantized layer (see blockwise.layer_row)."""
+    seconds: float = 0.0
+    """Wall time of its calibration passes and quantization."""
+    n_calibration: int = 0
+    """Calibration sequences used (0 without calibration)."""
+    head: nn.Module | None = None
+    """Its quantized copy of the head (quantize_head), else None: the FP head applies."""
+
+
+@dataclass
+class Walk:
+    """What a walk leaves: per-quantizer results and the final hidden states of every probe set.
+
+    ``finals[None]`` are the full-precision streams, ``finals[label]`` a quantizer's, each
+    ``{probe name: Stream}`` of the last block's outputs (before the final norm). The final norm
+    and head stay loaded on the device until :meth:`close` (which also removes spilled streams)."""
+
+    source: BlockSource
+    variants: dict[str, VariantQuantization]
+    finals: dict[str | None, dict[str, Stream]]
+    norm: nn.Module
+    head: nn.Module
+    probe_seconds: float
+    store: StreamStore
+
+    def head_of(self, label: str | None) -> nn.Module:
+        v = self.variants.get(label) if label is not None else None
+        return v.head if v is not None and v.head is not None else self.head
+
+    def close(self) -> None:
+        self.store.close()
+        self.source.unload(self.norm)
+        self.source.unload(self.head)
+
+    def __enter__(self) -> "Walk":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+Observer = Callable[[str, int, nn.Module, nn.Module, Stream, Stream, Callable[[int], tuple]], None]
+"""observer(label, block index, FP block, quantized block, FP input stream, quantized input stream, args_of):
+called for the observed probe set before both streams advance through block ``b``."""
+
+
+def _check_probe(name: str, ids, vocab: int | None) -> torch.Tensor:
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.numel() == 0:
+        raise QuantdynError(f"token set '{name}' must be token ids shaped [N, T] with N, T > 0")
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise QuantdynError(f"token set '{name}' must hold integer token ids, got dtype {ids.dtype}")
+    if vocab is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise QuantdynError(f"token set '{name}' has ids in [{int(ids.min())}, {int(ids.max())}] but the model's "
+                            f"vocabulary has {vocab} tokens; tokenize with the model's tokenizer")
+    return ids.long()
+
+
+def _stream_bytes(cap: CapturedInputs) -> int:
+    return sum(h.numel() * h.element_size() for h in cap.hiddens)
+
+
+@torch.no_grad()
+def walk(
+    source: BlockSource,
+    quantizers: Mapping[str, QuantConfig | str | dict | BlockTransform],
+    calib_ids: torch.Tensor | None,
+    probes: Mapping[str, torch.Tensor],
+    device: str | torch.device,
+    cfg: WalkConfig = WalkConfig(),
+    on_layer: Callable[[str, str, QuantResult, nn.Module], None] | None = None,
+    observer: Observer | None = None,
+    observe: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Walk:
+    """Quantize with every quantizer and carry the probe sets through the blocks (module docstring).
+
+    ``on_layer(label, layer name, result, quantized module)`` sees every quantized layer (to pack
+    or export codes); ``progress(block, n_blocks)`` is called after each block."""
+    device = torch.device(device)
+    model, blocks, adapter = source.model, source.blocks, source.adapter
+    prefix = adapter.blocks
+    transforms = {label: q for label, q in quantizers.items() if isinstance(q, BlockTransform)}
+    qcfgs = {label: parse_quantizer(q) for label, q in quantizers.items() if label not in transforms}
+    if cfg.in_place and (len(qcfgs) != 1 or probes or transforms):
+        raise ValueError("an in-place walk takes exactly one quantizer and no probe sets")
+    if observe is not None and observe not in probes:
+        raise ValueError(f"observed probe set '{observe}' is not among the probes")
+    vocab = vocab_size_of(model)
+    calibrating = [label for label, qc in qcfgs.items()
+                   if QUANTIZERS.get(qc.method).needs_calibration or (calib_ids is not None and cfg.calibrate_all)]
+    if calibrating:
+        calib_ids = check_calibration(calib_ids, vocab)
+    probes = {name: _check_probe(name, ids, vocab) for name, ids in probes.items()}
+    was_training = model.training
+    model.eval()
+    store = None
+    try:
+        cal: CapturedInputs | None = None
+        caps: dict[str, CapturedInputs] = {}
+        if calibrating or probes:
+            pre = source.pre_block()
+            for m in pre:
+                source.load(m, device)
+            try:
+                first = calib_ids[:1] if calibrating else next(iter(probes.values()))[:1]
+                h0, (rest0, kw0) = first_block_inputs(model, blocks, first.to(device))
+                source.load(blocks[0], device)
+                returns_tuple = isinstance(blocks[0](h0, *rest0, **kw0), (tuple, list))
+                if calibrating:
+                    cal = capture_inputs(model, blocks, calib_ids, device, cfg.calib_batch_size, returns_tuple)
+                for name, ids in probes.items():
+                    caps[name] = capture_inputs(model, blocks, ids, device, cfg.probe_batch_size, returns_tuple)
+            finally:
+                for m in pre:
+                    source.unload(m)
+        need = sum(_stream_bytes(c) for c in caps.values()) * (1 + len(qcfgs) + len(transforms))
+        need += _stream_bytes(cal) * len(calibrating) if cal is not None else 0
+        store = StreamStore(device, need, cfg.max_memory, cfg.spill_dir,
+                            force={"auto": None, "memory": "device", "disk": "disk"}[cfg.streams])
+        fp: dict[str, Stream] = {}
+        for name, c in caps.items():
+            fp[name] = store.new(f"fp-{name}")
+            for h in c.hiddens:
+                fp[name].append(h)
+            c.hiddens = []
+        qs: dict[str, dict[str, Stream]] = {}
+        qcal: dict[str, Stream] = {}
+        for label in [*qcfgs, *transforms]:
+            qs[label] = {}
+            for name in caps:
+                qs[label][name] = store.new(f"q{len(qs)}-{name}")
+                qs[label][name].copy_from(fp[name])
+            if label in calibrating:
+                qcal[label] = store.new(f"q{len(qs)}-calib")
+                for h in cal.hiddens:
+                    qcal[label].append(h)
+        if cal is not None:
+            cal.hiddens = []
+        variants = {label: VariantQuantization(qc, n_calibration=int(calib_ids.shape[0]) if label in qcal else 0)
+                    for label, qc in qcfgs.items()}
+        probe_seconds = 0.0
+
+        for b, block in enumerate(blocks):
+            source.load(block, device)
+            groups = adapter.linear_groups(block)
+            check_finite_weights(groups, f"{prefix}.{b}")
+            cal_args = (lambda i, b=b: cal.args(b, i)) if cal is not None else None
+            probe_args = {name: (lambda i, b=b, c=c: c.args(b, i)) for name, c in caps.items()}
+            for label, qc in qcfgs.items():
+                t0 = time.perf_counter()
+                qblock = block if cfg.in_place else copy.deepcopy(block)
+                qgroups = groups if cfg.in_place else adapter.linear_groups(qblock)
+                hook = (lambda full, res, m, label=label: on_layer(label, full, res, m)) if on_layer else None
+                with num_threads(cfg.calib_threads or None):
+                    rows = quantize_block(qblock, qgroups, b, prefix, qcal.get(label), cal_args, qc,
+                                          cfg.layer_threads, hook)
+                    if label in qcal:
+                        run_block(qblock, qcal[label], cal_args)
+                variants[label].rows += rows
+                variants[label].seconds += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                if observer is not None:
+                    observer(label, b, block, qblock, fp[observe], qs[label][observe], probe_args[observe])
+                for name in caps:
+                    run_block(qblock, qs[label][name], probe_args[name])
+                probe_seconds += time.perf_counter() - t0
+                del qblock
+            for label, tr in transforms.items():
+                t0 = time.perf_counter()
+                qblock = tr.block(copy.deepcopy(block))
+                if observer is not None:
+                    observer(label, b, block, qblock, fp[observe], qs[label][observe], probe_args[observe])
+                for name in caps:
+                    run_block(qblock, qs[label][name], probe_args[name])
+                probe_seconds += time.perf_counter() - t0
+                del qblock
+            t0 = time.perf_counter()
+            for name in caps:
+                run_block(block, fp[name], probe_args[name])
+            probe_seconds += time.perf_counter() - t0
+            source.unload(block)
+            if progress is not None:
+                progress(b + 1, len(blocks))
+
+        norm, head = source.tail()
+        source.load(norm, device)
+        source.load(head, device)
+        for label, qc in qcfgs.items():
+            if not qc.quantize_head:
+                continue
+            t0 = time.perf_counter()
+            v = variants[label]
+            if cfg.in_place:
+                qhead = head
+                emb = source.pre_block()[0]
+                if any(qhead.weight is p for p in emb.parameters()):  # tied: keep the embedding in full precision
+                    qhead.weight = nn.Parameter(qhead.weight.detach().clone())
+                    if hasattr(getattr(model, "config", None), "tie_word_embeddings"):
+                        model.config.tie_word_embeddings = False
+            else:
+                qhead = copy.deepcopy(head)
+            stats = None
+            with num_threads(cfg.calib_threads or None):
+                if label in qcal:
+                    for i in range(len(qcal[label])):
+                        stats = stats_update(stats, norm(qcal[label][i]), need_abs=qc.method == "awq")
+                res, W = quantize_layer(adapter.head, qhead, stats, qc, cfg.layer_threads)
+            v.rows.append(layer_row(-1, adapter.head, adapter.head, W, res, stats, qc))
+            if on_layer is not None:
+                on_layer(label, adapter.head, res, qhead)
+            v.head = None if cfg.in_place else qhead
+            v.seconds += time.perf_counter() - t0
+        for label, tr in transforms.items():
+            variants[label] = VariantQuantization(None, head=tr.head(copy.deepcopy(head)))
+        for s in qcal.values():
+            s.close()
+        finals: dict[str | None, dict[str, Stream]] = {None: fp, **qs}
+        return Walk(source, variants, finals, norm, head, probe_seconds, store)
+    except BaseException:
+        if store is not None:
+            store.close()
+        raise
+    finally:
+        model.train(was_training)
+
+
+# ------------------------------------------------------------------ one model, in place
 @dataclass(frozen=True)
 class ModelQuantization:
     """What quantize_model did: per-layer rows and the packed integer representation."""
@@ -70,154 +382,8 @@ class ModelQuantization:
         )
 
 
-class _StopForward(Exception):
-    """Raised by the block-0 pre-hook once its inputs are captured."""
-
-
-def _check_calibration(calib_ids: Any, vocab: int | None) -> torch.Tensor:
-    if calib_ids is None:
-        raise QuantdynError("this quantizer needs calibration data; pass calib_ids (a LongTensor of shape [N, L])")
-    if not isinstance(calib_ids, torch.Tensor):
-        calib_ids = torch.as_tensor(calib_ids)
-    if calib_ids.dim() == 1:
-        calib_ids = calib_ids[None]
-    if calib_ids.dim() != 2 or calib_ids.numel() == 0:
-        raise QuantdynError(
-            f"calibration set is empty or misshapen (shape {tuple(calib_ids.shape)}); "
-            f"pass token ids of shape [N, L] with N, L > 0"
-        )
-    if calib_ids.dtype.is_floating_point or calib_ids.dtype == torch.bool:
-        raise QuantdynError(f"calibration ids must be integer token ids, got dtype {calib_ids.dtype}")
-    if vocab is not None and (int(calib_ids.min()) < 0 or int(calib_ids.max()) >= vocab):
-        raise QuantdynError(
-            f"calibration ids lie in [{int(calib_ids.min())}, {int(calib_ids.max())}] but the model's vocabulary "
-            f"has {vocab} tokens; tokenize with the model's tokenizer"
-        )
-    return calib_ids.long()
-
-
-def _vocab_size(model: nn.Module) -> int | None:
-    cfg = getattr(model, "config", None)
-    v = getattr(cfg, "vocab_size", None)
-    return int(v) if v else None
-
-
-def _run_model(model: nn.Module, ids: torch.Tensor) -> None:
-    if isinstance(model, GPT):
-        model(ids)
-    else:
-        model(input_ids=ids, use_cache=False)
-
-
-def _block_output(out: Any) -> torch.Tensor:
-    return out[0] if isinstance(out, (tuple, list)) else out
-
-
-def _move(modules: list[nn.Module], device: torch.device | None) -> None:
-    if device is not None:
-        for m in modules:
-            m.to(device)
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Whether two captured block arguments are the same value (tensors compared exactly)."""
-    if a is b:
-        return True
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
-                and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b)))
-    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    try:
-        return bool(a == b)
-    except Exception:  # objects without a usable ==
-        return False
-
-
-def capture_block_inputs(model, blocks, calib_ids, device, batch_size, every_block: bool):
-    """Per calibration batch, per block: (hidden, other_args, kwargs) on the compute device.
-
-    With ``every_block`` False only block 0 is captured (the forward stops there); otherwise the
-    forward runs up to the last block, whose arguments may differ per layer (e.g. Qwen2's
-    sliding-window layers get another attention mask than its full-attention layers).
-    """
-    captured: list[list[tuple[torch.Tensor | None, tuple, dict]]] = []
-    current: list[tuple[torch.Tensor | None, tuple, dict]] = []
-    last = len(blocks) - 1 if every_block else 0
-
-    def make_hook(b):
-        def hook(module, args, kwargs):
-            kwargs = dict(kwargs)
-            if args:
-                hidden, rest = args[0], tuple(args[1:])
-            else:
-                hidden, rest = kwargs.pop("hidden_states"), ()
-            current.append((hidden if b == 0 else None, rest, kwargs))
-            if b == last:
-                raise _StopForward
-        return hook
-
-    handles = [blk.register_forward_pre_hook(make_hook(b), with_kwargs=True) for b, blk in enumerate(blocks[: last + 1])]
-    try:
-        for batch in calib_ids.split(batch_size):
-            current = []
-            try:
-                _run_model(model, batch.to(device))
-            except _StopForward:
-                pass
-            if len(current) != last + 1:
-                raise QuantdynError(f"could not capture the inputs of blocks 0..{last}; the model did not call its "
-                                    "blocks in order")
-            captured.append(current)
-    finally:
-        for h in handles:
-            h.remove()
-    return captured
-
-
-def _capture_inputs(model, blocks, calib_ids, device, batch_size):
-    """Block 0's inputs per batch, and a function (block, batch) -> (other_args, kwargs).
-
-    One probe batch runs through every block; when all blocks receive the same non-hidden
-    arguments (the usual case) only block 0 is captured for the rest, else every block's."""
-    probe = capture_block_inputs(model, blocks, calib_ids[:batch_size], device, batch_size, every_block=True)[0]
-    per_layer = any(not _same(probe[b][1:], probe[0][1:]) for b in range(1, len(probe)))
-    captured = capture_block_inputs(model, blocks, calib_ids, device, batch_size, every_block=per_layer)
-    inputs = [c[0][0] for c in captured]
-    if per_layer:
-        return inputs, lambda b, i: captured[i][b][1:]
-    return inputs, lambda b, i: captured[i][0][1:]
-
-
-def _quantize_layer(name, module, stats, cfg, threads) -> tuple[QuantResult, torch.Tensor]:
-    W = get_weight(module).detach().float().clone()  # the original, kept for the rows
-    fn = QUANTIZERS.get(cfg.method).fn
-    with num_threads(threads):
-        res = fn(W, stats, cfg)
-    if not torch.isfinite(res.weight).all():
-        raise QuantdynError(f"quantizing '{name}' produced NaN/Inf; raise damp_percent or check the calibration data")
-    set_weight(module, res.weight)
-    return res, W
-
-
-def _row(block_idx, name, full, W, res: QuantResult, stats: ActStats | None, cfg) -> dict:
-    row = dict(block=block_idx, layer=full, name=name, out_features=W.shape[0], in_features=W.shape[1],
-               method=cfg.method, bits=cfg.bits, group_size=cfg.group_size, loss=res.loss,
-               seconds=res.seconds, n_samples=None, tokens=None, output_error=None, rel_error=None)
-    if stats is not None:
-        H = stats.H.to(W)
-        dW = W - res.weight.to(W)
-        err = 0.5 * float((dW @ H * dW).sum())
-        ref = 0.5 * float((W @ H * W).sum())
-        row.update(n_samples=stats.n, tokens=stats.tokens, output_error=err, rel_error=err / ref if ref > 0 else None)
-    for k, v in res.diagnostics.items():
-        row[k] = v
-    return row
-
-
-def _pack(packed: dict, full: str, res: QuantResult) -> None:
+def pack_result(packed: dict, full: str, res: QuantResult) -> None:
+    """Add one layer's codes, scales, zeros, g_idx (and AWQ scales) to a packed dict (CPU tensors)."""
     packed[f"{full}.codes"] = res.codes.detach().cpu().contiguous()
     packed[f"{full}.scales"] = res.scales.detach().float().cpu().contiguous()
     packed[f"{full}.zeros"] = res.zeros.detach().float().cpu().contiguous()
@@ -226,7 +392,6 @@ def _pack(packed: dict, full: str, res: QuantResult) -> None:
         packed[f"{full}.awq_scales"] = res.awq_scales.detach().float().cpu().contiguous()
 
 
-@torch.no_grad()
 def quantize_model(
     model: nn.Module,
     calib_ids: torch.Tensor | None,
@@ -246,117 +411,24 @@ def quantize_model(
     while quantizing a layer (None = leave; 1 is fastest for GPTQ on few CPU cores).
     Progress is logged (logger 'quantdyn') when ``progress``.
     """
-    cfg = parse_quantizer(cfg)
-    method = QUANTIZERS.get(cfg.method)
-    adapter = adapter_for(model)
-    mtype = model_type_of(model)
-    blocks = adapter.get_blocks(model)
-    groups_per_block = [adapter.linear_groups(b) for b in blocks]
-    prefix = adapter.blocks
-    for b, groups in enumerate(groups_per_block):
-        for grp in groups:
-            for name, m in grp:
-                if not torch.isfinite(m.weight).all():
-                    raise QuantdynError(f"weight '{prefix}.{b}.{name}' contains NaN or Inf; fix the checkpoint before quantizing")
+    qc = parse_quantizer(cfg)
     if batch_size < 1:
         raise QuantdynError(f"batch_size={batch_size} must be >= 1")
-    use_calib = method.needs_calibration or calib_ids is not None
-    if use_calib:
-        calib_ids = _check_calibration(calib_ids, _vocab_size(model))
-    home = next(model.parameters()).device
-    dev = torch.device(device) if device is not None else home
-    move = dev != home
-    was_training = model.training
-    model.eval()
-    t_start = time.perf_counter()
-    rows: list[dict] = []
+    source = InMemoryModel(model)
+    dev = torch.device(device) if device is not None else source.home
     packed: dict[str, torch.Tensor] = {}
+    t0 = time.perf_counter()
 
-    try:
-        if not use_calib:  # RTN without data: no forward passes at all
-            for b, groups in enumerate(groups_per_block):
-                for name, m in (x for grp in groups for x in grp):
-                    full = f"{prefix}.{b}.{name}"
-                    res, W = _quantize_layer(full, m, None, cfg, threads)
-                    rows.append(_row(b, name, full, W, res, None, cfg))
-                    _pack(packed, full, res)
-                if progress:
-                    log.info("quantize %s: block %d/%d done", cfg.name, b + 1, len(blocks))
-            if cfg.quantize_head:
-                _quantize_head(model, adapter, None, cfg, threads, rows, packed, dev, move)
-            return ModelQuantization(cfg, rows, packed, time.perf_counter() - t_start, mtype, 0)
+    def report(b: int, n: int) -> None:
+        if progress:
+            log.info("quantize %s: block %d/%d done", qc.name, b, n)
 
-        pre = adapter.get_pre_block(model)
-        _move(pre, dev if move else None)
-        try:
-            hiddens, block_args = _capture_inputs(model, blocks, calib_ids, dev, batch_size)
-        finally:
-            _move(pre, home if move else None)
-        need_abs = cfg.method == "awq"
-
-        for b, block in enumerate(blocks):
-            _move([block], dev if move else None)
-            groups = groups_per_block[b]
-            if not cfg.true_sequential:
-                groups = [[x for grp in groups for x in grp]]
-            for grp in groups:
-                stats: dict[str, ActStats | None] = {name: None for name, _ in grp}
-                handles = []
-                for name, m in grp:
-                    def hook(mod, inp, out, name=name):
-                        stats[name] = stats_update(stats[name], inp[0].detach(), need_abs=need_abs)
-                    handles.append(m.register_forward_hook(hook))
-                try:
-                    for i, hidden in enumerate(hiddens):
-                        rest, kw = block_args(b, i)
-                        block(hidden, *rest, **kw)
-                finally:
-                    for h in handles:
-                        h.remove()
-                for name, m in grp:
-                    full = f"{prefix}.{b}.{name}"
-                    res, W = _quantize_layer(full, m, stats[name], cfg, threads)
-                    rows.append(_row(b, name, full, W, res, stats[name], cfg))
-                    _pack(packed, full, res)
-                    stats[name] = None
-            nxt = []
-            for i, hidden in enumerate(hiddens):
-                rest, kw = block_args(b, i)
-                nxt.append(_block_output(block(hidden, *rest, **kw)))
-            hiddens = nxt
-            _move([block], home if move else None)
-            if progress:
-                log.info("quantize %s: block %d/%d done", cfg.name, b + 1, len(blocks))
-
-        if cfg.quantize_head:
-            _quantize_head(model, adapter, hiddens, cfg, threads, rows, packed, dev, move)
-        return ModelQuantization(cfg, rows, packed, time.perf_counter() - t_start, mtype, int(calib_ids.shape[0]))
-    finally:
-        model.train(was_training)
-
-
-def _quantize_head(model, adapter, hiddens, cfg, threads, rows, packed, dev, move) -> None:
-    """Quantize the output head from the final-norm outputs (untying it from the embedding first)."""
-    head = adapter.get_head(model)
-    emb_ptrs = {p.data_ptr() for m in adapter.get_pre_block(model) for p in m.parameters()}
-    if head.weight.data_ptr() in emb_ptrs:  # tied: keep the embedding in full precision
-        head.weight = nn.Parameter(head.weight.detach().clone())
-        if hasattr(getattr(model, "config", None), "tie_word_embeddings"):
-            model.config.tie_word_embeddings = False
-    stats = None
-    if hiddens is not None:
-        norm = adapter.get_final_norm(model)
-        home = head.weight.device
-        _move([norm, head], dev if move else None)
-        for h in hiddens:
-            stats = stats_update(stats, norm(h), need_abs=cfg.method == "awq")
-        _move([norm], home if move else None)
-    name = adapter.head
-    res, W = _quantize_layer(name, head, stats, cfg, threads)
-    if hiddens is not None:
-        _move([head], home if move else None)
-    rows.append(_row(-1, name, name, W, res, stats, cfg))
-    _pack(packed, name, res)
+    w = walk(source, {qc.name: qc}, calib_ids, {}, dev,
+             WalkConfig(calib_batch_size=batch_size, layer_threads=threads, in_place=True),
+             on_layer=lambda label, full, res, m: pack_result(packed, full, res), progress=report)
+    w.close()
+    v = w.variants[qc.name]
+    return ModelQuantization(qc, v.rows, packed, time.perf_counter() - t0, model_type_of(model), v.n_calibration)
 
 
 def save_quantized(model: nn.Module, result: ModelQuantization, cfg: QuantConfig | None, out_dir: str | Path) -> Path:

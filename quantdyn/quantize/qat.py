@@ -45,6 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from quantdyn.errors import QuantdynError, unknown_name
+from quantdyn.quantize.apply import BlockTransform
 
 METHODS = ("ste", "quest")
 
@@ -315,8 +316,25 @@ def fake_quant_forward(model: nn.Module, cfg: QATConfig) -> Iterator[nn.Module]:
             setattr(parent, name, lin)
 
 
+class QATDeployed(BlockTransform):
+    """A QAT model in its deployed form, as a variant of the streamed measurement: every linear of each block
+    (and the head with ``include_head``) runs the W+A fake-quantized forward of ``cfg``."""
+
+    def __init__(self, cfg: QATConfig):
+        self.cfg = cfg
+        self.name = f"qat-{cfg.method}-w{cfg.w_bits}a{cfg.a_bits or 0}"
+
+    def block(self, block: nn.Module) -> nn.Module:
+        return prepare_qat(block, self.cfg)
+
+    def head(self, head: nn.Module) -> nn.Module | None:
+        if self.cfg.include_head and type(head) is nn.Linear:
+            return QATLinear.from_linear(head, self.cfg)
+        return None
+
+
 __all__ = [
     "QATConfig", "QATLinear", "GAUSSIAN_OPTIMAL_CLIP", "gaussian_optimal_clip", "hadamard_matrix",
     "hadamard_block_size", "hadamard_transform", "minmax_fake_quant", "quest_fake_quant",
-    "fake_quantize_weight", "prepare_qat", "strip_qat", "fake_quantize_weights_", "fake_quant_forward",
+    "fake_quantize_weight", "prepare_qat", "strip_qat", "fake_quantize_weights_", "fake_quant_forward", "QATDeployed",
 ]

@@ -1,0 +1,273 @@
+"""One block at a time: capture the blocks' inputs, quantize one block's linear layers.
+
+These are the only functions in quantize/ that put hooks on modules. ``apply.py`` walks a
+whole model with them.
+
+* :func:`capture_inputs` runs the model on token ids up to the last block with every block
+  replaced by a recording stub (no block weights are needed: a skeleton works), and returns
+  block 0's hidden states per batch and the other arguments every block receives (rotary
+  tables / ``position_embeddings``, masks, which may differ per layer, e.g. Qwen2's
+  sliding-window layers), deduplicated across blocks and batches.
+* :func:`quantize_block` collects each linear layer's input statistics (H = 2/N Σ x xᵀ,
+  mean |x|) by running the block on its calibration inputs — one true-sequential group at a
+  time when asked, so later groups see the already quantized earlier ones — and quantizes
+  the layers in place with the registered pure quantizer function.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+from quantdyn.errors import QuantdynError
+from quantdyn.models.adapters import get_weight, set_weight
+from quantdyn.models.gpt import GPT
+from quantdyn.quantize.config import QUANTIZERS, QuantConfig
+from quantdyn.quantize.gptq import ActStats, stats_update
+from quantdyn.quantize.primitives import QuantResult, num_threads
+
+BlockArgs = tuple[tuple, dict]
+"""The arguments of one block call besides the hidden states: (positional rest, keyword)."""
+
+
+class _StopForward(Exception):
+    """Raised by the last block's stub once every block's inputs are recorded."""
+
+
+def check_calibration(calib_ids: Any, vocab: int | None) -> torch.Tensor:
+    """Calibration ids as a LongTensor [N, L] (one-line errors for empty, misshapen, float or out-of-vocab ids)."""
+    if calib_ids is None:
+        raise QuantdynError("this quantizer needs calibration data; pass calib_ids (a LongTensor of shape [N, L])")
+    if not isinstance(calib_ids, torch.Tensor):
+        calib_ids = torch.as_tensor(calib_ids)
+    if calib_ids.dim() == 1:
+        calib_ids = calib_ids[None]
+    if calib_ids.dim() != 2 or calib_ids.numel() == 0:
+        raise QuantdynError(
+            f"calibration set is empty or misshapen (shape {tuple(calib_ids.shape)}); "
+            f"pass token ids of shape [N, L] with N, L > 0"
+        )
+    if calib_ids.dtype.is_floating_point or calib_ids.dtype == torch.bool:
+        raise QuantdynError(f"calibration ids must be integer token ids, got dtype {calib_ids.dtype}")
+    if vocab is not None and (int(calib_ids.min()) < 0 or int(calib_ids.max()) >= vocab):
+        raise QuantdynError(
+            f"calibration ids lie in [{int(calib_ids.min())}, {int(calib_ids.max())}] but the model's vocabulary "
+            f"has {vocab} tokens; tokenize with the model's tokenizer"
+        )
+    return calib_ids.long()
+
+
+def vocab_size_of(model: nn.Module) -> int | None:
+    cfg = getattr(model, "config", None)
+    v = getattr(cfg, "vocab_size", None)
+    return int(v) if v else None
+
+
+def run_model(model: nn.Module, ids: torch.Tensor) -> Any:
+    if isinstance(model, GPT):
+        return model(ids)
+    return model(input_ids=ids, use_cache=False)
+
+
+def block_output(out: Any) -> torch.Tensor:
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Whether two captured block arguments are the same value (tensors compared exactly)."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b)))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    try:
+        return bool(a == b)
+    except Exception:  # objects without a usable ==
+        return False
+
+
+def _split_call(args: tuple, kwargs: dict) -> tuple[torch.Tensor, BlockArgs]:
+    kwargs = dict(kwargs)
+    if args:
+        return args[0], (tuple(args[1:]), kwargs)
+    return kwargs.pop("hidden_states"), ((), kwargs)
+
+
+def first_block_inputs(model: nn.Module, blocks: nn.ModuleList, ids: torch.Tensor) -> tuple[torch.Tensor, BlockArgs]:
+    """Block 0's hidden states and other arguments for one batch of ids (the forward stops at block 0)."""
+    got: list = []
+
+    def hook(module, args, kwargs):
+        got.append(_split_call(args, kwargs))
+        raise _StopForward
+
+    h = blocks[0].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        run_model(model, ids)
+    except _StopForward:
+        pass
+    finally:
+        h.remove()
+    if not got:
+        raise QuantdynError("could not capture the inputs of block 0; the model did not call its blocks")
+    return got[0]
+
+
+class CapturedInputs:
+    """Block-0 hidden states per batch and every block's other arguments per batch.
+
+    ``args(b, i)`` is what block ``b`` receives with batch ``i`` besides the hidden states;
+    identical values are stored once (``per_layer`` tells whether any block's differ from
+    block 0's)."""
+
+    def __init__(self, hiddens: list[torch.Tensor], table: list[list[BlockArgs]], per_layer: bool):
+        self.hiddens = hiddens
+        self._table = table
+        self.per_layer = per_layer
+
+    def __len__(self) -> int:
+        return len(self.hiddens)
+
+    def args(self, b: int, i: int) -> BlockArgs:
+        row = self._table[i]
+        return row[b] if self.per_layer else row[0]
+
+
+def capture_inputs(model: nn.Module, blocks: nn.ModuleList, ids: torch.Tensor, device: torch.device,
+                   batch_size: int, returns_tuple: bool) -> CapturedInputs:
+    """Run ``model`` on ``ids`` in batches with every block replaced by a recording stub.
+
+    The stubs return their hidden-state input unchanged (as a tuple when the real blocks
+    return tuples) so the model's own code computes every block's arguments; the forward
+    stops after the last block. Only the modules before block 0 need real weights."""
+    n = len(blocks)
+    current: list = []
+
+    def stub_for(b: int):
+        def stub(*args, **kwargs):
+            hidden, rest = _split_call(args, kwargs)
+            current.append((hidden if b == 0 else None, rest))
+            if b == n - 1:
+                raise _StopForward
+            return (hidden,) if returns_tuple else hidden
+        return stub
+
+    hiddens: list[torch.Tensor] = []
+    table: list[list[BlockArgs]] = []
+    per_layer = False
+    for b, blk in enumerate(blocks):
+        blk.forward = stub_for(b)  # instance attribute shadows the class's forward
+    try:
+        for batch in ids.split(batch_size):
+            current = []
+            try:
+                run_model(model, batch.to(device))
+            except _StopForward:
+                pass
+            if len(current) != n:
+                raise QuantdynError(f"could not capture the inputs of blocks 0..{n - 1}; the model did not call "
+                                    "its blocks in order")
+            hiddens.append(current[0][0])
+            row = [rest for _, rest in current]
+            row = [row[0] if same_value(r, row[0]) else r for r in row]  # share identical per-layer args
+            per_layer = per_layer or any(r is not row[0] for r in row)
+            if table and len(table[-1]) == n and hiddens[-1].shape == hiddens[-2].shape:
+                prev = table[-1]
+                row = [p if same_value(r, p) else r for r, p in zip(row, prev)]  # share identical per-batch args
+            table.append(row)
+    finally:
+        for blk in blocks:
+            if "forward" in blk.__dict__:
+                del blk.forward
+    return CapturedInputs(hiddens, table, per_layer)
+
+
+def check_finite_weights(groups: list[list[tuple[str, nn.Module]]], prefix: str) -> None:
+    for grp in groups:
+        for name, m in grp:
+            if not torch.isfinite(m.weight).all():
+                raise QuantdynError(f"weight '{prefix}.{name}' contains NaN or Inf; fix the checkpoint before quantizing")
+
+
+def quantize_layer(name: str, module: nn.Module, stats: ActStats | None, cfg: QuantConfig,
+                   threads: int | None) -> tuple[QuantResult, torch.Tensor]:
+    """Quantize one linear layer in place; returns the result and the original weight (float32)."""
+    W = get_weight(module).detach().float().clone()
+    fn = QUANTIZERS.get(cfg.method).fn
+    with num_threads(threads):
+        res = fn(W, stats, cfg)
+    if not torch.isfinite(res.weight).all():
+        raise QuantdynError(f"quantizing '{name}' produced NaN/Inf; raise damp_percent or check the calibration data")
+    set_weight(module, res.weight)
+    return res, W
+
+
+def layer_row(block_idx: int, name: str, full: str, W: torch.Tensor, res: QuantResult, stats: ActStats | None,
+              cfg: QuantConfig) -> dict:
+    """The per-layer diagnostics row: shapes, quantizer loss, output error ½ tr(ΔW H ΔWᵀ) and its relative size."""
+    row = dict(block=block_idx, layer=full, name=name, out_features=W.shape[0], in_features=W.shape[1],
+               method=cfg.method, bits=cfg.bits, group_size=cfg.group_size, loss=res.loss,
+               seconds=res.seconds, n_samples=None, tokens=None, output_error=None, rel_error=None)
+    if stats is not None:
+        H = stats.H.to(W)
+        dW = W - res.weight.to(W)
+        err = 0.5 * float((dW @ H * dW).sum())
+        ref = 0.5 * float((W @ H * W).sum())
+        row.update(n_samples=stats.n, tokens=stats.tokens, output_error=err, rel_error=err / ref if ref > 0 else None)
+    for k, v in res.diagnostics.items():
+        row[k] = v
+    return row
+
+
+LayerCallback = Callable[[str, QuantResult, nn.Module], None]
+"""Called with (full layer name, result, module) after each layer is quantized."""
+
+
+def quantize_block(block: nn.Module, groups: list[list[tuple[str, nn.Module]]], block_idx: int, prefix: str,
+                   inputs: Sequence[torch.Tensor] | None, args_of: Callable[[int], BlockArgs], cfg: QuantConfig,
+                   layer_threads: int | None = None, on_layer: LayerCallback | None = None) -> list[dict]:
+    """Quantize the linear layers of one block in place; returns one diagnostics row per layer.
+
+    ``inputs`` are the block's calibration hidden states per batch (None: no statistics, only
+    for calibration-free quantizers); ``args_of(i)`` the other arguments of batch ``i``.
+    ``groups`` are the block's layers in true-sequential groups (flattened into one unless
+    ``cfg.true_sequential``)."""
+    if not cfg.true_sequential:
+        groups = [[x for grp in groups for x in grp]]
+    need_abs = cfg.method == "awq"
+    rows: list[dict] = []
+    for grp in groups:
+        stats: dict[str, ActStats | None] = {name: None for name, _ in grp}
+        if inputs is not None:
+            handles = []
+            for name, m in grp:
+                def hook(mod, inp, out, name=name):
+                    stats[name] = stats_update(stats[name], inp[0].detach(), need_abs=need_abs)
+                handles.append(m.register_forward_hook(hook))
+            try:
+                for i in range(len(inputs)):
+                    rest, kw = args_of(i)
+                    block(inputs[i], *rest, **kw)
+            finally:
+                for h in handles:
+                    h.remove()
+        for name, m in grp:
+            full = f"{prefix}.{block_idx}.{name}"
+            res, W = quantize_layer(full, m, stats[name], cfg, layer_threads)
+            rows.append(layer_row(block_idx, name, full, W, res, stats[name], cfg))
+            if on_layer is not None:
+                on_layer(full, res, m)
+            stats[name] = None
+    return rows
+
+
+def run_block(block: nn.Module, stream, args_of: Callable[[int], BlockArgs]) -> None:
+    """Replace every batch of ``stream`` by the block's output on it."""
+    for i in range(len(stream)):
+        rest, kw = args_of(i)
+        stream[i] = block_output(block(stream[i], *rest, **kw))

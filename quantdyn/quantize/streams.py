@@ -1,0 +1,171 @@
+"""Activation streams: the hidden states of one token set flowing through the blocks.
+
+A block walk keeps, per variant (full precision, each quantizer) and per token set
+(calibration, evaluation), the current hidden states as a list of batches. A
+:class:`Stream` is that list; where its batches live is decided once per walk by a
+:class:`StreamStore` from a memory budget: on the compute device, in host RAM, or — when
+they do not fit — spilled to files in a temporary directory that is removed afterwards
+(also after Ctrl-C or an error: the store is a context manager).
+
+Entries are replaced, never modified in place, so two streams may share their batches
+(every variant starts from the same block-0 inputs) without copying them.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from quantdyn.errors import QuantdynError
+
+
+class Stream:
+    """A list of activation batches in memory (on one device) or spilled to disk."""
+
+    def __init__(self, store: "StreamStore", name: str, where: str):
+        self.store, self.name, self.where = store, name, where
+        self._items: list = []
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def _path(self, i: int) -> Path:
+        return self.store.spill_dir / f"{self.name}-{i:06d}.pt"
+
+    def _put(self, i: int, t: torch.Tensor):
+        if self.where == "disk":
+            path = self._path(i)
+            torch.save(t.detach().cpu(), path)
+            return path
+        return t.detach().to(self.store.device if self.where == "device" else "cpu")
+
+    def append(self, t: torch.Tensor) -> None:
+        self._items.append(None)
+        self._items[-1] = self._put(len(self._items) - 1, t)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        item = self._items[i]
+        if isinstance(item, Path):
+            return torch.load(item, map_location=self.store.device, weights_only=True)
+        return item.to(self.store.device)
+
+    def __setitem__(self, i: int, t: torch.Tensor) -> None:
+        self._items[i] = self._put(i, t)
+
+    def copy_from(self, other: "Stream") -> None:
+        """Start as ``other``'s batches (shared in memory; copied on disk)."""
+        self._items = []
+        for i in range(len(other)):
+            if self.where == other.where and self.where != "disk":
+                self._items.append(other._items[i])
+            else:
+                self.append(other[i])
+
+    def close(self) -> None:
+        for item in self._items:
+            if isinstance(item, Path):
+                item.unlink(missing_ok=True)
+        self._items = []
+
+
+def available_host_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux), else a conservative 4 GiB."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 * 2**30
+
+
+def parse_bytes(text: str | int | float | None) -> int:
+    """'8GB', '512MiB', '2e9', 0 or '' or 'auto' -> bytes (0 = automatic)."""
+    if text in (None, "", "auto", 0):
+        return 0
+    if isinstance(text, (int, float)):
+        return int(text)
+    s = str(text).strip().upper().replace(" ", "")
+    units = {"TIB": 2**40, "GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "TB": 10**12, "GB": 10**9, "MB": 10**6,
+             "KB": 10**3, "T": 2**40, "G": 2**30, "M": 2**20, "K": 2**10, "B": 1}
+    for u, f in units.items():
+        if s.endswith(u):
+            num = s[: -len(u)]
+            break
+    else:
+        num, f = s, 1
+    try:
+        value = float(num) * f
+    except ValueError:
+        raise QuantdynError(f"memory size '{text}' is not a size; write e.g. 8GB, 512MiB or 2e9") from None
+    if value <= 0:
+        raise QuantdynError(f"memory size '{text}' must be positive")
+    return int(value)
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, f in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= f:
+            return f"{n / f:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+class StreamStore:
+    """Decides where a walk's streams live and owns the spill directory (see module docstring).
+
+    ``need`` is the total bytes of all streams; ``budget`` the bytes they may take in memory
+    (0 = automatic: half of the free host RAM, or half of the free GPU memory when computing
+    on a GPU). Streams go to the device if they fit there, else to host RAM, else to disk.
+    """
+
+    def __init__(self, device: torch.device, need: int, budget: int = 0, spill_dir: str | None = None,
+                 force: str | None = None):
+        self.device = torch.device(device)
+        self._tmp: Path | None = None
+        self._parent = spill_dir
+        self.need = need
+        if force:
+            self.where = force
+        elif self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+            gpu_budget = budget or free // 2
+            host_budget = budget or available_host_bytes() // 2
+            self.where = "device" if need <= gpu_budget else ("host" if need <= host_budget else "disk")
+        else:
+            host_budget = budget or available_host_bytes() // 2
+            self.where = "device" if need <= host_budget else "disk"
+        self._streams: list[Stream] = []
+
+    @property
+    def spill_dir(self) -> Path:
+        if self._tmp is None:
+            self._tmp = Path(tempfile.mkdtemp(prefix="quantdyn-streams-", dir=self._parent))
+        return self._tmp
+
+    def new(self, name: str) -> Stream:
+        s = Stream(self, f"{name}-{len(self._streams)}", self.where)
+        self._streams.append(s)
+        return s
+
+    def close(self) -> None:
+        for s in self._streams:
+            s.close()
+        self._streams = []
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def __enter__(self) -> "StreamStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def describe(self) -> str:
+        where = {"device": f"in memory ({self.device})", "host": "in host RAM",
+                 "disk": f"spilled to {self._parent or os.environ.get('TMPDIR', '/tmp')}"}[self.where]
+        return f"activation streams {fmt_bytes(self.need)} {where}"
