@@ -29,6 +29,11 @@ def model_device(model: nn.Module) -> torch.device:
         return torch.device("cpu")
 
 
+def window_ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean next-token CE per window from logits (B, T, V) and targets (B, T) -> float64 (B,) on the CPU."""
+    return F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(1).double().cpu()
+
+
 @torch.no_grad()
 def window_losses(model: nn.Module, windows: torch.Tensor, batch_size: int = 16, dtype: str = "float32") -> torch.Tensor:
     """Mean next-token CE (nats) of each window [n, T] -> float64 tensor [n]."""
@@ -41,8 +46,7 @@ def window_losses(model: nn.Module, windows: torch.Tensor, batch_size: int = 16,
             x = windows[i : i + batch_size].to(dev)
             with autocast_for(dev, dtype):
                 logits = logits_of(model, x[:, :-1]).float()
-            ce = F.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")  # (B, T-1)
-            out.append(ce.mean(dim=1).double().cpu())
+            out.append(window_ce(logits, x[:, 1:]))
     finally:
         model.train(was_training)
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from quantdyn.evaluate.loss import autocast_for, model_device, window_losses
+from quantdyn.evaluate.loss import autocast_for, model_device, window_ce, window_losses
 from quantdyn.models.gpt import logits_of
 
 
@@ -44,6 +44,35 @@ def compare_models(
     return compare_many(fp_model, {"q": q_model}, windows, fp_window_ce, batch_size, dtype)["q"]
 
 
+def window_metrics(lf: torch.Tensor, lq: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per window (float64, CPU): CE of the quantized logits, KL(P_FP || P_Q) per token, top-1 agreement."""
+    ce_q = window_ce(lq, y)
+    lpf, lpq = F.log_softmax(lf, -1), F.log_softmax(lq, -1)
+    kl = (lpf.exp() * (lpf - lpq)).sum(-1).mean(1).double().cpu()
+    agree = (lf.argmax(-1) == lq.argmax(-1)).double().mean(1).cpu()
+    return ce_q, kl, agree
+
+
+def summarize(fp_ce: torch.Tensor, q_ce: torch.Tensor, kl: torch.Tensor, agree: torch.Tensor) -> dict:
+    """The error row of one quantized model from its per-window values (paired over windows)."""
+    fp_ce = fp_ce.double()
+    delta = q_ce - fp_ce
+    ce_fp, ce_q = float(fp_ce.mean()), float(q_ce.mean())
+    return {
+        "ce_fp": ce_fp,
+        "ce_q": ce_q,
+        "delta_ce": float(delta.mean()),
+        "delta_ce_se": _se(delta),
+        "rel_delta_ce": float(delta.mean()) / ce_fp if ce_fp else None,
+        "delta_ppl": math.exp(ce_q) - math.exp(ce_fp),
+        "kl": float(kl.mean()),
+        "kl_se": _se(kl),
+        "top1_agree": float(agree.mean()),
+        "n_windows": len(q_ce),
+        "window_delta": [round(float(v), 7) for v in delta],
+    }
+
+
 @torch.no_grad()
 def compare_many(
     fp_model: nn.Module,
@@ -57,49 +86,27 @@ def compare_many(
 
     Each batch of windows goes through the FP model once and through every
     quantized model, so the FP forward is shared (the results equal separate
-    :func:`compare_models` calls)."""
+    :func:`compare_models` calls). Whole in-memory models: for checkpoints use the
+    streamed engine (``quantdyn.measure``), which computes the same numbers block by block."""
     fp_dev = model_device(fp_model)
     fp_model.eval()
     for q in q_models.values():
         q.eval()
     fp_ce: list[torch.Tensor] = []
-    acc: dict[str, dict[str, list[torch.Tensor]]] = {k: {"ce": [], "kl": [], "agree": []} for k in q_models}
+    acc: dict[str, list[list[torch.Tensor]]] = {k: [[], [], []] for k in q_models}
     for i in range(0, len(windows), batch_size):
         x = windows[i : i + batch_size]
         with autocast_for(fp_dev, dtype):
             lf_home = logits_of(fp_model, x[:, :-1].to(fp_dev)).float()
-        y_home = x[:, 1:].to(fp_dev)
-        fp_ce.append(F.cross_entropy(lf_home.transpose(1, 2), y_home, reduction="none").mean(1).double().cpu())
+        fp_ce.append(window_ce(lf_home, x[:, 1:].to(fp_dev)))
         for label, q in q_models.items():
             dev = model_device(q)
             with autocast_for(dev, dtype):
                 lq = logits_of(q, x[:, :-1].to(dev)).float()
-            lf, y = lf_home.to(dev), x[:, 1:].to(dev)
-            a = acc[label]
-            a["ce"].append(F.cross_entropy(lq.transpose(1, 2), y, reduction="none").mean(1).double().cpu())
-            lpf, lpq = F.log_softmax(lf, -1), F.log_softmax(lq, -1)
-            a["kl"].append((lpf.exp() * (lpf - lpq)).sum(-1).mean(1).double().cpu())
-            a["agree"].append((lf.argmax(-1) == lq.argmax(-1)).double().mean(1).cpu())
+            for lst, v in zip(acc[label], window_metrics(lf_home.to(dev), lq, x[:, 1:].to(dev))):
+                lst.append(v)
     fp_ce_t = fp_window_ce.double() if fp_window_ce is not None else torch.cat(fp_ce)
-    ce_fp = float(fp_ce_t.mean())
-    out = {}
-    for label, a in acc.items():
-        q_ce_t, kl_t, agree_t = torch.cat(a["ce"]), torch.cat(a["kl"]), torch.cat(a["agree"])
-        delta = q_ce_t - fp_ce_t
-        ce_q = float(q_ce_t.mean())
-        out[label] = {
-            "ce_fp": ce_fp,
-            "ce_q": ce_q,
-            "delta_ce": float(delta.mean()),
-            "delta_ce_se": _se(delta),
-            "delta_ppl": math.exp(ce_q) - math.exp(ce_fp),
-            "kl": float(kl_t.mean()),
-            "kl_se": _se(kl_t),
-            "top1_agree": float(agree_t.mean()),
-            "n_windows": len(windows),
-            "window_delta": [round(float(v), 7) for v in delta],
-        }
-    return out
+    return {label: summarize(fp_ce_t, *(torch.cat(v) for v in a)) for label, a in acc.items()}
 
 
 def fp_metrics(model: nn.Module, windows: torch.Tensor, batch_size: int = 16, dtype: str = "float32") -> dict:

@@ -1,0 +1,135 @@
+"""Write a quantized checkpoint while the engine streams: the fake-quantized HF checkpoint that
+``quantdyn quantize --save DIR`` produces, one shard at a time.
+
+The output directory holds what ``quantize.apply.save_quantized`` writes for an in-memory model:
+config.json + the weights with every quantized layer dequantized (``model.safetensors``, or
+``model-0000k-of-0000n.safetensors`` + index when larger than a shard), the tokenizer files of
+the source, ``quant_codes.safetensors`` (codes, scales, zeros, g_idx[, awq_scales] per layer,
+sharded the same way) and ``quant_config.json``. Quantized layers are written as the engine
+produces them and every other tensor is copied from the source at the end, so memory stays at
+one shard, whatever the model's size. The directory appears only when complete.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors.torch import save_file
+
+from quantdyn.config import config_hash, to_dict
+from quantdyn.files import atomic_dir
+from quantdyn.models.streamed import LazyModel
+from quantdyn.quantize.config import QuantConfig
+from quantdyn.quantize.primitives import QuantResult
+
+_COPY_SUFFIXES = (".json", ".model", ".txt", ".tiktoken")
+_NOT_COPIED = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json", "quant_config.json"}
+
+
+class _Shards:
+    """Tensors flushed to numbered safetensors files once ``limit`` bytes are buffered."""
+
+    def __init__(self, directory: Path, stem: str, limit: int, metadata: dict):
+        self.dir, self.stem, self.limit, self.metadata = directory, stem, limit, metadata
+        self.buf: dict[str, torch.Tensor] = {}
+        self.size = 0
+        self.files: list[tuple[Path, list[str]]] = []
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        self.buf[name] = t.detach().to("cpu").contiguous()
+        self.size += t.numel() * t.element_size()
+        if self.size >= self.limit:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.buf:
+            return
+        path = self.dir / f".{self.stem}-part{len(self.files):05d}.safetensors"
+        save_file(self.buf, str(path), metadata=self.metadata)
+        self.files.append((path, list(self.buf)))
+        self.buf, self.size = {}, 0
+
+    def finish(self) -> None:
+        """Name the files ``STEM.safetensors`` or ``STEM-0000k-of-0000n.safetensors`` (+ index)."""
+        self.flush()
+        if len(self.files) == 1:
+            self.files[0][0].rename(self.dir / f"{self.stem}.safetensors")
+            return
+        n = len(self.files)
+        weight_map = {}
+        for k, (path, names) in enumerate(self.files, 1):
+            final = f"{self.stem}-{k:05d}-of-{n:05d}.safetensors"
+            path.rename(self.dir / final)
+            weight_map.update({name: final for name in names})
+        (self.dir / f"{self.stem}.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+
+
+class QuantizedCheckpointWriter:
+    """``on_layer`` sink of the engine for one quantizer (see module docstring)."""
+
+    def __init__(self, out: str | Path, source: LazyModel, qc: QuantConfig, label: str, model_type: str,
+                 shard_bytes: int = 2 * 2**30):
+        self.out, self.source, self.qc, self.label, self.model_type = Path(out), source, qc, label, model_type
+        self._cm = atomic_dir(self.out)
+        self.tmp = self._cm.__enter__()
+        self.weights = _Shards(self.tmp, "model", shard_bytes, {"format": "pt"})
+        self.codes = _Shards(self.tmp, "quant_codes", shard_bytes, {"format": "quantdyn-codes", "quantizer": qc.name})
+        self.written: set[str] = set()
+        self.untied_head = False
+
+    def __call__(self, label: str, full: str, res: QuantResult, module: nn.Module) -> None:
+        if label != self.label:
+            return
+        key = self.source.checkpoint_key(f"{full}.weight")
+        if self.source.adapter.head == full and key != f"{full}.weight":
+            key = f"{full}.weight"  # a tied head, quantized: saved untied
+            self.untied_head = True
+        self.weights.add(key, module.weight)
+        self.written.add(key)
+        self.codes.add(f"{full}.codes", res.codes)
+        self.codes.add(f"{full}.scales", res.scales.float())
+        self.codes.add(f"{full}.zeros", res.zeros.float())
+        self.codes.add(f"{full}.g_idx", res.g_idx)
+        if res.awq_scales is not None:
+            self.codes.add(f"{full}.awq_scales", res.awq_scales.float())
+
+    def close(self, rows: list[dict], summary: dict, git_sha: str) -> Path:
+        """Copy every tensor not quantized from the source, write the metadata and move the directory in place."""
+        try:
+            w = self.source.weights
+            for name in w.names():
+                if name not in self.written:
+                    self.weights.add(name, w.get(name))
+            self.weights.finish()
+            self.codes.finish()
+            config = dict(w.config)
+            if self.untied_head:
+                config["tie_word_embeddings"] = False
+            (self.tmp / "config.json").write_text(json.dumps(config, indent=2))
+            for f in w.path.iterdir():
+                if f.is_file() and f.suffix in _COPY_SUFFIXES and f.name not in _NOT_COPIED:
+                    shutil.copy2(f, self.tmp / f.name)
+            meta = dict(
+                quantizer=to_dict(self.qc), config_hash=config_hash(self.qc), model_type=self.model_type,
+                layout="weight (out, in) = scales[:, g_idx] * (codes - zeros[:, g_idx]) [/ awq_scales]; "
+                       "GPT-2 Conv1D weights are stored transposed in the checkpoint",
+                summary=summary, rows=rows, git_sha=git_sha,
+            )
+            (self.tmp / "quant_config.json").write_text(json.dumps(meta, indent=2, default=str))
+        except BaseException as e:
+            self._cm.__exit__(type(e), e, e.__traceback__)
+            raise
+        self._cm.__exit__(None, None, None)
+        return self.out
+
+    def abort(self) -> None:
+        """Remove the temporary directory (nothing appears under the final name)."""
+        err = RuntimeError("aborted")
+        try:
+            self._cm.__exit__(RuntimeError, err, None)
+        except RuntimeError:
+            pass

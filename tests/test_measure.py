@@ -1,0 +1,288 @@
+"""The streamed measurement engine against a reference path kept here, in the tests only.
+
+The reference quantizes an in-memory copy of the whole model the naive way (for each block,
+run the whole partly quantized model on the calibration set with hooks on that block's layers,
+then quantize them) and measures with full-model forwards (``compare_many``). The engine reads
+the checkpoint lazily one block at a time, shares the FP forward and must make the same
+decisions: codes equal exactly; Δ CE / KL / agreement equal to float rounding.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from quantdyn.errors import QuantdynError
+from quantdyn.evaluate.loss import window_losses
+from quantdyn.evaluate.quant_error import compare_many
+from quantdyn.measure import MeasureConfig, measure
+from quantdyn.models.adapters import adapter_for, get_weight, set_weight
+from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config
+from quantdyn.models.hf_io import load_causal_lm, save_hf
+from quantdyn.models.lazy import open_checkpoint
+from quantdyn.models.streamed import LazyModel
+from quantdyn.quantize.blockwise import run_model
+from quantdyn.quantize.config import QUANTIZERS, parse_quantizer
+from quantdyn.quantize.gptq import stats_update
+
+V = 128
+
+
+def tiny(kind: str) -> nn.Module:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    kw = dict(vocab_size=V, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=128,
+              max_position_embeddings=64)
+    gqa = dict(kw, num_key_value_heads=2)
+    if kind == "quantdyn":
+        return GPT(resolve_model_config(ModelConfig(n_layer=3, d_model=64, n_head=4, max_seq_len=64, vocab_size=V)))
+    if kind == "llama":
+        return tf.LlamaForCausalLM(tf.LlamaConfig(**gqa)).eval()
+    if kind == "olmo2":
+        return tf.Olmo2ForCausalLM(tf.Olmo2Config(**gqa)).eval()
+    if kind == "gpt2":
+        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=V, n_embd=64, n_layer=3, n_head=4, n_positions=64,
+                                                bos_token_id=0, eos_token_id=0)).eval()
+    if kind == "qwen2":  # sliding-window layers get another mask than full-attention layers
+        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**dict(gqa, num_hidden_layers=4), use_sliding_window=True,
+                                                  sliding_window=4,
+                                                  layer_types=["full_attention", "sliding_attention"] * 2)).eval()
+    raise ValueError(kind)
+
+
+def ids(n, L, seed):
+    return torch.randint(0, V, (n, L), generator=torch.Generator().manual_seed(seed))
+
+
+def save(model, path: Path, **kw) -> Path:
+    if isinstance(model, GPT):
+        return save_hf(model, path)
+    model.save_pretrained(path, **kw)
+    return path
+
+
+@torch.no_grad()
+def reference_quantize(model: nn.Module, calib: torch.Tensor, qc) -> dict[str, torch.Tensor]:
+    """Naive sequential PTQ of ``model`` in place; returns {layer: codes}. Whole-model forwards only."""
+    ad = adapter_for(model)
+    fn = QUANTIZERS.get(qc.method).fn
+    codes = {}
+    for b, block in enumerate(ad.get_blocks(model)):
+        groups = ad.linear_groups(block)
+        if not qc.true_sequential:
+            groups = [[x for g in groups for x in g]]
+        for grp in groups:
+            stats = {n: None for n, _ in grp}
+            hooks = [m.register_forward_hook(lambda mod, i, o, n=n: stats.__setitem__(
+                n, stats_update(stats[n], i[0], need_abs=qc.method == "awq"))) for n, m in grp]
+            for batch in calib.split(8):
+                run_model(model, batch)
+            for h in hooks:
+                h.remove()
+            for n, m in grp:
+                r = fn(get_weight(m).float().clone(), stats[n], qc)
+                set_weight(m, r.weight)
+                codes[f"{ad.blocks}.{b}.{n}"] = r.codes
+    if qc.quantize_head:
+        head, norm = ad.get_head(model), ad.get_final_norm(model)
+        if any(head.weight is p for p in ad.get_pre_block(model)[0].parameters()):
+            head.weight = nn.Parameter(head.weight.detach().clone())
+        st = [None]
+        h = norm.register_forward_hook(lambda mod, i, o: st.__setitem__(0, stats_update(st[0], o, need_abs=False)))
+        for batch in calib.split(8):
+            run_model(model, batch)
+        h.remove()
+        r = fn(get_weight(head).float().clone(), st[0], qc)
+        set_weight(head, r.weight)
+        codes[ad.head] = r.codes
+    return codes
+
+
+QUANTIZERS_UNDER_TEST = {
+    "gptq3": "gptq3",
+    "rtn4": "rtn4g32",
+    "awq4": "awq4",
+    "gptq4-act-seq": {"method": "gptq", "bits": 4, "group_size": 32, "act_order": True, "true_sequential": True},
+    "rtn2-head": {"method": "rtn", "bits": 2, "quantize_head": True},
+}
+
+
+def _close(a: float, b: float, scale: float = 1.0) -> bool:
+    # same operations on the same machine and thread count: equal up to a few float64/float32 roundings
+    return abs(a - b) <= 1e-6 * max(scale, abs(a), abs(b))
+
+
+@pytest.mark.parametrize("kind", ["quantdyn", "llama", "gpt2", "qwen2", "olmo2"])
+def test_engine_equals_reference_path(kind, tmp_path):
+    model = tiny(kind)
+    ck = save(model, tmp_path / "ck")
+    fp = load_causal_lm(ck)
+    calib, ev = ids(12, 24, 1), ids(20, 25, 2)
+    specs = QUANTIZERS_UNDER_TEST if kind in ("quantdyn", "llama") else {k: QUANTIZERS_UNDER_TEST[k]
+                                                                          for k in ("gptq3", "rtn2-head")}
+    codes: dict[str, dict] = {label: {} for label in specs}
+    m = measure(ck, specs, ev, calib, device="cpu", cfg=MeasureConfig(batch_size=8),
+                on_layer=lambda label, full, res, mod: codes[label].__setitem__(full, res.codes.clone()))
+    ref_models, ref_codes = {}, {}
+    for label, spec in specs.items():
+        ref_models[label] = copy.deepcopy(fp)
+        ref_codes[label] = reference_quantize(ref_models[label], calib, parse_quantizer(spec))
+    fp_ce = window_losses(fp, ev, 8)
+    ref = compare_many(fp, ref_models, ev, fp_window_ce=fp_ce, batch_size=8)
+    assert _close(float(fp_ce.mean()), m.ce_fp)
+    for label in specs:
+        assert codes[label].keys() == ref_codes[label].keys(), label
+        for layer, c in ref_codes[label].items():
+            assert torch.equal(codes[label][layer], c), (label, layer)  # the same decisions
+        got, want = m.metrics[label], ref[label]
+        for key in ("ce_q", "delta_ce", "kl", "top1_agree"):
+            assert _close(got[key], want[key]), (label, key, got[key], want[key])
+        assert got["n_windows"] == len(ev) and got["delta_ce_se"] > 0
+        assert got["rel_delta_ce"] == pytest.approx(got["delta_ce"] / got["ce_fp"])
+        assert m.quantizations[label].n_calibration == len(calib)
+
+
+def test_qat_deployed_form_and_in_memory_model(tmp_path):
+    """QAT's W+A deployed form is a variant of the same walk; an in-memory model is measured untouched."""
+    from quantdyn.evaluate.quant_error import compare_models
+    from quantdyn.quantize.qat import QATConfig, QATDeployed, fake_quant_forward
+
+    model = tiny("quantdyn")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    qc = QATConfig(method="quest", w_bits=4, a_bits=4)
+    ev, calib = ids(16, 25, 3), ids(8, 24, 4)
+    m = measure(model, {"qat": QATDeployed(qc), "rtn3": "rtn3"}, ev, calib, cfg=MeasureConfig(batch_size=8))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    q = copy.deepcopy(model)
+    with fake_quant_forward(q, qc):
+        want = compare_models(model, q, ev, batch_size=8)
+    for key in ("ce_q", "delta_ce", "kl", "top1_agree"):
+        assert _close(m.metrics["qat"][key], want[key]), key
+    assert m.quantizations["qat"].config is None and m.quantizations["qat"].rows == []
+
+
+def test_sharded_bf16_and_spilled_streams_and_memory_is_one_block(tmp_path):
+    model = tiny("llama")
+    one = save(model, tmp_path / "one")
+    sharded = save(model, tmp_path / "sharded", max_shard_size="40KB")
+    assert (sharded / "model.safetensors.index.json").is_file() and len(list(sharded.glob("*.safetensors"))) > 3
+    calib, ev = ids(8, 24, 5), ids(12, 25, 6)
+    specs = {"gptq3": "gptq3", "rtn4": "rtn4"}
+    a = measure(one, specs, ev, calib)
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    # disk-spilled streams, sharded weights: the same numbers; the spill directory is removed afterwards
+    src = LazyModel(open_checkpoint(sharded))
+    seen = []
+
+    def count_loaded(label, full, res, mod):
+        seen.append(sum(p.numel() for p in src.model.parameters() if p.device.type != "meta"))
+
+    b = measure(src, specs, ev, calib, cfg=MeasureConfig(streams="disk", spill_dir=str(spill)), on_layer=count_loaded)
+    assert "spilled" in b.streams and list(spill.iterdir()) == []
+    for label in specs:
+        assert a.metrics[label]["window_delta"] == b.metrics[label]["window_delta"]
+    # lazily read: while quantizing, the model holds at most one block (its copy is not in the skeleton)
+    block = sum(p.numel() for p in src.blocks[0].parameters())
+    assert max(seen) == block
+    # the checkpoint's own dtype: a bf16 checkpoint is computed in bf16
+    save(model.to(torch.bfloat16), tmp_path / "bf16")
+    c = measure(tmp_path / "bf16", {"rtn4": "rtn4"}, ev, calib)
+    assert c.dtype == "bfloat16" and abs(c.ce_fp - a.ce_fp) < 0.05
+    d = measure(tmp_path / "bf16", {"rtn4": "rtn4"}, ev, calib, cfg=MeasureConfig(dtype="float32"))
+    assert d.dtype == "float32"
+
+
+def test_spill_dir_is_removed_after_an_error(tmp_path):
+    model = tiny("quantdyn")
+    spill = tmp_path / "spill"
+    spill.mkdir()
+
+    def boom(label, full, res, mod):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        measure(model, {"rtn4": "rtn4"}, ids(8, 25, 7), ids(4, 24, 8),
+                cfg=MeasureConfig(streams="disk", spill_dir=str(spill)), on_layer=boom)
+    assert list(spill.iterdir()) == []
+
+
+def test_budget_and_bad_checkpoints_are_one_line(tmp_path):
+    model = tiny("llama")
+    ck = save(model, tmp_path / "ck", max_shard_size="40KB")
+    ev, calib = ids(4, 25, 9), ids(4, 24, 10)
+    with pytest.raises(QuantdynError, match="too small for this model.*give at least"):
+        measure(ck, {"rtn4": "rtn4"}, ev, calib, cfg=MeasureConfig(max_memory="10KB"))
+    shards = sorted(ck.glob("model-*.safetensors"))
+    # a truncated shard
+    bad = tmp_path / "trunc"
+    save(model, bad, max_shard_size="40KB")
+    victim = sorted(bad.glob("model-*.safetensors"))[1]
+    victim.write_bytes(victim.read_bytes()[:-100])
+    with pytest.raises(QuantdynError, match=f"{victim.name}.*truncated"):
+        open_checkpoint(bad)
+    # a missing shard
+    gone = tmp_path / "gone"
+    save(model, gone, max_shard_size="40KB")
+    sorted(gone.glob("model-*.safetensors"))[2].unlink()
+    with pytest.raises(QuantdynError, match="missing shard"):
+        open_checkpoint(gone)
+    # config.json that does not match the weights
+    wrong = tmp_path / "wrong"
+    save(model, wrong)
+    cfg = json.loads((wrong / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (wrong / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(QuantdynError, match="config.json implies.*does not match the weights"):
+        measure(wrong, {"rtn4": "rtn4"}, ev, calib)
+    assert len(shards) > 1
+
+
+def test_bin_checkpoints_load_safely(tmp_path):
+    """An old pytorch_model.bin is read with weights_only (lazily, mmap); a pickle with code is refused."""
+    model = tiny("gpt2")
+    ck = tmp_path / "bin"  # what transformers < 4.35 wrote by default (5 writes safetensors only)
+    ck.mkdir()
+    (ck / "config.json").write_text(json.dumps(model.config.to_dict()))
+    torch.save(model.state_dict(), ck / "pytorch_model.bin")
+    m = measure(ck, {"rtn4": "rtn4"}, ids(8, 25, 11), None)
+    assert m.metrics["rtn4"]["n_windows"] == 8
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    (evil / "config.json").write_text((ck / "config.json").read_text())
+    torch.save({"x": Evil()}, evil / "pytorch_model.bin")
+    with pytest.raises(QuantdynError, match="cannot be loaded safely"):
+        open_checkpoint(evil)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_hub_reference_offline(tmp_path, monkeypatch):
+    """A hub id@revision resolves through huggingface_hub's real cache code; missing offline is one line."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    repo_dir = cache / "models--org--tiny"
+    snap = repo_dir / "snapshots" / ("a" * 40)
+    save(tiny("quantdyn"), snap)
+    (repo_dir / "refs").mkdir(parents=True)
+    (repo_dir / "refs" / "step100").write_text("a" * 40)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    w = open_checkpoint("org/tiny@step100")
+    assert w.path.resolve() == snap.resolve()
+    m = measure("org/tiny@step100", {"rtn4": "rtn4"}, ids(4, 25, 12), None)
+    assert m.metrics["rtn4"]["n_windows"] == 4
+    with pytest.raises(QuantdynError, match=r"'org/tiny@step200' is not in the local Hugging Face cache.*download"):
+        open_checkpoint("org/tiny@step200")
