@@ -13,7 +13,8 @@ from quantdyn.study.trajectory import points_of_run
 from quantdyn.train.averaging import OnlineEMA, ema_closed_form
 from quantdyn.train.checkpoint import checkpoint_dir, read_meta, save_checkpoint
 from quantdyn.train.config import RunConfig
-from quantdyn.train.offline_averaging import average_lawa, interpolate_checkpoints, make_soup
+from quantdyn.study.interpolation import interpolate_checkpoints
+from quantdyn.train.offline_averaging import average_lawa, make_soup
 from quantdyn.train.trainer import train
 
 

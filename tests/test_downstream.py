@@ -18,12 +18,12 @@ from conftest import tiny_run_dict  # noqa: E402
 from quantdyn.errors import QuantdynError  # noqa: E402
 from quantdyn.evaluate.downstream import (  # noqa: E402
     accuracy_rows_for_point,
-    evaluate_accuracy,
     format_accuracy_table,
     make_lm,
     prepare_tasks,
 )
 from quantdyn.evaluate.tasks import BUILTIN_TASKS, build_builtin_tasks  # noqa: E402
+from quantdyn.study.accuracy import evaluate_accuracy  # noqa: E402
 from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config  # noqa: E402
 
 

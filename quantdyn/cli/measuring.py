@@ -26,7 +26,10 @@ def quantize(
     eval_seq_len: int = typer.Option(128, "--eval-seq-len"),
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Default: the model's own tokenizer."),
     save: Optional[Path] = typer.Option(None, "--save", help="Write the fake-quantized model + codes here."),
-    device: str = typer.Option("auto", "--device"),
+    device: str = typer.Option("auto", "--device", help="cpu | cuda | cuda:N | auto; blocks are onloaded one at a time."),
+    dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (the checkpoint's) | float32 | bfloat16 | float16."),
+    max_memory: str = typer.Option("", "--max-memory", help="Memory for one block + activations, e.g. 8GB (default: half the free memory)."),
+    threads: int = typer.Option(1, "--threads", help="torch threads while quantizing on CPU (1: codes independent of the core count; 0: torch's setting)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result row as one JSON object."),
 ):
     """Quantize one model and measure Δ CE, Δ PPL, KL and agreement on held-out text."""
@@ -35,7 +38,7 @@ def quantize(
     row = quantize_one(model, method=method, bits=bits, group_size=group_size, preset=preset, calib_data=calib_data,
                        calib_samples=calib_samples, calib_seq_len=calib_seq_len, eval_data=eval_data,
                        eval_tokens=eval_tokens, eval_seq_len=eval_seq_len, tokenizer=tokenizer, save=save,
-                       device=device, progress=not as_json)
+                       device=device, progress=not as_json, threads=threads, dtype=dtype, max_memory=max_memory)
     if as_json:
         echo_json({k: v for k, v in row.items() if k != "window_delta"})
         return
@@ -62,6 +65,9 @@ def sweep(
     quantizers: Optional[str] = typer.Option(None, "--quantizers", help="e.g. gptq3,gptq4,rtn4"),
     store: Optional[str] = typer.Option(None, "--store", help="Results store directory."),
     shard: Optional[str] = typer.Option(None, "--shard", help="i/n (default: torchrun rank or SLURM array)."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda | cuda:N | auto; blocks are onloaded one at a time."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Compute dtype: auto (the checkpoint's) | float32 | bfloat16 | float16."),
+    max_memory: Optional[str] = typer.Option(None, "--max-memory", help="Memory for one block + activations, e.g. 8GB."),
     quiet: bool = typer.Option(False, "--quiet"),
 ):
     """Quantize every checkpoint of a trajectory with a grid of quantizers; rows go to the store."""
@@ -79,13 +85,19 @@ def sweep(
         data["trajectory"] = traj
     if quantizers:
         data["quantizers"] = [q for q in quantizers.split(",") if q]
-    if store:
-        data["store"] = store
+    for key, value in (("store", store), ("device", device), ("dtype", dtype), ("max_memory", max_memory)):
+        if value:
+            data[key] = value
     if not spec and not traj:
         raise QuantdynError("give a sweep spec YAML or a trajectory (--run, --checkpoint or --hub)")
     cfg = from_dict(SweepConfig, data)
-    out = run_sweep(cfg, shard=shard, progress=not quiet)
+    out = run_sweep(cfg, shard=shard, progress=not quiet, echo=lambda line: typer.echo(line, err=True))
     typer.echo(f"sweep: {out['written']} rows written, {out['skipped']} already done, store {cfg.store}")
+    if out["failed"]:
+        names = ", ".join(ref for ref, _ in out["failed"][:5])
+        more = f" and {len(out['failed']) - 5} more" if len(out["failed"]) > 5 else ""
+        raise QuantdynError(f"{len(out['failed'])} checkpoint(s) could not be measured and have no rows: {names}{more} "
+                            "(reasons above); fix them and rerun the same command to add their rows")
 
 
 @app.command()
@@ -132,7 +144,7 @@ def interpolate(
 ):
     """Linear interpolation between two checkpoints: FP loss and Δ CE at each alpha."""
     from quantdyn.results.store import ResultStore
-    from quantdyn.train.offline_averaging import interpolate_checkpoints
+    from quantdyn.study.interpolation import interpolate_checkpoints
 
     rows = interpolate_checkpoints(a, b, steps, quantizers=[q for q in quantizers.split(",") if q], out=out,
                                    eval_seq_len=seq_len, calib_seq_len=seq_len, n_eval_windows=eval_windows)
@@ -161,7 +173,8 @@ def eval_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the rows as a JSON array."),
 ):
     """Downstream accuracy of a model and its quantized twin (lm-evaluation-harness)."""
-    from quantdyn.evaluate.downstream import evaluate_accuracy, format_accuracy_table
+    from quantdyn.evaluate.downstream import format_accuracy_table
+    from quantdyn.study.accuracy import evaluate_accuracy
 
     qs = [q for q in (quantizer or "").split(",") if q] or None
     rows = evaluate_accuracy(model, [t for t in tasks.split(",") if t], qs, num_fewshot=num_fewshot, limit=limit,

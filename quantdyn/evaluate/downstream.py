@@ -1,9 +1,11 @@
 """Downstream accuracy with EleutherAI's lm-evaluation-harness (the ``eval`` extra).
 
-    rows = evaluate_accuracy("runs/tiny/checkpoints/step-0001000", ["quantdyn_nextsent", "arc_easy"],
-                             quantizer="gptq3", num_fewshot=0, limit=200)
-    ResultStore("results").append(rows)
+    rows = accuracy_rows_for_point(fp_model, {"gptq3": quantized_model}, ["quantdyn_nextsent", "arc_easy"],
+                                   tokenizer=tok, quant_configs={"gptq3": qc}, limit=200)
     print(format_accuracy_table(rows))
+
+(``quantdyn.study.accuracy.evaluate_accuracy`` is the command's entry point: it loads a
+checkpoint, quantizes it through the streamed engine and calls the functions here.)
 
 * :class:`QuantdynLM` is an lm-eval ``LM`` for a model **in memory** — a
   quantdyn GPT, a fake-quantized copy, or any HF causal LM — so a quantized
@@ -16,7 +18,7 @@
   the checkpoint path when only the full-precision model is evaluated, else
   from the transformers model loaded once and its quantized deep copies —
   nothing is re-saved to disk to be evaluated.
-* :func:`evaluate_accuracy` measures the full-precision model and each
+* :func:`accuracy_rows_for_point` measures the full-precision model and each
   quantized copy on the same examples and returns result rows (``kind:
   "accuracy"``) with the accuracy of both, the drop and its *paired* standard
   error over examples.  The metric is ``acc``, else ``acc_norm``, else
@@ -34,7 +36,6 @@ per-example values instead.
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import hashlib
 import logging
@@ -59,7 +60,7 @@ METRIC_PREFERENCE = ("acc", "acc_norm", "exact_match")
 INSTALL_HINT = "install the eval extra: pip install 'quantdyn[eval]' (or pip install 'lm-eval[hf]>=0.4.5')"
 
 __all__ = [
-    "QuantdynLM", "evaluate_accuracy", "accuracy_rows_for_point", "format_accuracy_table", "load_tasks",
+    "QuantdynLM", "accuracy_rows_for_point", "format_accuracy_table", "load_tasks",
     "METRIC_PREFERENCE", "BUILTIN_TASKS",
 ]
 
@@ -622,110 +623,6 @@ def _load_tokenizer(ref: str):
     except (OSError, ValueError) as e:
         first = (str(e).splitlines() or [type(e).__name__])[0]
         raise QuantdynError(f"cannot load a tokenizer from '{ref}' ({first[:160]}); pass tokenizer=") from None
-
-
-def evaluate_accuracy(
-    model_ref_or_model: str | Path | nn.Module,
-    tasks: str | Iterable[str],
-    quantizer: str | Any | Sequence[str | Any] | None = None,
-    num_fewshot: int = 0,
-    limit: int | float | None = None,
-    seed: int = 0,
-    *,
-    tokenizer=None,
-    data=None,
-    calib_ids: torch.Tensor | None = None,
-    calib_samples: int = 32,
-    calib_seq_len: int = 128,
-    backend: str = "quantdyn",
-    batch_size: int = 16,
-    device: str = "auto",
-    metric: str | None = None,
-    checkpoint_hash: str | None = None,
-    builtin_n: int = 500,
-    task_dir: str | Path | None = None,
-    include_paths: Sequence[str | Path] = (),
-    quantize_threads: int = 1,
-    progress: bool = False,
-) -> list[dict]:
-    """Accuracy of a model and of its quantized copies on lm-eval tasks -> result rows.
-
-    ``model_ref_or_model``: a checkpoint directory, ``hub-id[@revision]`` or an
-    nn.Module (then pass ``tokenizer``).  ``quantizer``: None (FP rows only), a
-    spec such as ``"gptq3"`` / a QuantConfig, or a list of them; each is applied
-    to a deep copy.  Calibration windows come from ``calib_ids``, else from
-    ``data`` (a TokenData), else from ``builtin:kjv`` tokenized with the
-    model's own tokenizer.  ``data`` also feeds the built-in tasks (for a
-    path it defaults to builtin:kjv with the checkpoint's tokenizer).
-    ``backend``: "quantdyn" (QuantdynLM) or "hf" (lm-eval's HFLM; needs a
-    transformers model).  Rows are ready for ``ResultStore.append``.
-    """
-    from quantdyn.runtime import resolve_device
-
-    if backend not in ("quantdyn", "hf"):
-        raise QuantdynError(f"unknown backend '{backend}'; choose 'quantdyn' or 'hf'")
-    if num_fewshot < 0:
-        raise QuantdynError(f"--num-fewshot must be >= 0, got {num_fewshot}")
-    if limit is not None and limit <= 0:
-        raise QuantdynError(f"--limit must be positive, got {limit}")
-    _lm_eval()
-    dev = resolve_device(device)
-    qspecs = [] if quantizer is None else (list(quantizer) if isinstance(quantizer, (list, tuple)) else [quantizer])
-    from quantdyn.quantize.config import parse_quantizer
-
-    qcfgs = {(q if isinstance(q, str) else parse_quantizer(q).name): parse_quantizer(q) for q in qspecs}
-    names = _split_names(tasks)
-
-    ref, model = None, None
-    if isinstance(model_ref_or_model, nn.Module):
-        model = model_ref_or_model
-        if tokenizer is None:
-            tokenizer = getattr(data, "tokenizer", None)
-        if tokenizer is None:
-            raise QuantdynError("evaluating a model object needs its tokenizer: pass tokenizer= (or data=)")
-    else:
-        ref = str(model_ref_or_model)
-        if backend == "quantdyn" or qcfgs:  # HFLM loads an unquantized checkpoint from its path itself
-            model = _load_model(ref, backend, dev)
-        tokenizer = tokenizer or _load_tokenizer(ref)
-    if data is None and ref is not None and (qcfgs or any(n in BUILTIN_TASKS for n in names)):
-        from quantdyn.data.prepare import DataConfig, prepare_data
-
-        data = prepare_data(DataConfig(source="builtin:kjv", tokenizer=ref.split("@")[0]), progress=progress)
-
-    ckpt_hash = checkpoint_hash or (_ref_hash(ref) if ref is not None else state_hash(model))
-    base = {"checkpoint": ref, "checkpoint_hash": ckpt_hash}
-    loaded, ident = prepare_tasks(names, data=data, seed=seed, builtin_n=builtin_n, task_dir=task_dir,
-                                  include_paths=include_paths)
-
-    calib_hash = ""
-    q_models: dict[str, Any] = {}
-    if qcfgs:
-        if calib_ids is None:
-            if data is None:
-                raise QuantdynError("quantizing needs calibration data: pass calib_ids= or data=")
-            calib_ids = data.calib_windows(calib_samples, calib_seq_len, seed)
-            calib_hash = hashlib.sha1(f"{data.data_hash}:{calib_samples}:{calib_seq_len}:{seed}".encode()).hexdigest()[:12]
-        else:
-            calib_hash = hashlib.sha1(calib_ids.cpu().numpy().tobytes()).hexdigest()[:12]
-        from quantdyn.quantize.apply import num_threads, quantize_model
-
-        for label, qc in qcfgs.items():
-            qmodel = copy.deepcopy(model)
-            with num_threads(quantize_threads if dev.type == "cpu" else torch.get_num_threads()):
-                quantize_model(qmodel, calib_ids, qc, device=dev, progress=progress)
-            q_models[label] = qmodel.eval()
-
-    if backend == "hf":
-        fp_lm = _hf_lm(model if model is not None else ref, tokenizer, batch_size, dev)
-        q_lms = {label: _hf_lm(m, tokenizer, batch_size, dev) for label, m in q_models.items()}
-    else:
-        fp_lm, q_lms = model, q_models
-    return accuracy_rows_for_point(
-        fp_lm, q_lms, loaded, tokenizer=tokenizer, quant_configs=qcfgs, base=base, num_fewshot=num_fewshot,
-        limit=limit, seed=seed, metric=metric, batch_size=batch_size, calib_hash=calib_hash, task_ident=ident,
-        backend=backend, progress=progress,
-    )
 
 
 def _ref_hash(ref: str) -> str:

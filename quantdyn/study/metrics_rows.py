@@ -11,7 +11,6 @@ easily):
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -60,28 +59,33 @@ def outliers_row(model, calib_ids: torch.Tensor, cfg: AnalysisConfig) -> dict:
     return dict(outlier_metrics(model, calib_ids[: cfg.windows]).aggregates)
 
 
-def propagation_row(model, calib_ids: torch.Tensor, quantizers: dict, cfg: AnalysisConfig) -> dict:
-    from quantdyn.analysis.propagation import model_error_propagation
-    from quantdyn.quantize.apply import quantize_model
+def propagation_row(weights, calib_ids: torch.Tensor, quantizers: dict, cfg: AnalysisConfig, device="cpu",
+                    mcfg=None) -> dict:
+    """Paper B's R_L, mean gain and summed new error per quantizer, from one streamed walk (measure.engine)."""
+    from quantdyn.measure.engine import MeasureConfig, measure
 
+    m = measure(weights, quantizers, None, calib_ids, device=device, cfg=mcfg or MeasureConfig(),
+                propagation_ids=calib_ids[: cfg.windows])
     out = {}
-    ids = calib_ids[: cfg.windows]
-    for label, qc in quantizers.items():
-        q = copy.deepcopy(model)
-        quantize_model(q, calib_ids, qc, progress=False)
-        rows = model_error_propagation(model, q, ids)
+    for label in quantizers:
+        rows = m.propagation[label]
         gains = [r["gain"] for r in rows if r["gain"] is not None]
         out[f"prop_R_final__{label}"] = rows[-1]["R"]
         out[f"prop_gain_mean__{label}"] = sum(gains) / len(gains) if gains else None
         out[f"prop_B_sum__{label}"] = sum(r["B"] for r in rows)
-        del q
     return out
 
 
-def analysis_rows(name: str, model, data, calib_ids, eval_ids, quantizers: dict, cfg: AnalysisConfig) -> dict:
+def analysis_rows(name: str, weights, data, calib_ids, eval_ids, quantizers: dict, cfg: AnalysisConfig,
+                  device="cpu", mcfg=None) -> dict:
+    """One analysis of a checkpoint (``weights``: a reference or CheckpointWeights). The Hessian and outlier
+    analyses need the whole model in memory (autograd, every layer's activations); propagation streams."""
     check_analysis_names([name])
+    if name == "propagation":
+        return propagation_row(weights, calib_ids, quantizers, cfg, device, mcfg)
+    from quantdyn.models.hf_io import load_causal_lm
+
+    model = load_causal_lm(getattr(weights, "path", weights), device=device)
     if name == "hessian":
         return hessian_row(model, eval_ids, cfg)
-    if name == "outliers":
-        return outliers_row(model, calib_ids, cfg)
-    return propagation_row(model, calib_ids, quantizers, cfg)
+    return outliers_row(model, calib_ids, cfg)

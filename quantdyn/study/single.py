@@ -1,18 +1,16 @@
-"""One model, one quantizer: what `quantdyn quantize` runs."""
+"""One model, one quantizer: what `quantdyn quantize` runs (through the streamed engine)."""
 from __future__ import annotations
 
-import copy
-import time
 from pathlib import Path
 
-import torch
-
-from quantdyn.config import config_hash, to_dict
 from quantdyn.data.prepare import DataConfig, prepare_data
 from quantdyn.errors import QuantdynError
-from quantdyn.runtime import resolve_device
-from quantdyn.runtime import provenance
+from quantdyn.measure.engine import MeasureConfig, measure
+from quantdyn.measure.rows import quantizer_fields
 from quantdyn.models.hf_io import checkpoint_hash
+from quantdyn.models.lazy import open_checkpoint
+from quantdyn.models.streamed import LazyModel, compute_dtype_of
+from quantdyn.runtime import git_sha, provenance, resolve_device
 
 
 def quantize_one(
@@ -20,11 +18,10 @@ def quantize_one(
     calib_data: str = "builtin:kjv", calib_samples: int = 32, calib_seq_len: int = 128,
     eval_data: str | None = None, eval_tokens: int = 25600, eval_seq_len: int = 128,
     tokenizer: str | None = None, save: Path | None = None, device: str = "auto", progress: bool = True,
-    threads: int = 1,
+    threads: int = 1, dtype: str = "auto", max_memory: str = "", echo=None,
 ) -> dict:
-    from quantdyn.evaluate.quant_error import compare_models
-    from quantdyn.models.hf_io import load_causal_lm
-    from quantdyn.quantize.apply import num_threads, quantize_model, save_quantized
+    """Quantize ``model_ref`` (checkpoint directory or hub ``ID[@REV]``) and measure Δ CE, KL and agreement on
+    held-out text; with ``save`` also write the fake-quantized checkpoint and its codes there (streamed)."""
     from quantdyn.quantize.config import parse_quantizer, quant_preset
 
     base = {"method": method, "bits": bits, "group_size": group_size}
@@ -32,38 +29,52 @@ def quantize_one(
     dev = resolve_device(device)
     if eval_tokens < eval_seq_len:
         raise QuantdynError(f"--eval-tokens {eval_tokens} is less than one window of --eval-seq-len {eval_seq_len}")
-    model = load_causal_lm(model_ref, device=dev)
-    tok = tokenizer or model_ref.split("@")[0]
+    weights = open_checkpoint(model_ref)  # validated before any data is prepared
+    source = LazyModel(weights, compute_dtype_of(dtype))
+    tok = tokenizer or (str(weights.path) if Path(model_ref).is_dir() else model_ref)
     calib = prepare_data(DataConfig(source=calib_data, tokenizer=tok), progress=progress)
     evald = calib if not eval_data or eval_data == calib_data else prepare_data(
         DataConfig(source=eval_data, tokenizer=tok), progress=progress)
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if vocab is not None and calib.vocab_size > vocab:
+    vocab = weights.config.get("vocab_size")
+    if vocab is not None and calib.vocab_size > int(vocab):
         raise QuantdynError(
             f"tokenizer '{tok}' has {calib.vocab_size} tokens but the model only {vocab}; pass the model's own "
             "tokenizer with --tokenizer"
         )
     calib_ids = calib.calib_windows(calib_samples, calib_seq_len)
-    eval_ids = evald.eval_windows(eval_seq_len, eval_tokens // eval_seq_len)
-    qmodel = copy.deepcopy(model)
-    t0 = time.perf_counter()
-    with num_threads(threads if dev.type == "cpu" else torch.get_num_threads()):
-        res = quantize_model(qmodel, calib_ids, qc, device=dev, progress=progress)
-    t_q = time.perf_counter() - t0
-    m = compare_models(model, qmodel, eval_ids)
+    n_windows = eval_tokens // eval_seq_len
+    eval_ids = evald.eval_windows(eval_seq_len, n_windows)
+    cfg = MeasureConfig(quantize_threads=threads, dtype=dtype, max_memory=max_memory)
+    writer = None
+    if save is not None:
+        from quantdyn.measure.save import QuantizedCheckpointWriter
+
+        writer = QuantizedCheckpointWriter(save, source, qc, qc.name, weights.config.get("model_type", "?"))
+    try:
+        m = measure(source, {qc.name: qc}, eval_ids, calib_ids, device=dev, cfg=cfg, on_layer=writer,
+                    progress=(echo if progress and echo else None))
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    v = m.quantizations[qc.name]
     row = {
-        "kind": "ptq", "checkpoint": model_ref, "checkpoint_hash": checkpoint_hash(model_ref.split("@")[0])
-        if Path(model_ref).is_dir() else checkpoint_hash(model_ref),
-        "quantizer": qc.name, "method": qc.method, "bits": qc.bits, "group_size": qc.group_size,
-        "quant_config": to_dict(qc), "quant_config_hash": config_hash(qc),
+        "kind": "ptq", "checkpoint": model_ref,
+        "checkpoint_hash": checkpoint_hash(str(weights.path)) if Path(model_ref).is_dir() else checkpoint_hash(model_ref),
+        **quantizer_fields(qc.name, qc),
         "calib_data": calib_data, "calib_samples": calib_samples, "calib_seq_len": calib_seq_len,
-        "eval_data": eval_data or calib_data, "eval_hash": evald.token_hash("val", eval_seq_len, eval_tokens // eval_seq_len),
-        "data_key": calib.data_hash, **m, "t_quantize": t_q,
-        "layers": [{k: v for k, v in r.items() if isinstance(v, (int, float, str))} for r in getattr(res, "rows", [])],
+        "eval_data": eval_data or calib_data, "eval_hash": evald.token_hash("val", eval_seq_len, n_windows),
+        "data_key": calib.data_hash, **m.metrics[qc.name], "t_quantize": v.seconds, "t_eval": m.t_eval,
+        "calib_batch_size": cfg.calib_batch_size, "quantize_threads": threads if dev.type == "cpu" else 0,
+        "compute_dtype": m.dtype, "streams": m.streams,
+        "layers": [{k: val for k, val in r.items() if isinstance(val, (int, float, str))} for r in v.rows],
         **provenance(),
     }
-    if save is not None:
-        save_quantized(qmodel, res, qc, save)
-        if hasattr(calib.tokenizer, "save_pretrained"):
-            calib.tokenizer.save_pretrained(str(save))
+    if writer is not None:
+        losses = [r["loss"] for r in v.rows if r.get("loss") is not None]
+        errs = [r["output_error"] for r in v.rows if r.get("output_error") is not None]
+        summary = dict(quantizer=qc.name, layers=len(v.rows), seconds=v.seconds,
+                       output_error=float(sum(errs)) if errs else None, loss=float(sum(losses)) if losses else None,
+                       n_calibration=v.n_calibration)
+        writer.close(v.rows, summary, git_sha())
     return row

@@ -3,17 +3,21 @@
 
     quantdyn sweep SPEC.yaml [--shard i/n]
 
-Per checkpoint the model is loaded once and its full-precision per-window CE
-computed once (and cached on disk), then each quantizer runs on a copy.
-Calibration and evaluation windows come from cached token shards, prepared
-once per tokenizer.  Each row's ``key`` = hash(checkpoint weights, quantizer
-config, eval-data hash): a rerun skips finished rows, an interrupted sweep
-resumes without duplicates or losses.
+Per checkpoint, the streamed engine (``quantdyn.measure``) reads the weights one
+decoder block at a time in the checkpoint's own dtype, quantizes with every
+pending quantizer and carries the evaluation windows through the full-precision
+and quantized blocks, the FP forward shared by all quantizers: memory is one
+block plus activation streams, whatever the model's size. Calibration and
+evaluation windows come from cached token shards, prepared once per tokenizer.
+Each row's ``key`` = hash(checkpoint weights, quantizer config, calibration,
+eval-data hash): a rerun skips finished rows, an interrupted sweep resumes
+without duplicates or losses. A checkpoint that cannot be read (missing shard,
+truncated file, config that does not match the weights) is reported in one
+line and skipped; the sweep goes on and names every such checkpoint at the end.
 """
 from __future__ import annotations
 
-import copy
-import hashlib
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -24,10 +28,19 @@ import torch
 from quantdyn.config import config_hash, from_dict, to_dict
 from quantdyn.data.prepare import DataConfig, TokenData, prepare_data
 from quantdyn.errors import QuantdynError
+from quantdyn.evaluate.quant_error import _se
+from quantdyn.measure.engine import MeasureConfig, measure
+from quantdyn.measure.rows import calib_hash as calib_identity
+from quantdyn.measure.rows import ptq_fields, ptq_what, row_key
+from quantdyn.models.lazy import open_checkpoint
+from quantdyn.quantize.config import parse_quantizer
+from quantdyn.quantize.qat import QATConfig, QATDeployed
 from quantdyn.results.store import ResultStore
 from quantdyn.runtime import provenance, resolve_device
 from quantdyn.study.metrics_rows import AnalysisConfig, analysis_rows, check_analysis_names
 from quantdyn.study.trajectory import Point, TrajectoryConfig, checkpoint_hash, plan_points
+
+log = logging.getLogger("quantdyn")
 
 
 @dataclass(frozen=True)
@@ -70,10 +83,19 @@ class SweepConfig:
     """Compute device."""
     batch_size: int = 16
     """Evaluation batch size."""
+    calib_batch_size: int = 8
+    """Calibration sequences per forward while quantizing."""
     quantize_threads: int = 1
     """torch threads while quantizing on CPU: 1 (default) makes the codes independent of the machine's thread
     count (BLAS rounds differently with more threads); 0 = torch's setting, ~1.75x faster for a whole model
     on an idle 2-core CPU (BENCHMARKS.md). The GPTQ column loop itself always runs single-threaded."""
+    dtype: str = "auto"
+    """Compute dtype: auto (the checkpoint's own; bf16 stays bf16) | float32 | bfloat16 | float16."""
+    max_memory: str = ""
+    """Memory for one block's weights and the activation streams, e.g. 8GB ('' = half the free RAM or GPU
+    memory); streams beyond it spill to a temporary directory."""
+    layer_diagnostics: bool = True
+    """RTN also runs the calibration set, for per-layer loss diagnostics; false skips those passes."""
     analysis: tuple[str, ...] = ()
     """Extra per-checkpoint metrics: hessian, outliers, propagation."""
     analysis_budget: AnalysisConfig = field(default_factory=AnalysisConfig)
@@ -87,8 +109,8 @@ class SweepConfig:
     eval_fewshot: int = 0
     """Few-shot examples per prompt."""
     eval_group: int = 8
-    """Quantized copies of a checkpoint evaluated together, sharing one FP forward per batch (each copy
-    holds the model's weights in memory; 1 = one at a time)."""
+    """Quantizers measured in one streamed pass over a checkpoint, sharing the FP forward (each adds one
+    activation stream, not a model copy; more quantizers take several passes)."""
 
     def __post_init__(self):
         if self.eval_group < 1:
@@ -113,6 +135,7 @@ def parse_shard(text: str | None) -> tuple[int, int]:
     return 0, 1
 
 
+
 def sweep_data(cfg: SweepConfig, points: list[Point], progress: bool = True) -> TokenData:
     d = cfg.data
     if cfg.trajectory.run:
@@ -127,10 +150,6 @@ def sweep_data(cfg: SweepConfig, points: list[Point], progress: bool = True) -> 
     return prepare_data(dc, progress=progress)
 
 
-def row_key(ckpt_hash: str, what: str, eval_hash: str) -> str:
-    return hashlib.sha256(f"{ckpt_hash}|{what}|{eval_hash}".encode()).hexdigest()[:24]
-
-
 def point_fields(p: Point, ckpt_hash: str) -> dict:
     conf = p.meta.get("config") or {}
     qat = conf.get("qat") or None
@@ -143,26 +162,21 @@ def point_fields(p: Point, ckpt_hash: str) -> dict:
             "qat": f"{qat['method']}-w{qat['w_bits']}a{qat.get('a_bits') or 0}" if qat else None}
 
 
-def n_params_of(model) -> int:
-    """Non-embedding parameter count (the N of scaling laws)."""
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if emb is None and hasattr(model, "gpt_neox"):
-        emb = model.gpt_neox.embed_in
-    total = sum(p.numel() for p in model.parameters())
-    return total - (emb.weight.numel() if emb is not None else 0)
+def measure_config(cfg: SweepConfig) -> MeasureConfig:
+    """The engine settings of a sweep."""
+    return MeasureConfig(batch_size=cfg.batch_size, calib_batch_size=cfg.calib_batch_size,
+                         quantize_threads=cfg.quantize_threads, layer_diagnostics=cfg.layer_diagnostics,
+                         dtype=cfg.dtype, max_memory=cfg.max_memory)
 
 
-def _load(ref: str, device):
-    from quantdyn.models.hf_io import load_causal_lm
+def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True,
+              echo=None) -> dict:
+    """Run (or resume) a sweep; returns counts of rows written and skipped, and the checkpoints that failed.
 
-    return load_causal_lm(ref, device=device)
-
-
-def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True) -> dict:
-    """Run (or resume) a sweep; returns counts of rows written and skipped."""
+    A checkpoint that cannot be read or measured (a QuantdynError: missing shard, truncated file, config
+    that does not match the weights) is reported (``echo`` or the log) and skipped; the others go on. The
+    caller decides what to do with ``failed`` (the CLI exits 2 after the sweep when it is not empty)."""
     from tqdm import tqdm
-
-    from quantdyn.quantize.config import parse_quantizer
 
     # fail on a bad quantizer before any work; rows carry the spec as the user wrote it
     qcfgs = {(q if isinstance(q, str) else parse_quantizer(q).name): parse_quantizer(q) for q in cfg.quantizers}
@@ -170,175 +184,161 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True)
     prop_q = {q: parse_quantizer(q) for q in (cfg.propagation_quantizers or [q for q in cfg.quantizers])}
     if "propagation" in cfg.analysis and not prop_q:
         raise QuantdynError("the propagation analysis needs quantizers: set quantizers or propagation_quantizers")
-    prop_hash = config_hash({k: to_dict(v) for k, v in sorted(prop_q.items())})
+    mcfg = measure_config(cfg)
     points = plan_points(cfg.trajectory)
     i, n = parse_shard(shard)
     device = resolve_device(cfg.device)
     store = ResultStore(cfg.store)
     data = sweep_data(cfg, points, progress)
     d = cfg.data
-    eval_ids = data.eval_windows(d.eval_seq_len, d.eval_windows)
-    calib_ids = data.calib_windows(d.calib_samples, d.calib_seq_len, d.calib_seed)
-    eval_hash = data.token_hash("val", d.eval_seq_len, d.eval_windows)
-    calib_hash = hashlib.sha1(f"{data.data_hash}:{d.calib_samples}:{d.calib_seq_len}:{d.calib_seed}".encode()).hexdigest()[:12]
-    done = store.keys()
-    acc_done = store.keys("sweep_acc_key") if cfg.eval_tasks else set()  # a second read of the store only if needed
+    ctx = _SweepContext(
+        cfg=cfg, mcfg=mcfg, qcfgs=qcfgs, prop_q=prop_q, device=device, store=store, data=data,
+        eval_ids=data.eval_windows(d.eval_seq_len, d.eval_windows),
+        calib_ids=data.calib_windows(d.calib_samples, d.calib_seq_len, d.calib_seed),
+        eval_hash=data.token_hash("val", d.eval_seq_len, d.eval_windows),
+        calib_hash=calib_identity(data.data_hash, d.calib_samples, d.calib_seq_len, d.calib_seed),
+        done=store.keys(), acc_done=store.keys("sweep_acc_key") if cfg.eval_tasks else set(),
+    )
+    say = echo or log.warning
     written = skipped = 0
-    timings = []
+    timings: list[float] = []
+    failed: list[tuple[str, str]] = []
     mine = [p for k, p in enumerate(points) if k % n == i]
     bar = tqdm(mine, desc=f"sweep {i}/{n}", disable=not progress, unit="ckpt")
     for p in bar:
         t0 = time.perf_counter()
-        # the weights' hash, qualified by the point's place in the trajectory: a cooldown branch can end
-        # with weights identical to its parent's own decayed endpoint, and both points belong in the plots
-        h = checkpoint_hash(p.ref)
-        hp = f"{h}:{p.run}:{p.branch}:{p.step}"
-        base = {**point_fields(p, h), "eval_hash": eval_hash, "calib_hash": calib_hash, "data_key": data.data_hash}
-        fp_key = row_key(hp, "fp", eval_hash)
-        q_keys = {label: row_key(hp, f"ptq:{config_hash(qc)}:{calib_hash}", eval_hash) for label, qc in qcfgs.items()}
-        qat_cfg = (p.meta.get("config") or {}).get("qat")
-        qat_key = row_key(hp, f"qat:{config_hash(qat_cfg)}", eval_hash) if qat_cfg else None
-        a_keys = {a: row_key(hp, f"analysis:{a}:{config_hash(cfg.analysis_budget)}"
-                             + (f":{prop_hash}" if a == "propagation" else ""), eval_hash) for a in cfg.analysis}
-        # accuracy rows of one (point, quantizer) are appended together and carry this key, so a sweep that
-        # died between a PTQ row and its accuracy rows re-quantizes that point on rerun and adds only them
-        acc_keys = {label: row_key(hp, f"acc:{config_hash(qc)}:{calib_hash}:{','.join(cfg.eval_tasks)}:"
-                                       f"{cfg.eval_fewshot}:{cfg.eval_limit}", eval_hash)
-                    for label, qc in qcfgs.items()} if cfg.eval_tasks else {}
-        todo = [fp_key, *q_keys.values(), *a_keys.values(), *([qat_key] if qat_key else [])]
-        if all(k in done for k in todo) and all(k in acc_done for k in acc_keys.values()):
-            skipped += len(todo)
-            continue
-        model = _load(p.ref, device)
-        t_load = time.perf_counter() - t0
-        base["n_params"] = n_params_of(model)
-        fp_ce = _fp_window_ce(model, eval_ids, h, eval_hash, cfg.batch_size)
-        if fp_key not in done:
-            from quantdyn.evaluate.quant_error import _se
-
-            store.append([{"key": fp_key, "kind": "fp", **base, "ce_fp": float(fp_ce.mean()), "ce_fp_se": _se(fp_ce),
-                           "n_windows": len(fp_ce), **provenance()}])
-            written += 1
-        else:
-            skipped += 1
-        if qat_key and qat_key not in done:
-            store.append([{"key": qat_key, "kind": "qat", **base, **qat_measure(model, qat_cfg, eval_ids, fp_ce, cfg),
-                           "t_load": t_load, **provenance()}])
-            written += 1
-        elif qat_key:
-            skipped += 1
-        pending = [label for label, key in q_keys.items()
-                   if key not in done or (label in acc_keys and acc_keys[label] not in acc_done)]
-        skipped += len(q_keys) - len(pending)
-        for g in range(0, len(pending), cfg.eval_group):
-            group = pending[g : g + cfg.eval_group]
-            rows = quantize_and_measure_many(model, {label: qcfgs[label] for label in group}, calib_ids, eval_ids,
-                                             fp_ce, cfg, device)
-            for label, (row, qmodel) in rows.items():
-                if q_keys[label] not in done:
-                    store.append([{"key": q_keys[label], "kind": "ptq", **base, **row, "t_load": t_load,
-                                   **provenance()}])
-                    written += 1
-                else:
-                    skipped += 1
-                if label in acc_keys and acc_keys[label] not in acc_done:
-                    written += _append_accuracy(store, model, label, qmodel, qcfgs[label], acc_keys[label], cfg,
-                                                data, base, calib_hash)
-            del rows
-        for name, key in a_keys.items():
-            if key in done:
-                skipped += 1
-                continue
-            vals = analysis_rows(name, model, data, calib_ids, eval_ids, prop_q, cfg.analysis_budget)
-            store.append([{"key": key, "kind": "analysis", "analysis": name, **base, **vals, **provenance()}])
-            written += 1
-        timings.append(time.perf_counter() - t0)
-        del model
-    return {"written": written, "skipped": skipped, "checkpoints": len(mine), "seconds": timings}
-
-
-def _fp_window_ce(model, eval_ids, ckpt_hash: str, eval_hash: str, batch_size: int) -> torch.Tensor:
-    """Per-window FP CE, cached on disk per (checkpoint, eval set)."""
-    from quantdyn.data.prepare import default_cache_dir
-    from quantdyn.evaluate.loss import window_losses
-
-    cache = default_cache_dir().parent / "fp" / f"{ckpt_hash}-{eval_hash}.pt"
-    if cache.is_file():
         try:
-            return torch.load(cache, weights_only=True)
-        except Exception:  # a corrupt cache entry is recomputed
-            cache.unlink(missing_ok=True)
-    ce = window_losses(model, eval_ids, batch_size)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(f".tmp{os.getpid()}")
-    torch.save(ce, tmp)
-    os.replace(tmp, cache)
-    return ce
+            w, s = _sweep_point(ctx, p)
+        except QuantdynError as e:
+            failed.append((p.ref, str(e)))
+            say(f"error: skipped checkpoint {p.ref}: {e}")
+            continue
+        written += w
+        skipped += s
+        if w:
+            timings.append(time.perf_counter() - t0)
+    return {"written": written, "skipped": skipped, "checkpoints": len(mine), "seconds": timings, "failed": failed}
 
 
-def _append_accuracy(store, model, label, qmodel, qc, acc_key, cfg: SweepConfig, data, base, calib_hash) -> int:
-    """lm-eval accuracy rows of one (checkpoint, quantizer), appended together and marked with ``acc_key``."""
+@dataclass
+class _SweepContext:
+    cfg: SweepConfig
+    mcfg: MeasureConfig
+    qcfgs: dict
+    prop_q: dict
+    device: torch.device
+    store: ResultStore
+    data: TokenData
+    eval_ids: torch.Tensor
+    calib_ids: torch.Tensor
+    eval_hash: str
+    calib_hash: str
+    done: set
+    acc_done: set
+
+
+def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
+    """Measure one checkpoint: the rows it still lacks. Returns (written, skipped)."""
+    cfg = ctx.cfg
+    # the weights' hash, qualified by the point's place in the trajectory: a cooldown branch can end
+    # with weights identical to its parent's own decayed endpoint, and both points belong in the plots
+    h = checkpoint_hash(p.ref)
+    hp = f"{h}:{p.run}:{p.branch}:{p.step}"
+    base = {**point_fields(p, h), "eval_hash": ctx.eval_hash, "calib_hash": ctx.calib_hash,
+            "data_key": ctx.data.data_hash}
+    fp_key = row_key(hp, "fp", ctx.eval_hash)
+    q_keys = {label: row_key(hp, ptq_what(qc, ctx.calib_hash), ctx.eval_hash) for label, qc in ctx.qcfgs.items()}
+    qat_cfg = (p.meta.get("config") or {}).get("qat")
+    qat_key = row_key(hp, f"qat:{config_hash(qat_cfg)}", ctx.eval_hash) if qat_cfg else None
+    prop_hash = config_hash({k: to_dict(v) for k, v in sorted(ctx.prop_q.items())})
+    a_keys = {a: row_key(hp, f"analysis:{a}:{config_hash(cfg.analysis_budget)}"
+                         + (f":{prop_hash}" if a == "propagation" else ""), ctx.eval_hash) for a in cfg.analysis}
+    # accuracy rows of one (point, quantizer) are appended together and carry this key, so a sweep that
+    # died between a PTQ row and its accuracy rows re-quantizes that point on rerun and adds only them
+    acc_keys = {label: row_key(hp, f"acc:{config_hash(qc)}:{ctx.calib_hash}:{','.join(cfg.eval_tasks)}:"
+                                   f"{cfg.eval_fewshot}:{cfg.eval_limit}", ctx.eval_hash)
+                for label, qc in ctx.qcfgs.items()} if cfg.eval_tasks else {}
+    todo = [fp_key, *q_keys.values(), *a_keys.values(), *([qat_key] if qat_key else [])]
+    if all(k in ctx.done for k in todo) and all(k in ctx.acc_done for k in acc_keys.values()):
+        return 0, len(todo)
+    written = skipped = 0
+    t0 = time.perf_counter()
+    weights = open_checkpoint(p.ref)  # validates every file and shape before anything is computed
+    t_load = time.perf_counter() - t0
+    pending = [label for label, key in q_keys.items()
+               if key not in ctx.done or (label in acc_keys and acc_keys[label] not in ctx.acc_done)]
+    skipped += len(q_keys) - len(pending)
+    qat_pending = bool(qat_key and qat_key not in ctx.done)
+    skipped += bool(qat_key) and not qat_pending
+    fp_pending = fp_key not in ctx.done
+    skipped += not fp_pending
+    groups = [pending[g : g + cfg.eval_group] for g in range(0, len(pending), cfg.eval_group)] or [[]]
+    for g, group in enumerate(groups):
+        variants: dict = {label: ctx.qcfgs[label] for label in group}
+        if g == 0 and qat_pending:
+            variants["__qat__"] = QATDeployed(from_dict(QATConfig, qat_cfg))
+        if not variants and not (g == 0 and fp_pending):
+            continue
+        collect = {label: {} for label in group if label in acc_keys and acc_keys[label] not in ctx.acc_done}
+        on_layer = (lambda label, full, res, m: collect[label].__setitem__(full, m.weight.detach().cpu().clone())
+                    if label in collect else None) if collect else None
+        m = measure(weights, variants, ctx.eval_ids, ctx.calib_ids, device=ctx.device, cfg=ctx.mcfg,
+                    on_layer=on_layer)
+        base["n_params"] = m.n_params
+        rows = []
+        if g == 0 and fp_pending:
+            fp_ce = m.fp_window_ce
+            rows.append({"key": fp_key, "kind": "fp", **base, "ce_fp": float(fp_ce.mean()), "ce_fp_se": _se(fp_ce),
+                         "n_windows": len(fp_ce), "compute_dtype": m.dtype, **provenance()})
+        if "__qat__" in variants:
+            tr = variants["__qat__"]
+            qc = tr.cfg
+            rows.append({"key": qat_key, "kind": "qat", **base, "quantizer": tr.name, "method": f"qat-{qc.method}",
+                         "bits": qc.w_bits, "a_bits": qc.a_bits or 0, "quant_config": to_dict(qc),
+                         **m.metrics["__qat__"], "t_load": t_load, "compute_dtype": m.dtype, **provenance()})
+        threads = cfg.quantize_threads if ctx.device.type == "cpu" else 0
+        for label in group:
+            if q_keys[label] not in ctx.done:
+                rows.append({"key": q_keys[label], "kind": "ptq", **base,
+                             **ptq_fields(label, ctx.qcfgs[label], m, ctx.mcfg, threads), "t_load": t_load,
+                             **provenance()})
+            else:
+                skipped += 1
+        ctx.store.append(rows)
+        written += len(rows)
+        for label, weights_q in collect.items():
+            written += _append_accuracy(ctx, p, label, weights_q, acc_keys[label], base)
+    for name, key in a_keys.items():
+        if key in ctx.done:
+            skipped += 1
+            continue
+        vals = analysis_rows(name, weights, ctx.data, ctx.calib_ids, ctx.eval_ids, ctx.prop_q, cfg.analysis_budget,
+                             device=ctx.device, mcfg=ctx.mcfg)
+        ctx.store.append([{"key": key, "kind": "analysis", "analysis": name, **base, **vals, **provenance()}])
+        written += 1
+    return written, skipped
+
+
+def _append_accuracy(ctx: _SweepContext, p: Point, label: str, weights_q: dict, acc_key: str, base: dict) -> int:
+    """lm-eval accuracy rows of one (checkpoint, quantizer), appended together and marked with ``acc_key``.
+
+    lm-eval runs whole models: the FP model is loaded in memory and its quantized twin is that model with
+    the engine's quantized weights written in (the quantization itself ran once, in the measurement)."""
     from quantdyn.evaluate.downstream import accuracy_rows_for_point
+    from quantdyn.models.hf_io import load_causal_lm
+    from quantdyn.study.accuracy import quantized_twin
 
-    acc = accuracy_rows_for_point(model, {label: qmodel}, list(cfg.eval_tasks), tokenizer=data.tokenizer,
-                                  quant_configs={label: qc}, base=base, data=data, calib_hash=calib_hash,
-                                  limit=cfg.eval_limit or None, num_fewshot=cfg.eval_fewshot)
-    done_now = store.keys()
+    cfg = ctx.cfg
+    model = load_causal_lm(p.ref, device=ctx.device)
+    qmodel = quantized_twin(model, weights_q)
+    acc = accuracy_rows_for_point(model, {label: qmodel}, list(cfg.eval_tasks), tokenizer=ctx.data.tokenizer,
+                                  quant_configs={label: ctx.qcfgs[label]}, base=base, data=ctx.data,
+                                  calib_hash=ctx.calib_hash, limit=cfg.eval_limit or None,
+                                  num_fewshot=cfg.eval_fewshot)
+    done_now = ctx.store.keys()
     tagged = [{**r, "sweep_acc_key": acc_key} for r in acc]
     new_rows = [r for r in tagged if r["key"] not in done_now]
     # rows stored earlier under the same keys (an older sweep, `quantdyn eval`) are written again only to
     # record the marker; readers keep the first occurrence of a key
-    store.append(new_rows or tagged)
+    ctx.store.append(new_rows or tagged)
     return len(new_rows)
-
-
-def quantize_and_measure_many(model, qcs: dict, calib_ids, eval_ids, fp_ce, cfg: SweepConfig, device) -> dict:
-    """Quantize one copy of ``model`` per config and measure them together (one FP forward per batch).
-
-    Returns {label: (row, quantized model)}; ``t_eval`` is the shared evaluation time divided evenly."""
-    from quantdyn.evaluate.quant_error import compare_many
-    from quantdyn.quantize.apply import num_threads, quantize_model
-
-    qmodels, results, t_q = {}, {}, {}
-    threads = cfg.quantize_threads if device.type == "cpu" else torch.get_num_threads()
-    for label, qc in qcs.items():
-        qmodels[label] = copy.deepcopy(model)
-        t0 = time.perf_counter()
-        with num_threads(threads):
-            results[label] = quantize_model(qmodels[label], calib_ids, qc, device=device, progress=False)
-        t_q[label] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    metrics = compare_many(model, qmodels, eval_ids, fp_window_ce=fp_ce, batch_size=cfg.batch_size)
-    t_e = (time.perf_counter() - t0) / len(qcs)
-    out = {}
-    for label, qc in qcs.items():
-        layer_losses = [r.get("loss") for r in getattr(results[label], "rows", []) if r.get("loss") is not None]
-        row = {
-            "quantizer": label,
-            "method": qc.method,
-            "bits": qc.bits,
-            "group_size": qc.group_size,
-            "quant_config": to_dict(qc),
-            "quant_config_hash": config_hash(qc),
-            **metrics[label],
-            "layer_loss_sum": float(sum(layer_losses)) if layer_losses else None,
-            "t_quantize": t_q[label],
-            "t_eval": t_e,
-            "eval_group": len(qcs),
-        }
-        out[label] = (row, qmodels[label])
-    return out
-
-
-def qat_measure(model, qat_cfg: dict, eval_ids, fp_ce, cfg: SweepConfig) -> dict:
-    """A QAT checkpoint in its deployed (W+A fake-quantized) form against its own FP weights."""
-    from quantdyn.evaluate.quant_error import compare_models
-    from quantdyn.quantize.qat import QATConfig, fake_quant_forward
-
-    qc = from_dict(QATConfig, qat_cfg)
-    q = copy.deepcopy(model)
-    with fake_quant_forward(q, qc):
-        m = compare_models(model, q, eval_ids, fp_window_ce=fp_ce, batch_size=cfg.batch_size)
-    label = f"qat-{qc.method}-w{qc.w_bits}a{qc.a_bits or 0}"
-    return {"quantizer": label, "method": f"qat-{qc.method}", "bits": qc.w_bits, "a_bits": qc.a_bits or 0,
-            "quant_config": to_dict(qc), **m}

@@ -11,8 +11,8 @@ linear interpolation (paper A, Section on weight averaging).
   different runs, seeds or cooldown branches: uniform, weighted, or greedy
   (ingredients sorted by held-out loss, each added only if the soup's
   held-out loss goes down).
-* :func:`interpolate_checkpoints` — θ(α) = (1-α)·θ_A + α·θ_B on an α grid,
-  with FP loss and the PTQ error Δ CE at every point.
+* :func:`write_interpolation` — θ(α) = (1-α)·θ_A + α·θ_B at one α, written as
+  a checkpoint (``quantdyn.study.interpolation`` measures FP loss and Δ CE on an α grid).
 
 Every produced model is an HF checkpoint directory whose ``quantdyn.json``
 records its ingredients (paths, steps, weights) and ``kind`` (lawa, soup,
@@ -25,7 +25,6 @@ so averaging K models needs memory for about three models, not K.
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import math
 import shutil
@@ -418,140 +417,40 @@ def make_soup(
 
 
 # --------------------------------------------------------- interpolation
-def _row_key(ckpt_hash: str, alpha: float, what: str, eval_hash: str) -> str:
-    """Idempotency key of an interpolation row (for quantdyn.results.store.ResultStore)."""
-    return hashlib.sha256(f"{ckpt_hash}|interp:{alpha!r}|{what}|{eval_hash}".encode()).hexdigest()[:24]
+def interpolation_run(a: Path, b: Path) -> str:
+    """The run name of an interpolation between two checkpoints (their run when both share one)."""
+    ma, mb = read_meta(a), read_meta(b)
+    return ma.get("run") if ma.get("run") == mb.get("run") else "interpolation"
 
 
-def alpha_grid(steps: int) -> list[float]:
-    """``steps`` evenly spaced α from 0 to 1 inclusive (steps >= 2)."""
-    if steps < 2:
-        raise QuantdynError(f"--steps {steps}: an interpolation needs at least 2 points (α = 0 and 1)")
-    return [i / (steps - 1) for i in range(steps)]
-
-
-def _default_interp_out(a: Path, b: Path) -> Path:
-    """RUN_DIR/averages/interp-A-B for A in RUN_DIR/checkpoints/ (B named with its run when elsewhere)."""
-    run = a.parent.parent
-    if a.parent.name != "checkpoints" or not (run / "config.yaml").is_file():
-        raise QuantdynError(f"'{a}' is not inside a run's checkpoints/ directory; pass out=DIR for the interpolated models")
-    if b.parent.resolve() == a.parent.resolve():
-        tag = b.name
-    else:
-        owner = b.parent.parent if b.parent.name == "checkpoints" else b.parent
-        tag = f"{owner.name}-{b.name}"
-    return run / "averages" / f"interp-{a.name}-{tag}"
-
-
-def interpolate_checkpoints(
-    a: str | Path,
-    b: str | Path,
-    steps: int = 11,
-    quantizers: Sequence[str] = ("rtn4",),
-    *,
-    out: str | Path | None = None,
-    alphas: Sequence[float] | None = None,
-    data=None,
-    eval_seq_len: int = 128,
-    n_eval_windows: int = 200,
-    calib_samples: int = 32,
-    calib_seq_len: int = 128,
-    calib_seed: int = 0,
-    batch_size: int = 16,
-    device: str = "auto",
-    quantize_threads: int = 1,
-    progress: bool = False,
-) -> list[dict]:
-    """θ(α) = (1-α)·θ_A + α·θ_B at ``steps`` evenly spaced α in [0, 1] (or ``alphas``).
-
-    Each θ(α) is written to ``OUT/alpha-A.AAAA`` (kind "interpolation", alpha
-    and both endpoints in its metadata; OUT defaults to
-    RUN_DIR/averages/interp-A-B when A is a run's checkpoint, so sweeps of that
-    run visit the points).  Returns one row per (α, quantizer): alpha,
-    checkpoint, ce_fp (+ ce_fp_se), and compare_models' Δ CE, KL, agreement
-    (quantizer None and FP fields only when ``quantizers`` is empty).
-    Eval/calibration windows come from ``data`` (a DataConfig) or from A's run
-    data (validation split for evaluation, calibration split for PTQ).
-    """
-    from quantdyn.evaluate.loss import window_losses
-    from quantdyn.evaluate.quant_error import _se, compare_many
-    from quantdyn.quantize.apply import num_threads, quantize_model
-    from quantdyn.quantize.config import parse_quantizer
-    from quantdyn.config import config_hash, to_dict
-    from quantdyn.runtime import provenance, resolve_device
-    from quantdyn.models.hf_io import checkpoint_hash  # the sweep's content hash, so rows line up with sweeps
-
-    a, b = _as_ckpt(a), _as_ckpt(b)
-    qcfgs = [(q if isinstance(q, str) else parse_quantizer(q).name, parse_quantizer(q)) for q in quantizers]
-    grid = [float(x) for x in alphas] if alphas is not None else alpha_grid(steps)
-    if not grid:
-        raise QuantdynError("no α values to interpolate at")
-    if len({f"{x:.4f}" for x in grid}) != len(grid):
-        raise QuantdynError(f"α values {grid} repeat at 4 decimals; give distinct values")
-    check_same_architecture([a, b])
-    out = Path(out) if out is not None else _default_interp_out(a, b)
-    limit = _model_limit(a)
-    if limit is not None and max(eval_seq_len, calib_seq_len) > limit:
-        raise QuantdynError(
-            f"eval/calibration sequence length {max(eval_seq_len, calib_seq_len)} exceeds the model's {limit} "
-            "positions; use shorter windows"
-        )
-    dev = resolve_device(device)
-    td = _token_data(a, data, progress)
-    eval_ids = td.eval_windows(eval_seq_len, n_eval_windows)
-    calib_ids = td.calib_windows(calib_samples, calib_seq_len, calib_seed) if qcfgs else None
-    eval_hash = td.token_hash("val", eval_seq_len, n_eval_windows)
-    calib_hash = hashlib.sha1(f"{td.data_hash}:{calib_samples}:{calib_seq_len}:{calib_seed}".encode()).hexdigest()[:12]
-
+def write_interpolation(model: nn.Module, sa: StateDict, sb: StateDict, alpha: float, a: Path, b: Path,
+                        out: Path) -> Path:
+    """θ(α) = (1-α)·θ_A + α·θ_B written as a checkpoint (kind "interpolation"; α and both endpoints in its
+    metadata). ``model`` is a module of the endpoints' architecture (its weights are overwritten)."""
     meta_a, meta_b = read_meta(a), read_meta(b)
+    endpoints = {
+        "a": _ingredient(a, meta_a, 1.0 - alpha, lr=meta_a.get("lr")),
+        "b": _ingredient(b, meta_b, alpha, lr=meta_b.get("lr")),
+    }
+    meta = {
+        **_base_meta(meta_b, keep_parent=False),
+        "kind": "interpolation",
+        "alpha": alpha,
+        "run": interpolation_run(a, b),
+        "step": None,
+        "tokens": None,
+        "lr": None,
+        "endpoints": copy.deepcopy(endpoints),
+        "ingredients": [copy.deepcopy(endpoints["a"]), copy.deepcopy(endpoints["b"])],
+    }
+    return _save(model, interpolate(sa, sb, alpha), out, meta, a)
+
+
+def endpoint_states(a: Path, b: Path) -> tuple[nn.Module, StateDict, StateDict]:
+    """A's model (CPU) and both endpoints' state dicts, checked to be of one architecture."""
+    check_same_architecture([a, b])
     model = _load_model(a)
     sa = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     sb = _state(b)
     _check_state_match(sa, sb, b, a)
-    run_name = meta_a.get("run") if meta_a.get("run") == meta_b.get("run") else "interpolation"
-    endpoints = {
-        "a": _ingredient(a, meta_a, 0.0, lr=meta_a.get("lr")),
-        "b": _ingredient(b, meta_b, 0.0, lr=meta_b.get("lr")),
-    }
-    rows = []
-    for alpha in grid:
-        state = interpolate(sa, sb, alpha)
-        for side, w in (("a", 1.0 - alpha), ("b", alpha)):
-            endpoints[side]["weight"] = w
-        meta = {
-            **_base_meta(meta_b, keep_parent=False),
-            "kind": "interpolation",
-            "alpha": alpha,
-            "run": run_name,
-            "step": None,
-            "tokens": None,
-            "lr": None,
-            "endpoints": copy.deepcopy(endpoints),
-            "ingredients": [copy.deepcopy(endpoints["a"]), copy.deepcopy(endpoints["b"])],
-        }
-        path = _save(model, state, out / f"alpha-{alpha:.4f}", meta, a)
-        model = model.to(dev)
-        fp_ce = window_losses(model, eval_ids, batch_size)
-        h = checkpoint_hash(str(path))
-        base = {
-            "kind": "interpolation", "alpha": alpha, "run": run_name, "branch": out.name, "checkpoint": str(path),
-            "checkpoint_hash": h, "endpoint_a": str(a), "endpoint_b": str(b), "ce_fp": float(fp_ce.mean()),
-            "ce_fp_se": _se(fp_ce), "eval_hash": eval_hash, "calib_hash": calib_hash, "data_key": td.data_hash,
-            **provenance(),
-        }
-        if not qcfgs:
-            rows.append({**base, "key": _row_key(h, alpha, "fp", eval_hash), "quantizer": None, "n_windows": len(fp_ce)})
-        qmodels = {}
-        for label, qc in qcfgs:
-            qmodels[label] = copy.deepcopy(model)
-            with num_threads(quantize_threads if dev.type == "cpu" else torch.get_num_threads()):
-                quantize_model(qmodels[label], calib_ids, qc, device=dev, progress=False)
-        metrics = compare_many(model, qmodels, eval_ids, fp_window_ce=fp_ce, batch_size=batch_size) if qmodels else {}
-        del qmodels
-        for label, qc in qcfgs:
-            rows.append({**base, **metrics[label],
-                         "key": _row_key(h, alpha, f"ptq:{config_hash(qc)}:{calib_hash}", eval_hash),
-                         "quantizer": label, "method": qc.method, "bits": qc.bits, "group_size": qc.group_size,
-                         "quant_config": to_dict(qc), "quant_config_hash": config_hash(qc)})
-        model = model.cpu()
-    return rows
+    return model, sa, sb
