@@ -42,3 +42,16 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .cache runs results report demo
+
+# Cross-checks against the tools people use (BENCHMARKS.md, "Cross-checks"). GPTQModel pins numpy==2.2.6,
+# so the crosscheck extra gets its own venv; it also runs the export tests that load GPTQ checkpoints
+# through transformers + GPTQModel (skipped in the main venv).
+XVENV ?= .cache/venv-crosscheck
+.PHONY: crosscheck
+crosscheck:
+	test -x $(XVENV)/bin/python || $(PYTHON) -m venv $(XVENV)
+	$(XVENV)/bin/pip install -q --upgrade pip setuptools
+	$(XVENV)/bin/pip install -q $(TORCH_SPEC)
+	$(XVENV)/bin/pip install -q -e '.[test,eval,crosscheck]'
+	GPTQMODEL_CPU_WORKERS=2 $(XVENV)/bin/pytest -q -p no:cacheprovider tests/test_export.py
+	GPTQMODEL_CPU_WORKERS=2 $(XVENV)/bin/python bench/crosscheck_gptqmodel.py

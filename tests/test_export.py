@@ -29,6 +29,9 @@ def _tiny(kind: str) -> nn.Module:
     import transformers as tf
 
     torch.manual_seed(0)
+    if kind == "gpt2":
+        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=V, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                                bos_token_id=0, eos_token_id=0)).eval()
     if kind == "llama":
         return tf.LlamaForCausalLM(tf.LlamaConfig(
             vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -54,9 +57,12 @@ def _quantized(kind: str, spec: str):
 
 
 def _weights(model: nn.Module, res) -> dict[str, torch.Tensor]:
+    """Quantized layers' weights as (out, in) (GPT-2's Conv1D stores them transposed)."""
+    from quantdyn.models.adapters import get_weight
+
     names = {k.rsplit(".", 1)[0] for k in res.packed if k.endswith(".codes")}
     mods = dict(model.named_modules())
-    return {n: mods[n].weight.detach() for n in names}
+    return {n: get_weight(mods[n]).detach() for n in names}
 
 
 # ----------------------------------------------------------------------------- packing
@@ -178,8 +184,20 @@ def test_export_reads_back_exactly(tmp_path, fmt, spec, kind):
         assert w["strategy"] == ("group" if cfg.group_size else "channel")
 
 
+def test_gpt2_conv1d_exports_as_gptq(tmp_path):
+    # Conv1D keeps (in, out) weights; the GPTQ tensors are laid out as for nn.Linear (GPTQModel transposes too)
+    _, q, res = _quantized("gpt2", "rtn4g32-sym")
+    r = read_export(export_model(q, res, "gptq", tmp_path / "x"))
+    weights = _weights(q, res)
+    assert r.layer_names == sorted(weights) and len(weights) == 8
+    for name, layer in r.layers():
+        assert torch.equal(layer.codes, res.packed[f"{name}.codes"])
+        assert r.tensor(f"{name}.qweight").shape == (weights[name].shape[1] * 4 // 32, weights[name].shape[0])
+        assert torch.allclose(layer.weight(), weights[name].float(), rtol=2.0**-10, atol=0)
+
+
 def test_gptq_v1_stores_zero_minus_one(tmp_path):
-    fp, q, res = _quantized("llama", "rtn4g32-sym")
+    _, q, res = _quantized("llama", "rtn4g32-sym")
     out = export_model(q, res, "gptq", tmp_path / "x")
     r = read_export(out)
     name = r.layer_names[0]
@@ -255,7 +273,7 @@ def test_transformers_loads_export_with_same_ce(tmp_path, fmt, spec, kind):
 @pytest.mark.slow
 def test_sharded_export_loads(tmp_path):
     pytest.importorskip("compressed_tensors", reason="compressed-tensors not installed (pip install -e '.[export]')")
-    fp, q, res = _quantized("llama", "rtn4g32-sym")
+    _, q, res = _quantized("llama", "rtn4g32-sym")
     out = export_model(q, res, "compressed-tensors", tmp_path / "x", max_shard_bytes=20_000)
     shards = sorted(out.glob("model-*-of-*.safetensors"))
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -309,7 +327,7 @@ def test_awq_scales_refused_at_layer(tmp_path):
 
 
 def test_exception_inside_with_leaves_nothing_and_existing_export_is_replaced(tmp_path):
-    fp, q, res = _quantized("llama", "rtn4g32-sym")
+    _, q, res = _quantized("llama", "rtn4g32-sym")
     out = export_model(q, res, "compressed-tensors", tmp_path / "x")
     before = sorted(p.name for p in out.iterdir())
     with pytest.raises(RuntimeError, match="boom"):
@@ -347,7 +365,7 @@ def test_writer_checks_shapes_and_duplicates(tmp_path):
 
 
 def test_push_to_hub_fails_in_one_line_offline(tmp_path, monkeypatch):
-    fp, q, res = _quantized("llama", "rtn4g32-sym")
+    _, q, res = _quantized("llama", "rtn4g32-sym")
     out = export_model(q, res, "compressed-tensors", tmp_path / "x")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     import huggingface_hub
