@@ -45,8 +45,10 @@ clean:
 
 # Cross-checks against the tools people use (BENCHMARKS.md, "Cross-checks"). GPTQModel pins numpy==2.2.6,
 # so the crosscheck extra gets its own venv; it also runs the export tests that load GPTQ checkpoints
-# through transformers + GPTQModel (skipped in the main venv).
+# through transformers + GPTQModel (skipped in the main venv). llm-compressor pins transformers <= 5.17:
+# a third venv for the AWQ cross-check.
 XVENV ?= .cache/venv-crosscheck
+AVENV ?= .cache/venv-crosscheck-awq
 .PHONY: crosscheck
 crosscheck:
 	test -x $(XVENV)/bin/python || $(PYTHON) -m venv $(XVENV)
@@ -55,3 +57,8 @@ crosscheck:
 	$(XVENV)/bin/pip install -q -e '.[test,eval,crosscheck]'
 	GPTQMODEL_CPU_WORKERS=2 $(XVENV)/bin/pytest -q -p no:cacheprovider tests/test_export.py
 	GPTQMODEL_CPU_WORKERS=2 $(XVENV)/bin/python bench/crosscheck_gptqmodel.py
+	test -x $(AVENV)/bin/python || $(PYTHON) -m venv $(AVENV)
+	$(AVENV)/bin/pip install -q --upgrade pip setuptools
+	$(AVENV)/bin/pip install -q $(TORCH_SPEC)
+	$(AVENV)/bin/pip install -q -e '.[crosscheck-awq]'
+	$(AVENV)/bin/python bench/crosscheck_awq.py
