@@ -20,8 +20,6 @@ from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config
 from quantdyn.quantize import parse_quantizer
 from quantdyn.quantize.apply import quantize_model
 
-pytestmark = pytest.mark.numerics
-
 V = 128
 
 
