@@ -254,3 +254,47 @@ def test_optimizer_state_name_round_trip_for_combined_optimizers():
         for i, st in sd["state"].items():
             for name, v in st.items():
                 assert torch.equal(torch.as_tensor(back["optimizers"][k]["state"][i][name]), torch.as_tensor(v))
+
+
+def _rank0_first_worker(rank, port, out_dir):
+    import torch.distributed as dist
+
+    from quantdyn.errors import QuantdynError
+    from quantdyn.train.distributed import rank0_first
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    for case in ("ok", "fail"):
+        log = os.path.join(out_dir, f"{case}.log")
+
+        def prepare():
+            with open(log, "a") as f:
+                f.write(f"start {rank} {time.time()}\n")
+            if rank == 0:
+                time.sleep(1.0)  # rank 1 must be waiting all this time, not preparing too
+                if case == "fail":
+                    raise QuantdynError("data source 'x' does not exist")
+            with open(log, "a") as f:
+                f.write(f"end {rank} {time.time()}\n")
+            return rank
+
+        try:
+            got = str(rank0_first(prepare, timeout_min=1))
+        except QuantdynError as e:
+            got = f"error: {e}"
+        with open(os.path.join(out_dir, f"{case}.{rank}"), "w") as f:
+            f.write(got)
+    dist.destroy_process_group()
+
+
+def test_rank0_first_prepares_on_rank0_while_the_others_wait(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank0_first_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    events = [line.split() for line in (tmp_path / "ok.log").read_text().splitlines()]
+    assert [e[:2] for e in events] == [["start", "0"], ["end", "0"], ["start", "1"], ["end", "1"]]
+    assert float(events[2][2]) >= float(events[1][2])
+    assert [(tmp_path / f"ok.{r}").read_text() for r in (0, 1)] == ["0", "1"]
+    # rank 0's one-line error reaches every rank; rank 1 never starts its own preparation
+    assert [e.split()[:2] for e in (tmp_path / "fail.log").read_text().splitlines()] == [["start", "0"]]
+    assert {(tmp_path / f"fail.{r}").read_text() for r in (0, 1)} == {"error: data source 'x' does not exist"}

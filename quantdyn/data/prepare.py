@@ -7,19 +7,31 @@
 
 Documents are split into train / validation / calibration by a seeded hash of
 their text, so the split is deterministic, independent of document order and
-streaming, and evaluation text is never trained on.  Everything lands in a
-cache directory named by the hash of (source identity, text field, split,
-tokenizer spec, budget); training, calibration and evaluation all read the
-same shards, so nothing is re-tokenized per evaluation.
+streaming, and evaluation text is never trained on; the manifest records how
+(``held_out``: method, seed, fractions, document counts and a digest of the
+validation and calibration documents) and which split of the source was read.
+Everything lands in a cache directory named by the hash of (source identity,
+text field, split, tokenizer spec, budget); training, calibration and
+evaluation all read the same shards, so nothing is re-tokenized per evaluation.
+
+The source is read once: every document goes to its split's shard in the same
+pass (a streamed ``hf:`` source that must first train a ``bpe`` tokenizer is
+spooled to a local file during that one download).  Documents are tokenized in
+batches by the Rust ``tokenizers`` backend, which encodes a batch on all cores.
+Processes that prepare the same cache at once (several sweeps, SLURM array
+tasks) take turns through a lock file, so one tokenizes and the others open
+its result.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -48,7 +60,7 @@ class DataConfig:
     """Where text comes from and how it becomes token shards."""
 
     source: str = "builtin:kjv"
-    """builtin:kjv, a .txt/.jsonl/.parquet path, or hf:NAME[:CONFIG]."""
+    """builtin:kjv, a .txt/.jsonl/.parquet file or a folder of them, or hf:NAME[:CONFIG][:SPLIT][@REVISION]."""
     text_field: str = "text"
     """Field holding the text in .jsonl/.parquet/hf rows."""
     tokenizer: str = "bpe:4096"
@@ -107,6 +119,11 @@ class TokenData:
     def data_hash(self) -> str:
         return self.manifest["key"]
 
+    def same_data(self, key: str | None) -> bool:
+        """Whether a recorded data key (e.g. a checkpoint's ``data_key``) names these shards: their key,
+        or the key the same config had before the source identity entered it."""
+        return key is not None and key in (self.manifest["key"], self.manifest.get("legacy_key", self.manifest["key"]))
+
     def split(self, name: str) -> np.ndarray:
         if name not in SPLITS:
             raise QuantdynError(f"unknown split '{name}'; use one of {SPLITS}")
@@ -163,12 +180,6 @@ class TokenData:
         return hashlib.sha1(f"{self.data_hash}:{split}:{seq_len}:{max_windows}".encode()).hexdigest()[:12]
 
 
-def _iter_split(docs: Iterator[str], cfg: DataConfig, want: str) -> Iterator[str]:
-    for d in docs:
-        if split_of(d, cfg.split_seed, cfg.val_fraction, cfg.calib_fraction) == want:
-            yield d
-
-
 def _limited(docs: Iterator[str], max_chars: int) -> Iterator[str]:
     seen = 0
     for d in docs:
@@ -178,50 +189,121 @@ def _limited(docs: Iterator[str], max_chars: int) -> Iterator[str]:
             return
 
 
-def _build_tokenizer(cfg: DataConfig, doc_factory):
+def _build_tokenizer(cfg: DataConfig, doc_factory: Callable[[], Iterator[str]]):
     kind, vocab = parse_tokenizer_spec(cfg.tokenizer)
     if kind == "bpe":
-        texts = _limited(_iter_split(doc_factory(), cfg, "train"), cfg.bpe_train_chars)
-        return train_bpe(texts, vocab)
+        train_docs = (d for d in doc_factory()
+                      if split_of(d, cfg.split_seed, cfg.val_fraction, cfg.calib_fraction) == "train")
+        return train_bpe(_limited(train_docs, cfg.bpe_train_chars), vocab)
     if kind == "gpt2":
         return gpt2_tokenizer()
     return load_pretrained_tokenizer(cfg.tokenizer)
 
 
-def _write_split_tokens(tok, docs: Iterator[str], path: Path, dtype, eos: int, budget: int, progress) -> int:
-    n = 0
-    batch: list[str] = []
+def encoder_of(tok) -> Callable[[list[str]], list[list[int]]]:
+    """Batch encoder without special tokens: the Rust backend's ``encode_batch`` (parallel over
+    documents on all cores) for fast tokenizers, the tokenizer's own call otherwise."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None:
+        from tokenizers import Tokenizer
+
+        backend = Tokenizer.from_str(backend.to_str())  # a copy: a saved truncation/padding setting must not apply
+        backend.no_truncation()
+        backend.no_padding()
+        return lambda batch: [e.ids for e in backend.encode_batch(batch, add_special_tokens=False)]
+    return lambda batch: tok(batch, add_special_tokens=False)["input_ids"]
+
+
+class _SplitWriter:
+    """Token ids of one split, appended to ``path`` in batches, with a token budget (0 = none)."""
+
+    BATCH_CHARS = 4_000_000
+    BATCH_DOCS = 4096
+
+    def __init__(self, path: Path, encode, dtype, eos: int, budget: int, progress):
+        self.f = path.open("wb")
+        self.encode, self.dtype, self.eos, self.budget, self.progress = encode, dtype, eos, budget, progress
+        self.tokens = self.docs = self.chars = 0
+        self.digest = hashlib.blake2b(digest_size=16)
+        self.pending: list[str] = []
+        self.pending_chars = 0
+
+    @property
+    def full(self) -> bool:
+        return bool(self.budget) and self.tokens >= self.budget
+
+    def add(self, doc: str) -> None:
+        if self.full:
+            return
+        self.pending.append(doc)
+        self.pending_chars += len(doc)
+        if self.pending_chars >= self.BATCH_CHARS or len(self.pending) >= self.BATCH_DOCS:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending or self.full:
+            self.pending.clear()
+            return
+        ids = self.encode(self.pending)
+        parts = []
+        for doc, seq in zip(self.pending, ids):
+            arr = np.asarray(seq + [self.eos], dtype=self.dtype)
+            if self.budget and self.tokens + len(arr) > self.budget:
+                arr = arr[: self.budget - self.tokens]
+            parts.append(arr)
+            self.tokens += len(arr)
+            self.docs += 1
+            self.chars += len(doc)
+            self.digest.update(doc.encode("utf-8", "replace") + b"\x00")
+            if self.full:
+                break
+        buf = np.concatenate(parts) if parts else np.zeros(0, dtype=self.dtype)
+        self.f.write(buf.tobytes())
+        self.progress.update(len(buf))
+        self.pending.clear()
+        self.pending_chars = 0
+
+    def close(self) -> None:
+        self.flush()
+        self.f.close()
+
+
+def _spool(docs: Iterator[str], path: Path) -> Callable[[], Iterator[str]]:
+    """Write documents once to a local file; return a factory that reads them back."""
     with path.open("wb") as f:
-
-        def flush():
-            nonlocal n
-            if not batch:
-                return False
-            enc = tok(batch, add_special_tokens=False)["input_ids"]
-            for ids in enc:
-                arr = np.asarray(ids + [eos], dtype=dtype)
-                if budget and n + len(arr) > budget:
-                    arr = arr[: budget - n]
-                f.write(arr.tobytes())
-                n += len(arr)
-                progress.update(len(arr))
-                if budget and n >= budget:
-                    return True
-            batch.clear()
-            return False
-
         for d in docs:
-            batch.append(d)
-            if len(batch) >= 256 and flush():
-                return n
-        flush()
-    return n
+            b = d.encode("utf-8", "surrogatepass")
+            f.write(struct.pack("<Q", len(b)))
+            f.write(b)
+
+    def read() -> Iterator[str]:
+        with path.open("rb") as f:
+            while head := f.read(8):
+                (n,) = struct.unpack("<Q", head)
+                yield f.read(n).decode("utf-8", "surrogatepass")
+
+    return read
+
+
+@contextlib.contextmanager
+def _cache_lock(lock_path: Path):
+    """An exclusive lock on ``lock_path`` (advisory; a no-op where the filesystem has no locks)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock, concurrent preparers only duplicate work (writes are atomic)
+        yield
+        return
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        except OSError:  # e.g. ENOLCK on a filesystem without locks
+            pass
+        yield
 
 
 def prepare_data(cfg: DataConfig, progress: bool = True) -> TokenData:
     """Tokenize ``cfg.source`` into cached shards (once) and open them."""
-    from tqdm import tqdm
-
     info, doc_factory = resolve_source(cfg.source, cfg.text_field)
     key_fields = {k: v for k, v in to_dict(cfg).items() if k != "cache_dir"}
     pretrained = None
@@ -230,29 +312,65 @@ def prepare_data(cfg: DataConfig, progress: bool = True) -> TokenData:
         # directory of a run carries the same tokenizer, and they share one token cache
         pretrained = load_pretrained_tokenizer(cfg.tokenizer)
         key_fields["tokenizer"] = f"hf:{tokenizer_hash(pretrained)}"
-    key = config_hash({"source": info.identity, **key_fields})
+    key = config_hash({"source_identity": info.identity, **key_fields})
+    # Caches made before the source identity entered the key were named by the config alone (the
+    # identity was shadowed by the source spec); one of those is still used when the source is
+    # unchanged since, so runs and result rows that recorded its key stay valid.
+    legacy = config_hash(key_fields)
     root = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
     directory = root / key
-    manifest_path = directory / "manifest.json"
-    if manifest_path.is_file():
+    if (directory / "manifest.json").is_file():
         return _open(directory)
+    old = _open_legacy(root / legacy, info.identity)
+    if old is not None:
+        return old
+    with _cache_lock(root / f".{key}.lock"):
+        if (directory / "manifest.json").is_file():  # another process prepared it while we waited
+            return _open(directory)
+        _prepare(cfg, info, doc_factory, pretrained, key, legacy, directory, progress)
+    return _open(directory)
+
+
+def _open_legacy(directory: Path, identity: str) -> TokenData | None:
+    try:
+        manifest = json.loads((directory / "manifest.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return _open(directory) if manifest.get("source_identity") == identity else None
+
+
+def _prepare(cfg: DataConfig, info, doc_factory, pretrained, key: str, legacy_key: str, directory: Path,
+             progress: bool) -> None:
+    from tqdm import tqdm
 
     max_chars = cfg.max_tokens * 5 if (cfg.max_tokens and info.kind == "hf") else 0
 
     def docs():
         return _limited(doc_factory(), max_chars) if max_chars else doc_factory()
 
-    tok = pretrained if pretrained is not None else _build_tokenizer(cfg, docs)
-    eos = tok.convert_tokens_to_ids(tok.eos_token)
-    vocab = len(tok)
-    dtype = np.uint16 if vocab <= 65535 else np.uint32
     with atomic_dir(directory) as tmp:
-        splits = {}
+        spool = None
+        if pretrained is None and parse_tokenizer_spec(cfg.tokenizer)[0] == "bpe" and info.streaming:
+            # the bpe tokenizer is learned before tokenizing: keep the one download on local disk
+            spool = tmp / "source.spool"
+            docs = _spool(docs(), spool)
+        tok = pretrained if pretrained is not None else _build_tokenizer(cfg, docs)
+        eos = tok.convert_tokens_to_ids(tok.eos_token)
+        vocab = len(tok)
+        dtype = np.uint16 if vocab <= 65535 else np.uint32
+        encode = encoder_of(tok)
         with tqdm(desc=f"tokenizing {cfg.source}", unit="tok", disable=not progress, unit_scale=True) as bar:
-            for s in SPLITS:
-                budget = cfg.max_tokens if s == "train" else 0
-                n = _write_split_tokens(tok, _iter_split(docs(), cfg, s), tmp / f"{s}.bin", dtype, eos, budget, bar)
-                splits[s] = {"tokens": n}
+            writers = {s: _SplitWriter(tmp / f"{s}.bin", encode, dtype, eos, cfg.max_tokens if s == "train" else 0, bar)
+                       for s in SPLITS}
+            try:
+                for d in docs():
+                    writers[split_of(d, cfg.split_seed, cfg.val_fraction, cfg.calib_fraction)].add(d)
+            finally:
+                for w in writers.values():
+                    w.close()
+        if spool is not None:
+            spool.unlink()
+        splits = {s: {"tokens": w.tokens} for s, w in writers.items()}
         if splits["train"]["tokens"] == 0:
             raise QuantdynError(
                 f"data source '{cfg.source}' gave no training text; check that it is not empty and that "
@@ -267,9 +385,11 @@ def prepare_data(cfg: DataConfig, progress: bool = True) -> TokenData:
         tok.save_pretrained(str(tmp / "tokenizer"))
         manifest = {
             "key": key,
+            "legacy_key": legacy_key,
             "source": info.spec,
             "source_kind": info.kind,
             "source_identity": info.identity,
+            "source_details": info.details,
             "config": to_dict(cfg),
             "tokenizer": cfg.tokenizer,
             "tokenizer_hash": tokenizer_hash(tok),
@@ -277,9 +397,22 @@ def prepare_data(cfg: DataConfig, progress: bool = True) -> TokenData:
             "eos_id": eos,
             "dtype": np.dtype(dtype).name,
             "splits": splits,
+            "held_out": {
+                "method": "document hash: blake2b(f'{split_seed}\\0{text}') / 2**64 < val_fraction -> val, "
+                          "< val_fraction + calib_fraction -> calib, else train",
+                "split_seed": cfg.split_seed,
+                "val_fraction": cfg.val_fraction,
+                "calib_fraction": cfg.calib_fraction,
+                "source_split": info.details.get("split"),
+                "source_revision": info.details.get("revision"),
+                "documents": {s: w.docs for s, w in writers.items()},
+                "chars": {s: w.chars for s, w in writers.items()},
+                "train_budget_reached": writers["train"].full,
+                "val_digest": writers["val"].digest.hexdigest(),
+                "calib_digest": writers["calib"].digest.hexdigest(),
+            },
         }
         write_json_atomic(tmp / "manifest.json", manifest)
-    return _open(directory)
 
 
 def _open(directory: Path) -> TokenData:

@@ -6,15 +6,27 @@ Source specs:
   PATH.txt                one document per blank-line-separated paragraph block
   PATH.jsonl              one document per line, text in ``text_field``
   PATH.parquet            one document per row, text in ``text_field``
-  hf:NAME[:CONFIG]        a Hugging Face dataset, streamed (NAME may be a hub id
-                          or a local dataset directory), split ``train``
+                          (.txt.gz, .jsonl.gz and .json.gz are read through gzip)
+  DIRECTORY               every .txt/.jsonl/.json/.parquet(.gz) file under it, recursively, in
+                          sorted path order (hidden files and other types are skipped)
+  hf:NAME[:CONFIG][:SPLIT][@REVISION]
+                          a Hugging Face dataset, streamed once (NAME may be a hub id or a
+                          local dataset directory); SPLIT defaults to ``train``, REVISION (a
+                          branch, tag or commit) to the default branch.  Give a split without
+                          a config as ``hf:NAME::SPLIT``.
+
+quantdyn makes its own held-out split (validation and calibration documents,
+by a seeded hash of each document; see data/prepare.py) from whichever split
+is read, so SPLIT chooses the text, e.g. ``hf:wikitext:wikitext-103-raw-v1:test``
+to calibrate and evaluate on a test set.
 """
 from __future__ import annotations
 
+import gzip
 import hashlib
 import importlib.util
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -33,6 +45,10 @@ class SourceInfo:
     kind: str
     identity: str
     """A string that changes when the underlying data changes (path+size+mtime, package version, ...)."""
+    streaming: bool = False
+    """Reading the source again costs a download (hf:): prepare_data reads it once."""
+    details: dict = field(default_factory=dict)
+    """What was read, for the manifest: hf name/config/split/revision, or the files of a folder."""
 
 
 def _package_file(package: str, relative: str) -> Path:
@@ -72,9 +88,15 @@ def _file_identity(path: Path) -> str:
     return f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}"
 
 
+def _open_text(path: Path):
+    if path.name.lower().endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8", errors="replace")
+    return path.open(encoding="utf-8", errors="replace")
+
+
 def _txt_documents(path: Path) -> Iterator[str]:
     block: list[str] = []
-    with path.open(encoding="utf-8", errors="replace") as f:
+    with _open_text(path) as f:
         for line in f:
             if line.strip():
                 block.append(line.rstrip("\n"))
@@ -86,7 +108,7 @@ def _txt_documents(path: Path) -> Iterator[str]:
 
 
 def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
-    with path.open(encoding="utf-8") as f:
+    with _open_text(path) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -120,59 +142,154 @@ def _parquet_documents(path: Path, text_field: str) -> Iterator[str]:
                 yield str(t)
 
 
-def _hf_documents(name: str, config: str | None, text_field: str) -> Iterator[str]:
+@dataclass(frozen=True)
+class HFSpec:
+    """A parsed ``hf:NAME[:CONFIG][:SPLIT][@REVISION]``."""
+
+    name: str
+    config: str | None = None
+    split: str = "train"
+    revision: str | None = None
+
+    def spec(self) -> str:
+        s = f"hf:{self.name}"
+        if self.config or self.split != "train":
+            s += f":{self.config or ''}"
+        if self.split != "train":
+            s += f":{self.split}"
+        return s + (f"@{self.revision}" if self.revision else "")
+
+
+HF_SYNTAX = "hf:NAME[:CONFIG][:SPLIT][@REVISION] (a split without a config: hf:NAME::SPLIT)"
+
+
+def parse_hf_spec(spec: str) -> HFSpec:
+    """'hf:wikitext:wikitext-2-raw-v1:test@main' -> HFSpec('wikitext', 'wikitext-2-raw-v1', 'test', 'main').
+
+    NAME may be a local dataset directory; a path that exists is taken whole (it may contain ':' or '@').
+    """
+    rest = spec[3:] if spec.startswith("hf:") else spec
+    if rest and Path(rest).exists():
+        return HFSpec(rest)
+    body, at, revision = rest.partition("@")
+    if at and not revision:
+        raise QuantdynError(f"data source '{spec}' has an empty revision after '@'; use {HF_SYNTAX}")
+    parts = body.split(":")
+    name = parts[0]
+    # a local directory may itself be followed by :CONFIG:SPLIT
+    if not name:
+        raise QuantdynError(f"data source '{spec}' has no dataset name; use {HF_SYNTAX}")
+    if len(parts) > 3:
+        raise QuantdynError(f"data source '{spec}' has too many ':' parts; use {HF_SYNTAX}")
+    config = parts[1] if len(parts) > 1 and parts[1] else None
+    split = parts[2] if len(parts) > 2 and parts[2] else "train"
+    return HFSpec(name, config, split, revision or None)
+
+
+def _hf_documents(hf: HFSpec, text_field: str) -> Iterator[str]:
     try:
         import datasets
     except ImportError:
         raise QuantdynError("hf: sources need the 'datasets' package; run `pip install datasets`") from None
     try:
-        ds = datasets.load_dataset(name, config, split="train", streaming=True)
-    except Exception as e:  # datasets raises many types for missing/offline data
+        ds = datasets.load_dataset(hf.name, hf.config, split=hf.split, revision=hf.revision, streaming=True)
+    except Exception as e:  # datasets raises many types for missing/offline data or a bad split
         first = (str(e).splitlines() or [type(e).__name__])[0][:200]
         raise QuantdynError(
-            f"cannot open Hugging Face dataset '{name}'{':' + config if config else ''}: {first} — "
-            "check the name and your network, or pass a local .txt/.jsonl/.parquet file"
+            f"cannot open Hugging Face dataset '{hf.spec()}' (split '{hf.split}'): {first} — check the name, "
+            "config, split and revision and your network, or pass a local .txt/.jsonl/.parquet file or folder"
         ) from None
     for row in ds:
         if text_field not in row:
             raise QuantdynError(
-                f"dataset '{name}' rows have no field '{text_field}' (fields: {list(row)}); set data.text_field"
+                f"dataset '{hf.name}' rows have no field '{text_field}' (fields: {list(row)}); set data.text_field"
             )
         if row[text_field]:
             yield str(row[text_field])
 
 
+#: file readers by suffix (after an optional .gz)
+_READERS: dict[str, Callable[[Path, str], Iterator[str]]] = {
+    ".txt": lambda p, field: _txt_documents(p),
+    ".jsonl": _jsonl_documents,
+    ".json": _jsonl_documents,
+    ".parquet": _parquet_documents,
+}
+
+
+def _suffix(path: Path) -> str:
+    suffixes = [s.lower() for s in path.suffixes]
+    if suffixes and suffixes[-1] == ".gz":
+        return suffixes[-2] if len(suffixes) > 1 and suffixes[-2] != ".parquet" else ".gz"
+    return suffixes[-1] if suffixes else ""
+
+
+def folder_files(root: Path) -> list[Path]:
+    """The readable files of a folder source, in sorted relative-path order."""
+    out = []
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root)
+        if any(part.startswith(".") for part in rel.parts) or not p.is_file():
+            continue
+        if _suffix(p) in _READERS:
+            out.append(p)
+    return out
+
+
+def _folder_documents(files: list[Path], text_field: str) -> Iterator[str]:
+    for p in files:
+        yield from _READERS[_suffix(p)](p, text_field)
+
+
 def resolve_source(spec: str, text_field: str = "text") -> tuple[SourceInfo, Callable[[], Iterator[str]]]:
     """Parse a source spec into its info and a document-iterator factory."""
     if not spec:
-        raise QuantdynError("data.source is empty; use builtin:kjv, a .txt/.jsonl/.parquet path, or hf:NAME")
+        raise QuantdynError("data.source is empty; use builtin:kjv, a .txt/.jsonl/.parquet file or folder, or hf:NAME")
     if spec.startswith("builtin:"):
         name = spec.split(":", 1)[1]
         fn = BUILTIN.get(name)
         ident = f"builtin:{name}:{_file_identity(kjv_path()) if name == 'kjv' else ''}"
-        return SourceInfo(spec, "builtin", hashlib.sha1(ident.encode()).hexdigest()[:12]), fn
+        return SourceInfo(spec, "builtin", hashlib.sha1(ident.encode()).hexdigest()[:12], details={"name": name}), fn
     if spec.startswith("hf:"):
-        rest = spec[3:]
-        name, _, config = rest.partition(":") if not Path(rest).exists() else (rest, "", "")
-        ident = f"hf:{name}:{config}"
-        if Path(name).exists():
-            files = sorted(p for p in Path(name).rglob("*") if p.is_file())
+        hf = parse_hf_spec(spec)
+        # the identity of the default split keeps the form it had before splits could be chosen,
+        # so caches made then stay valid
+        ident = f"hf:{hf.name}:{hf.config or ''}"
+        if hf.split != "train":
+            ident += f":split={hf.split}"
+        if hf.revision:
+            ident += f"@{hf.revision}"
+        if Path(hf.name).exists():
+            files = sorted(p for p in Path(hf.name).rglob("*") if p.is_file())
             ident += ":" + ":".join(_file_identity(p) for p in files)
-        info = SourceInfo(spec, "hf", hashlib.sha1(ident.encode()).hexdigest()[:12])
-        return info, lambda: _hf_documents(name, config or None, text_field)
+        details = {"name": hf.name, "config": hf.config, "split": hf.split, "revision": hf.revision}
+        info = SourceInfo(spec, "hf", hashlib.sha1(ident.encode()).hexdigest()[:12], streaming=True, details=details)
+        return info, lambda: _hf_documents(hf, text_field)
     path = Path(spec).expanduser()
     if not path.exists():
         raise QuantdynError(
-            f"data source '{spec}' does not exist; pass an existing .txt/.jsonl/.parquet file, builtin:kjv, or hf:NAME"
+            f"data source '{spec}' does not exist; pass an existing .txt/.jsonl/.parquet file or folder, builtin:kjv, "
+            "or hf:NAME"
         )
-    suffix = path.suffix.lower()
-    readers = {
-        ".txt": lambda: _txt_documents(path),
-        ".jsonl": lambda: _jsonl_documents(path, text_field),
-        ".json": lambda: _jsonl_documents(path, text_field),
-        ".parquet": lambda: _parquet_documents(path, text_field),
-    }
-    if suffix not in readers:
-        raise QuantdynError(f"data source '{spec}' has unsupported type '{suffix}'; use .txt, .jsonl or .parquet")
+    if path.is_dir():
+        files = folder_files(path)
+        if not files:
+            raise QuantdynError(
+                f"folder '{spec}' holds no .txt, .jsonl, .json or .parquet files (optionally .gz); point data.source "
+                "at a folder of text files"
+            )
+        ident = hashlib.sha1(
+            (":".join(f"{p.relative_to(path)}={_file_identity(p)}" for p in files) + f":{text_field}").encode()
+        ).hexdigest()[:12]
+        details = {"files": len(files), "bytes": sum(p.stat().st_size for p in files),
+                   "types": sorted({_suffix(p)[1:] for p in files})}
+        return SourceInfo(spec, "folder", ident, details=details), lambda: _folder_documents(files, text_field)
+    suffix = _suffix(path)
+    if suffix not in _READERS:
+        raise QuantdynError(
+            f"data source '{spec}' has unsupported type '{suffix}'; use .txt, .jsonl or .parquet (or .txt.gz, "
+            ".jsonl.gz), a folder of them, or hf:NAME"
+        )
     ident = hashlib.sha1(f"{_file_identity(path)}:{text_field}".encode()).hexdigest()[:12]
-    return SourceInfo(spec, suffix[1:], ident), readers[suffix]
+    return SourceInfo(spec, suffix[1:], ident, details={"bytes": path.stat().st_size}), \
+        lambda: _READERS[suffix](path, text_field)

@@ -173,7 +173,7 @@ def train(
         )
     if cfg.train.seq_len > mcfg.max_seq_len:
         raise QuantdynError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={mcfg.max_seq_len}")
-    if resume is not None and resume.meta.get("data_key") not in (None, data.data_hash):
+    if resume is not None and resume.meta.get("data_key") is not None and not data.same_data(resume.meta["data_key"]):
         raise QuantdynError(
             f"checkpoint '{resume.path}' was trained on other data (data key {resume.meta['data_key']}, the "
             f"config's data section gives {data.data_hash}); restore the run's data section to resume exactly, or "
