@@ -141,3 +141,98 @@ def test_run_grid_locally_skips_and_resumes(tmp_path, kjv_small):
     assert [c.step for c in list_checkpoints(m["runs"][0]["dir"])] == [2, 4]
     with pytest.raises(QuantdynError, match="did you mean"):
         run_grid(g, only=["g-lr1e-4"], progress=False)
+
+
+# ------------------------------------------------------------------ SLURM: script options, submitit
+def test_cli_slurm_script_has_every_resource(tmp_path):
+    """`grid --slurm` with partition, time, account, GPUs/CPUs per task and an array throttle."""
+    import sys
+
+    g = tmp_path / "grid"
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"name": "t", "train": {"steps": 40}}))
+    r = subprocess.run(
+        [sys.executable, "-m", "quantdyn.cli", "grid", str(cfg), "--vary", "optim.lr=1e-4,1e-3,3e-3", "--dir", str(g),
+         "--slurm", "--partition", "gpu", "--time", "1-02:00:00", "--account", "proj42", "--qos", "high",
+         "--nproc-per-node", "4", "--gpus-per-node", "4", "--cpus-per-task", "32", "--mem-gb", "200",
+         "--max-parallel", "2", "--constraint", "h100", "--sbatch=--exclusive", "--setup", "module load cuda/12"],
+        capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    text = (g / "grid.sbatch").read_text()
+    for line in ["#SBATCH --array=0-2%2", "#SBATCH --partition=gpu", "#SBATCH --time=1-02:00:00",
+                 "#SBATCH --account=proj42", "#SBATCH --qos=high", "#SBATCH --gpus-per-node=4",
+                 "#SBATCH --cpus-per-task=32", "#SBATCH --mem=200G", "#SBATCH --constraint=h100",
+                 "#SBATCH --exclusive", "module load cuda/12", "--nproc_per_node 4 -m quantdyn.cli train"]:
+        assert line in text, line
+    assert f"sbatch {g / 'grid.sbatch'}" in r.stdout
+    assert subprocess.run(["bash", "-n", str(g / "grid.sbatch")]).returncode == 0
+    bad = subprocess.run([sys.executable, "-m", "quantdyn.cli", "grid", str(cfg), "--vary", "optim.lr=1e-4",
+                          "--dir", str(tmp_path / "g2"), "--slurm", "--time", "soon"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "not a SLURM time" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "g2").exists()  # refused before anything was written
+
+
+def test_slurm_config_and_time_limits():
+    from quantdyn.study.slurm import SlurmConfig, parse_slurm_time, sweep_commands
+
+    assert [parse_slurm_time(t) for t in ["90", "30:30", "04:00:00", "1-00", "1-02:30", "2-00:00:01"]] == \
+        [90, 31, 240, 1440, 1590, 2881]
+    for bad in ["", "0", "4h", "1-", "a:b"]:
+        with pytest.raises(QuantdynError):
+            parse_slurm_time(bad)
+    with pytest.raises(QuantdynError, match="exceeds --gpus-per-node"):
+        SlurmConfig(nproc_per_node=8, gpus_per_node=4)
+    with pytest.raises(QuantdynError, match="characters"):
+        SlurmConfig(partition="gpu; rm -rf /")
+    cmds = sweep_commands(["spec.yaml", "--store", "st"], 3)
+    assert cmds[2] == ["quantdyn", "sweep", "spec.yaml", "--store", "st", "--shard", "2/3"]
+    with pytest.raises(QuantdynError, match="sets --shard itself"):
+        sweep_commands(["spec.yaml", "--shard", "0/2"], 2)
+
+
+def test_sweep_array_script_runs_each_shard(tmp_path):
+    from quantdyn.study.slurm import SlurmConfig, sweep_script
+
+    text = sweep_script(["spec.yaml", "--store", "shared store"], 4,
+                        SlurmConfig(partition="cpu", time="02:00:00", cpus_per_task=8, max_parallel=3), tmp_path,
+                        quantdyn="echo QD")
+    assert "#SBATCH --array=0-3%3" in text and "#SBATCH --cpus-per-task=8" in text
+    assert "--gpus-per-node" not in text  # a sweep asks for GPUs only when told
+    script = tmp_path / "s.sh"
+    script.write_text(text)
+    outs = [subprocess.run(["bash", str(script)], capture_output=True, text=True,
+                           env=dict(os.environ, SLURM_ARRAY_TASK_ID=str(i))).stdout.strip() for i in range(4)]
+    assert outs == [f"QD sweep spec.yaml --store shared store --shard {i}/4" for i in range(4)]
+
+
+@pytest.mark.slow
+def test_submitit_local_grid_and_sharded_sweep_into_one_store(tmp_path, kjv_small):
+    """The submission path with submitit's local executor: a grid's runs as array tasks (finished runs are
+    not resubmitted), then a sweep over one run in 2 shards whose rows land in one store."""
+    pytest.importorskip("submitit")
+    from quantdyn.results.store import ResultStore
+    from quantdyn.study.grid import submit_grid
+    from quantdyn.study.slurm import SlurmConfig, submit_sweep
+
+    data_cfg, _ = kjv_small
+    base = tiny_run_dict(tmp_path, data_cfg, steps=4, checkpoint_every=2)
+    base["name"] = "g"
+    g = tmp_path / "grid"
+    m = write_grid(base, ["optim.lr=1e-3,3e-3"], 0, g)
+    env_cache = os.environ["QUANTDYN_CACHE"]  # the jobs inherit the test's token cache
+    assert env_cache
+    jobs = submit_grid(g, SlurmConfig(time="00:10:00", max_parallel=2), cluster="local")
+    assert sorted(j.result() for j in jobs) == ["trained", "trained"]
+    for r in m["runs"]:
+        assert [c.step for c in list_checkpoints(r["dir"])] == [2, 4]
+    assert submit_grid(g, SlurmConfig(), cluster="local") == []  # nothing left to run
+
+    spec = tmp_path / "sweep.yaml"
+    store = tmp_path / "store"
+    spec.write_text(yaml.safe_dump({"trajectory": {"run": m["runs"][0]["dir"]}, "quantizers": ["rtn4"],
+                                    "store": str(store), "data": {"calib_samples": 4, "calib_seq_len": 32,
+                                                                 "eval_windows": 8, "eval_seq_len": 32}}))
+    jobs = submit_sweep([str(spec), "--quiet"], 2, SlurmConfig(time="00:10:00"), tmp_path / "sub", cluster="local")
+    assert [j.result() for j in jobs] == [0, 0]
+    rows = [r for r in ResultStore(store).rows() if r.get("quantizer") == "rtn4"]
+    assert sorted(r["step"] for r in rows) == [2, 4]  # one checkpoint from each shard, one store

@@ -142,24 +142,53 @@ def grid(
     seeds: int = typer.Option(0, "--seeds", help="Seeds per combination (0 = the config's seed only)."),
     grid_dir: Optional[Path] = typer.Option(None, "--dir", help="Default: OUT_DIR/NAME-grid"),
     dry_run: bool = typer.Option(False, "--dry-run", help="Show the expansion only."),
-    slurm: bool = typer.Option(False, "--slurm", help="Write grid.sbatch + torchrun commands instead of running."),
-    nproc: int = typer.Option(1, "--nproc-per-node"),
+    slurm: bool = typer.Option(False, "--slurm", help="Write GRID_DIR/grid.sbatch (one array task per run) + torchrun commands instead of running."),
+    submit: bool = typer.Option(False, "--submit", help="With --slurm: submit the array through submitit (pip install 'quantdyn[slurm]')."),
+    nproc: int = typer.Option(1, "--nproc-per-node", help="Training processes (GPUs) per run."),
+    partition: str = typer.Option("", "--partition", help="SLURM partition."),
+    time_limit: str = typer.Option("", "--time", help="SLURM time limit per run, e.g. 04:00:00."),
+    account: str = typer.Option("", "--account", help="SLURM account to charge."),
+    qos: str = typer.Option("", "--qos", help="SLURM QOS."),
+    gpus: int = typer.Option(0, "--gpus-per-node", help="GPUs per run (default: --nproc-per-node)."),
+    cpus: int = typer.Option(0, "--cpus-per-task", help="CPUs per run."),
+    mem_gb: int = typer.Option(0, "--mem-gb", help="Memory per run in GB."),
+    max_parallel: int = typer.Option(0, "--max-parallel", help="Array throttle: at most this many runs at once."),
+    constraint: str = typer.Option("", "--constraint", help="SLURM node constraint, e.g. h100."),
+    sbatch_extra: Optional[List[str]] = typer.Option(None, "--sbatch", help="Extra #SBATCH option (repeatable), e.g. --sbatch=--exclusive"),
+    setup: Optional[List[str]] = typer.Option(None, "--setup", help="Shell line run first in each task (repeatable)."),
+    cluster: str = typer.Option("slurm", "--cluster", hidden=True, help="submitit cluster (local: run here, for tests)."),
     overrides: Optional[List[str]] = typer.Argument(None, help="key=value overrides of the base config"),
     quiet: bool = typer.Option(False, "--quiet"),
 ):
-    """Expand a grid of runs (e.g. LR x weight decay x seeds) and run it, or write cluster launch files."""
-    from quantdyn.config import apply_overrides, load_yaml
-    from quantdyn.study.grid import format_grid, grid_manifest, run_grid, write_grid, write_launch_scripts
+    """Expand a grid of runs (e.g. LR x weight decay x seeds) and run it, or write/submit a SLURM array."""
+    import shutil
 
+    from quantdyn.config import apply_overrides, load_yaml
+    from quantdyn.study.grid import format_grid, grid_manifest, run_grid, submit_grid, write_grid, write_launch_scripts
+    from quantdyn.study.slurm import SlurmConfig
+
+    if submit and not slurm:
+        raise QuantdynError("--submit goes with --slurm (submit the grid's SLURM array through submitit)")
+    sl = SlurmConfig(partition=partition, time=time_limit, account=account, qos=qos, gpus_per_node=gpus,
+                     cpus_per_task=cpus, mem_gb=mem_gb, nproc_per_node=nproc, max_parallel=max_parallel,
+                     constraint=constraint, extra_sbatch=tuple(sbatch_extra or ()), setup=tuple(setup or ()))
     base = apply_overrides(load_yaml(config), overrides or [])
     gdir = grid_dir or Path(base.get("out_dir", "runs")) / f"{base.get('name', 'run')}-grid"
     if dry_run:
         typer.echo(format_grid(grid_manifest(base, vary, seeds, gdir)))
         return
+    if submit and cluster == "slurm" and not shutil.which("sbatch"):
+        raise QuantdynError("--submit needs SLURM here (no sbatch on PATH); run on the cluster's login node, "
+                            "or drop --submit and sbatch the written grid.sbatch there")
     write_grid(base, vary, seeds, gdir)
     if slurm:
-        sb, cmds = write_launch_scripts(gdir, nproc_per_node=nproc)
-        typer.echo(f"wrote {sb} (sbatch {sb}) and {cmds}")
+        sb, cmds = write_launch_scripts(gdir, slurm=sl)
+        if not submit:
+            typer.echo(f"wrote {sb} and {cmds}; submit with: sbatch {sb}")
+            return
+        jobs = submit_grid(gdir, sl, cluster=cluster)
+        typer.echo(f"submitted {len(jobs)} runs" + (f" (job {jobs[0].job_id.split('_')[0]})" if jobs else
+                                                     " (every run already finished)") + f"; logs in {gdir / 'submitit'}")
         return
     for r in run_grid(gdir, progress=not quiet):
         typer.echo(f"{r['name']}: {r['status']} ({r['dir']})")

@@ -19,11 +19,14 @@ Layout of a grid directory::
     GRID_DIR/runs/NAME/          the run directories
     GRID_DIR/grid.sbatch         SLURM array script, one task per run (write_launch_scripts)
     GRID_DIR/commands.txt        the same runs as plain torchrun lines
+    GRID_DIR/logs/               the array tasks' output (sbatch) ; GRID_DIR/submitit/ (submit_grid)
 
 Every expanded config is validated by building its RunConfig before anything
 is written or run, so an unknown key in ``--vary`` fails at once with a
 did-you-mean.  :func:`run_grid` runs the grid locally, one run after another:
 finished runs are skipped, partial ones resumed from their last checkpoint.
+On a SLURM cluster, :func:`write_launch_scripts` writes the array script and
+:func:`submit_grid` submits the same tasks through submitit (quantdyn/study/slurm.py).
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ import itertools
 import json
 import re
 import shlex
+import sys
 import time
 import typing
 from pathlib import Path
@@ -41,6 +45,7 @@ import yaml
 
 from quantdyn.config import from_dict, parse_override, set_dotted, to_dict
 from quantdyn.errors import QuantdynError, did_you_mean
+from quantdyn.study.slurm import SlurmConfig, job_name, run_command, sbatch_header, submit
 
 MANIFEST = "grid.json"
 
@@ -390,6 +395,8 @@ def slurm_script(
     setup: Sequence[str] = (),
     torchrun: str = "torchrun",
     max_parallel: int | None = None,
+    account: str | None = None,
+    slurm: SlurmConfig | None = None,
 ) -> str:
     """A SLURM array script with one task per run of ``manifest``.
 
@@ -398,39 +405,28 @@ def slurm_script(
     whose run has a resumable checkpoint continues it (``train --resume``), so
     requeued or resubmitted arrays pick up where they stopped.
     ``setup``: shell lines run first (module loads, venv activation).
+    ``slurm``: all resources as one SlurmConfig (the keyword arguments fill one otherwise).
     """
+    if slurm is None:
+        slurm = SlurmConfig(partition=partition or "", time=time_limit or "", account=account or "",
+                            gpus_per_node=gpus_per_node or 0, cpus_per_task=cpus_per_task or 0,
+                            nproc_per_node=nproc_per_node, max_parallel=max_parallel or 0,
+                            extra_sbatch=tuple(extra_sbatch), setup=tuple(setup))
     runs = manifest["runs"]
     if not runs:
         raise QuantdynError("the grid has no runs")
     grid_dir = Path(manifest["grid_dir"]).resolve()
-    gpus = nproc_per_node if gpus_per_node is None else gpus_per_node
-    array = f"0-{len(runs) - 1}" + (f"%{max_parallel}" if max_parallel else "")
-    job = _name_part(Path(manifest["grid_dir"]).name) or "grid"
-    sb = [
-        f"#SBATCH --job-name={job}",
-        f"#SBATCH --array={array}",
-        "#SBATCH --nodes=1",
-        "#SBATCH --ntasks-per-node=1",
-        f"#SBATCH --output={grid_dir}/logs/%x-%A_%a.out",
-    ]
-    if gpus:
-        sb.append(f"#SBATCH --gpus-per-node={gpus}")
-    if cpus_per_task:
-        sb.append(f"#SBATCH --cpus-per-task={cpus_per_task}")
-    if time_limit:
-        sb.append(f"#SBATCH --time={time_limit}")
-    if partition:
-        sb.append(f"#SBATCH --partition={partition}")
-    sb += [f"#SBATCH {x}" if not x.startswith("#SBATCH") else x for x in extra_sbatch]
+    gpus = slurm.nproc_per_node if gpus_per_node is None and not slurm.gpus_per_node else slurm.gpus_per_node
+    sb = sbatch_header(slurm, job_name(Path(manifest["grid_dir"]).name or "grid"), len(runs), grid_dir / "logs", gpus)
     names = "\n".join(f"  {shlex.quote(r['name'])}" for r in runs)
     finals = "\n".join(f"  step-{int(r['steps']):07d}" for r in runs)
-    tr = f"{torchrun} --standalone --nproc_per_node {nproc_per_node} -m quantdyn.cli train"
+    tr = f"{torchrun} --standalone --nproc_per_node {slurm.nproc_per_node} -m quantdyn.cli train"
     body = f"""#!/bin/bash
 # Grid {grid_dir}: {len(runs)} runs, one array task each (written by quantdyn.study.grid).
 # Submit: mkdir -p {shlex.quote(str(grid_dir / 'logs'))} && sbatch {shlex.quote(str(grid_dir / 'grid.sbatch'))}
 {chr(10).join(sb)}
 set -euo pipefail
-{chr(10).join(setup)}
+{chr(10).join(slurm.setup)}
 GRID_DIR={shlex.quote(str(grid_dir))}
 RUNS=(
 {names}
@@ -457,13 +453,67 @@ def write_launch_scripts(grid_dir: str | Path, nproc_per_node: int = 1, **slurm)
     (one torchrun line per run); return both paths."""
     grid_dir = Path(grid_dir)
     manifest = read_grid(grid_dir)
+    cfg = slurm.get("slurm")
+    if cfg is not None:
+        nproc_per_node = cfg.nproc_per_node
+    from quantdyn.files import write_text_atomic
+
     sbatch = grid_dir / "grid.sbatch"
-    sbatch.write_text(slurm_script(manifest, nproc_per_node=nproc_per_node, **slurm))
+    write_text_atomic(sbatch, slurm_script(manifest, nproc_per_node=nproc_per_node, **slurm))
     sbatch.chmod(0o755)
     (grid_dir / "logs").mkdir(exist_ok=True)
     torchrun = slurm.get("torchrun", "torchrun")
     cmds = grid_dir / "commands.txt"
-    cmds.write_text("".join(
+    write_text_atomic(cmds, "".join(
         torchrun_command(Path(r["config"]).resolve(), nproc_per_node, torchrun) + "\n" for r in manifest["runs"]
     ))
     return sbatch, cmds
+
+
+def grid_task_command(grid_dir: str | Path, name: str, nproc_per_node: int = 1,
+                      python: str = sys.executable) -> list[str] | None:
+    """What array task ``name`` runs now: None if the run finished, ``train --resume RUN_DIR`` if it
+    has a resumable checkpoint, else ``train CONFIG`` (the same choice as grid.sbatch)."""
+    manifest = read_grid(grid_dir)
+    runs = {r["name"]: r for r in manifest["runs"]}
+    if name not in runs:
+        raise QuantdynError(f"grid has no run '{name}'{did_you_mean(name, runs)}")
+    run = runs[name]
+    status = run_status(run)
+    if status == "finished":
+        return None
+    launcher = [python, "-m", "quantdyn.cli"] if nproc_per_node == 1 else [
+        python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc_per_node),
+        "-m", "quantdyn.cli"]
+    if status == "partial":
+        return [*launcher, "train", "--resume", str(Path(run["dir"]).resolve()), "--quiet"]
+    (Path(run["dir"]) / "metrics.jsonl").unlink(missing_ok=True)
+    return [*launcher, "train", str(Path(run["config"]).resolve()), "--quiet"]
+
+
+def run_grid_task(grid_dir: str, name: str, nproc_per_node: int = 1) -> str:
+    """One array task of a submitted grid (what a submitit job runs): skip, resume or train run ``name``."""
+    cmd = grid_task_command(grid_dir, name, nproc_per_node)
+    if cmd is None:
+        return "skipped"
+    run_command(cmd)
+    return "resumed" if "--resume" in cmd else "trained"
+
+
+def submit_grid(grid_dir: str | Path, slurm: SlurmConfig, only: Sequence[str] | None = None,
+                cluster: str | None = None, folder: str | Path | None = None) -> list:
+    """Submit the grid's runs through submitit, one array task each (cluster 'local' runs them on
+    this machine); runs that already finished are not submitted. Returns the submitit jobs."""
+    manifest = read_grid(grid_dir)
+    names = [r["name"] for r in manifest["runs"] if run_status(r) != "finished"]
+    if only:
+        unknown = [n for n in only if n not in {r["name"] for r in manifest["runs"]}]
+        if unknown:
+            raise QuantdynError(f"grid has no run '{unknown[0]}'{did_you_mean(unknown[0], [r['name'] for r in manifest['runs']])}")
+        names = [n for n in names if n in set(only)]
+    if not names:
+        return []
+    gdir = str(Path(grid_dir).resolve())
+    gpus = slurm.gpus_per_node or (slurm.nproc_per_node if cluster != "local" else 0)
+    return submit(run_grid_task, [(gdir, n, slurm.nproc_per_node) for n in names], slurm,
+                  folder or Path(grid_dir) / "submitit", cluster=cluster, name=Path(grid_dir).name, gpus=gpus)
