@@ -150,7 +150,8 @@ def interrupt_message(args: Sequence[str]) -> str:
     command = _command_of(args)
     if command == "train":
         hint = ("rerun the same command to resume from the last checkpoint" if "--resume" in args
-                else "continue from the last checkpoint with `quantdyn train --resume RUN_DIR`")
+                else "continue with `quantdyn train --resume RUN_DIR` if a checkpoint was written, "
+                     "else rerun the same command")
     else:
         hint = RESUME_HINTS.get(command, _DEFAULT_HINT)
     return f"interrupted; {hint}"
