@@ -231,11 +231,13 @@ class Replicated:
             return contextlib.nullcontext()
         return train_model.no_sync()
 
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> float:
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip the gradients to ``max_norm`` (0 = no clipping); the total norm before clipping, as a
+        tensor on the device (reading it is a GPU sync: the trainer does so only when it logs)."""
         params = list(model.parameters())
         if max_norm > 0:
-            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])))
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
 
     def full_state(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
         """The whole model's weights on rank 0 (CPU tensors; None elsewhere)."""
@@ -302,14 +304,14 @@ class FSDP2(Replicated):
         train_model.set_requires_gradient_sync(last_micro)
         return contextlib.nullcontext()
 
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> float:
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         params = [p for p in model.parameters() if p.grad is not None]
         total = torch.nn.utils.get_total_norm([p.grad for p in params])
         if hasattr(total, "full_tensor"):  # a DTensor holding the partial norms of the shards
             total = total.full_tensor()
         if max_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-        return float(total)
+        return total
 
     def full_state(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

@@ -298,6 +298,7 @@ def train(
     from tqdm import tqdm
 
     bar = tqdm(total=cfg.train.steps, initial=start_step, desc=cfg.name, disable=not (progress and is_main), unit="step")
+    cuda = device.type == "cuda"
     t_last, tok_since = time.perf_counter(), 0
     model.train()
     lr = lr_at(max(0, start_step - 1), cfg.optim.lr, cfg.schedule, cfg.train.steps)
@@ -306,25 +307,33 @@ def train(
         for g in optimizer.param_groups:
             g["lr"] = lr * g.get("lr_scale", 1.0)
         starts = batch_starts(len(train_tokens), T, cfg.seed, step, B * A * world)
-        loss_sum = 0.0
+        loss_acc = torch.zeros((), device=device, dtype=torch.float64)
         for micro in range(A):
             sl = starts[(micro * world + rank) * B : (micro * world + rank + 1) * B]
             x, y = get_batch(train_tokens, sl, T)
+            if cuda:  # pinned host memory: the copy overlaps with the GPU's work
+                x, y = x.pin_memory(), y.pin_memory()
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with strategy.gradient_sync(train_model, last_micro=micro == A - 1):
                 with autocast:
                     logits = train_model(x)
                     loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1)) / A
                 loss.backward()
-            loss_sum += float(loss.detach())
+            loss_acc += loss.detach().double()
         gn = strategy.clip_grad_norm(model, cfg.train.grad_clip)
-        if not math.isfinite(loss_sum):
-            raise QuantdynError(
-                f"training diverged at step {step} (loss {loss_sum}); lower optim.lr or check the data"
-            )
+        done = step + 1
+        log_due = done % cfg.train.log_every == 0 or done in ckpt_steps or done == cfg.train.steps
+        ckpt_due = done in ckpt_steps or (stop_after is not None and done == stop_after)
+        # the loss comes to the host (a GPU sync) every step on the CPU, on a GPU only when it is logged or
+        # checkpointed: a divergence is caught there at the latest, and never saved
+        if not cuda or log_due or ckpt_due:
+            loss_sum = float(loss_acc)
+            if not math.isfinite(loss_sum):
+                raise QuantdynError(
+                    f"training diverged by step {done} (loss {loss_sum}); lower optim.lr or check the data"
+                )
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        done = step + 1
         tok_since += tokens_per_step
         if lawa is not None:
             lawa.update(done, model)
@@ -332,22 +341,22 @@ def train(
             ema.update(model)
         bar.update(1)
 
-        if world > 1:
-            loss_sum = mean_over_ranks(loss_sum, device)
         row = None
-        if done % cfg.train.log_every == 0 or done in ckpt_steps or done == cfg.train.steps:
+        if log_due:
+            if world > 1:
+                loss_sum = mean_over_ranks(loss_sum, device)
             now = time.perf_counter()
             row = {
                 "step": done,
                 "tokens": done * tokens_per_step,
                 "lr": lr,
                 "train_loss": loss_sum,
-                "grad_norm": gn,
+                "grad_norm": float(gn),
                 "tokens_per_s": tok_since / max(now - t_last, 1e-9),
             }
             t_last, tok_since = now, 0
         want_eval = (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done in ckpt_steps
-        want_ckpt = done in ckpt_steps or (stop_after is not None and done == stop_after)
+        want_ckpt = ckpt_due
         want_monitor = bool(cfg.monitor.every and done % cfg.monitor.every == 0)
         if want_eval or want_ckpt or want_monitor:
             # schedule-free optimizers evaluate and save the averaged point, not the training point
