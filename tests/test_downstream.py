@@ -299,7 +299,7 @@ def test_trained_model_beats_chance_on_nextsent(tmp_path, kjv_small):
 
 
 def test_eval_cli_builtin_tasks_with_quantizer(tmp_path, kjv_small):
-    """`quantdyn eval CKPT --quantizer rtn2 --tasks ...` prints the table and stores accuracy rows."""
+    """`quantdyn eval CKPT --quantizers rtn2 --tasks ...` prints the table and stores accuracy rows."""
     import json as _json
     import os as _os
     import subprocess as _sp
@@ -316,7 +316,7 @@ def test_eval_cli_builtin_tasks_with_quantizer(tmp_path, kjv_small):
     d["model"]["max_seq_len"] = 256
     run = train(from_dict(RunConfig, d), progress=False)
     ck = str(run / "checkpoints" / "step-0000004")
-    exe = [_sys.executable, "-m", "quantdyn.cli", "eval", ck, "--tasks", "quantdyn_nextsent", "--quantizer", "rtn2",
+    exe = [_sys.executable, "-m", "quantdyn.cli", "eval", ck, "--tasks", "quantdyn_nextsent", "--quantizers", "rtn2",
            "--limit", "20", "--store", str(tmp_path / "st")]
     r = _sp.run(exe + ["--json"], capture_output=True, text=True, env=dict(_os.environ))
     assert r.returncode == 0, r.stderr[-2000:]

@@ -419,6 +419,37 @@ def test_sweep_over_a_preset_offline_rows_carry_the_presets_step_tokens_lr(hf_ca
     assert by[("ptq", 1000)]["peak_lr"] == 6e-4
 
 
+def test_sweep_cli_preset_evict_dry_run_and_offline_rerun(hf_cache, monkeypatch, tmp_path, capsys):
+    """`sweep --preset ... --evict`: rows stored, each measured revision deleted from the cache except the
+    tokenizer's; an offline rerun needs nothing it deleted; --dry-run plans without reading weights."""
+    from quantdyn.data.sources import kjv_documents
+    from quantdyn.results.store import ResultStore
+
+    point_hf_at(monkeypatch, hf_cache, offline=True)
+    text = tmp_path / "kjv.txt"
+    docs = []
+    for d in kjv_documents():
+        docs.append(d)
+        if sum(map(len, docs)) > 150_000:
+            break
+    text.write_text("\n\n".join(docs))
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"quantizers: [rtn4]\ndevice: cpu\nstore: {tmp_path / 'store'}\n"
+                    f"data: {{source: {text}, calib_samples: 4, calib_seq_len: 32, eval_windows: 8, eval_seq_len: 32}}\n")
+    args = ["sweep", str(spec), "--preset", "pythia-160m", "--revisions", "step1000,step2000,step143000", "--quiet"]
+    code, out, _ = _cli(monkeypatch, capsys, *args, "--dry-run")
+    assert code == 0 and "step2000" in out and "dry run" in out and not (tmp_path / "store").exists()
+    code, out, err = _cli(monkeypatch, capsys, *args, "--evict")
+    assert code == 0, err
+    assert "6 rows written" in out
+    assert cached_refs(REPO) == ["step1000"]  # the tokenizer's revision stays
+    code, out, err = _cli(monkeypatch, capsys, *args, "--evict")
+    assert code == 0 and "0 rows written" in out, err
+    rows = ResultStore(tmp_path / "store").rows()
+    assert sorted(r["step"] for r in rows if r["kind"] == "ptq") == [1000, 2000, 143000]
+    assert {r["phase"] for r in rows} <= {"warmup", "cosine", "cosine-floor"} and all(r["preset"] for r in rows)
+
+
 # -- the command -------------------------------------------------------------------------------------------------
 def _cli(monkeypatch, capsys, *args):
     import sys

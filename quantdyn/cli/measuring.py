@@ -25,7 +25,8 @@ def quantize(
     eval_tokens: int = typer.Option(25600, "--eval-tokens", help="Held-out tokens for the error."),
     eval_seq_len: int = typer.Option(128, "--eval-seq-len"),
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Default: the model's own tokenizer."),
-    save: Optional[Path] = typer.Option(None, "--save", help="Write the fake-quantized model + codes here."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the fake-quantized model + codes to this directory."),
+    save: Optional[Path] = typer.Option(None, "--save", hidden=True, help="Old spelling of --out."),
     device: str = typer.Option("auto", "--device", help="cpu | cuda | cuda:N | auto; blocks are onloaded one at a time."),
     dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (the checkpoint's) | float32 | bfloat16 | float16."),
     max_memory: str = typer.Option("", "--max-memory", help="Memory for one block + activations, e.g. 8GB (default: half the free memory)."),
@@ -35,6 +36,9 @@ def quantize(
     """Quantize one model and measure Δ CE, Δ PPL, KL and agreement on held-out text."""
     from quantdyn.study.single import quantize_one
 
+    if out and save and out != save:
+        raise QuantdynError("give the output directory once: --out (--save is its old spelling)")
+    save = out or save
     row = quantize_one(model, method=method, bits=bits, group_size=group_size, preset=preset, calib_data=calib_data,
                        calib_samples=calib_samples, calib_seq_len=calib_seq_len, eval_data=eval_data,
                        eval_tokens=eval_tokens, eval_seq_len=eval_seq_len, tokenizer=tokenizer, save=save,
@@ -68,29 +72,52 @@ def sweep(
     device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda | cuda:N | auto; blocks are onloaded one at a time."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Compute dtype: auto (the checkpoint's) | float32 | bfloat16 | float16."),
     max_memory: Optional[str] = typer.Option(None, "--max-memory", help="Memory for one block + activations, e.g. 8GB."),
+    preset: Optional[str] = typer.Option(None, "--preset", help="Trajectory: a public-trajectory preset (quantdyn trajectories)."),
+    every: int = typer.Option(0, "--every", help="Keep every N-th checkpoint (and the last)."),
+    log_spaced: int = typer.Option(0, "--log-spaced", help="Keep about K checkpoints log-spaced in tokens."),
+    tokens_range: Optional[str] = typer.Option(None, "--tokens-range", help="Keep checkpoints with tokens in A:B, e.g. 100B:1T."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print each checkpoint's step, tokens, LR and phase; download nothing."),
+    evict: bool = typer.Option(False, "--evict", help="Delete each hub revision from the HF cache once its rows are stored."),
     quiet: bool = typer.Option(False, "--quiet"),
 ):
     """Quantize every checkpoint of a trajectory with a grid of quantizers; rows go to the store."""
-    from quantdyn.config import load_yaml
+    from quantdyn.config import from_dict, load_yaml
     from quantdyn.study.sweep import SweepConfig, run_sweep
-    from quantdyn.config import from_dict
+    from quantdyn.study.trajectory import dry_run_lines, plan_trajectory
 
     data = load_yaml(spec) if spec else {}
     traj = dict(data.get("trajectory", {}))
-    if run or checkpoints or hub:
-        traj = {k: v for k, v in traj.items() if k == "schedule"}
+    if run or checkpoints or hub or preset:
+        traj = {k: v for k, v in traj.items() if k in ("schedule", "select")}
         traj.update({"run": run or "", "checkpoints": list(checkpoints or []), "hub": hub or "",
-                     "revisions": [r for r in (revisions or "").split(",") if r], "revision_pattern": revision_pattern or ""})
+                     "preset": preset or "", "revisions": [r for r in (revisions or "").split(",") if r],
+                     "revision_pattern": revision_pattern or ""})
+        if preset:
+            traj.pop("schedule", None)
+    select = dict(traj.get("select") or {})
+    for key, value in (("every", every), ("log_spaced", log_spaced), ("tokens_range", tokens_range)):
+        if value:
+            select[key] = value
+    if select:
+        traj["select"] = select
     if traj:
         data["trajectory"] = traj
+    if evict:
+        data["evict"] = True
     if quantizers:
         data["quantizers"] = [q for q in quantizers.split(",") if q]
     for key, value in (("store", store), ("device", device), ("dtype", dtype), ("max_memory", max_memory)):
         if value:
             data[key] = value
     if not spec and not traj:
-        raise QuantdynError("give a sweep spec YAML or a trajectory (--run, --checkpoint or --hub)")
+        raise QuantdynError("give a sweep spec YAML or a trajectory (--run, --checkpoint, --hub or --preset)")
     cfg = from_dict(SweepConfig, data)
+    if dry_run:
+        plan = plan_trajectory(cfg.trajectory)
+        for line in dry_run_lines(list(plan.points), list(plan.skipped)):
+            typer.echo(line)
+        typer.echo(f"{len(plan.points)} checkpoints x {len(cfg.quantizers)} quantizers (dry run: nothing measured)")
+        return
     out = run_sweep(cfg, shard=shard, progress=not quiet, echo=lambda line: typer.echo(line, err=True))
     typer.echo(f"sweep: {out['written']} rows written, {out['skipped']} already done, store {cfg.store}")
     if out["failed"]:
@@ -109,6 +136,7 @@ def analyze(
     windows: int = typer.Option(8, "--windows", help="Windows per analysis (held-out / calibration)."),
     probes: int = typer.Option(50, "--probes", help="Hutchinson probe budget."),
     seq_len: int = typer.Option(128, "--seq-len", help="Tokens per window."),
+    device: str = typer.Option("auto", "--device", help="cpu | cuda | cuda:N | auto."),
     as_json: bool = typer.Option(False, "--json", help="Also print the rows as a JSON array."),
     quiet: bool = typer.Option(False, "--quiet"),
 ):
@@ -118,7 +146,7 @@ def analyze(
     rows = run_analyze(checkpoints, [m for m in metrics.split(",") if m], [q for q in quantizers.split(",") if q],
                        store=store, budget={"windows": windows, "hessian_probes": probes},
                        data={"calib_seq_len": seq_len, "eval_seq_len": seq_len, "eval_windows": max(windows, 8),
-                             "calib_samples": max(windows, 8)}, progress=not quiet)
+                             "calib_samples": max(windows, 8)}, progress=not quiet, device=device)
     if as_json:
         echo_json(rows)
         return
@@ -140,6 +168,7 @@ def interpolate(
     store: str = typer.Option("results", "--store"),
     seq_len: int = typer.Option(128, "--seq-len", help="Tokens per calibration/evaluation window."),
     eval_windows: int = typer.Option(200, "--eval-windows"),
+    device: str = typer.Option("auto", "--device", help="cpu | cuda | cuda:N | auto."),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Linear interpolation between two checkpoints: FP loss and Δ CE at each alpha."""
@@ -147,10 +176,9 @@ def interpolate(
     from quantdyn.study.interpolation import interpolate_checkpoints
 
     rows = interpolate_checkpoints(a, b, steps, quantizers=[q for q in quantizers.split(",") if q], out=out,
-                                   eval_seq_len=seq_len, calib_seq_len=seq_len, n_eval_windows=eval_windows)
-    st = ResultStore(store)
-    done = st.keys()
-    st.append([r for r in rows if r["key"] not in done])
+                                   eval_seq_len=seq_len, calib_seq_len=seq_len, n_eval_windows=eval_windows,
+                                   device=device)
+    ResultStore(store).append(rows)  # rows already stored are skipped
     if as_json:
         echo_json([{k: v for k, v in r.items() if k != "window_delta"} for r in rows])
         return
@@ -163,28 +191,28 @@ def interpolate(
 def eval_cmd(
     model: str = typer.Argument(..., help="Checkpoint directory or hub-id[@revision]."),
     tasks: str = typer.Option(..., "--tasks", help="lm-eval tasks, comma-separated (offline: quantdyn_lastword,quantdyn_nextsent)."),
-    quantizer: Optional[str] = typer.Option(None, "--quantizer", help="e.g. gptq3 (comma-separated for several)."),
+    quantizers: Optional[str] = typer.Option(None, "--quantizers", help="e.g. gptq3 or gptq3,rtn4 (none: FP only)."),
+    quantizer: Optional[str] = typer.Option(None, "--quantizer", hidden=True, help="Old spelling of --quantizers."),
     num_fewshot: int = typer.Option(0, "--num-fewshot"),
     limit: Optional[int] = typer.Option(None, "--limit", help="Examples per task."),
     seed: int = typer.Option(0, "--seed"),
     metric: Optional[str] = typer.Option(None, "--metric", help="Default: acc, else acc_norm."),
     backend: str = typer.Option("quantdyn", "--backend", help="quantdyn (in-memory adapter) | hf (lm-eval's HFLM)"),
     store: Optional[str] = typer.Option("results", "--store", help="Append rows here ('' = don't store)."),
+    device: str = typer.Option("auto", "--device", help="cpu | cuda | cuda:N | auto."),
     as_json: bool = typer.Option(False, "--json", help="Print the rows as a JSON array."),
 ):
     """Downstream accuracy of a model and its quantized twin (lm-evaluation-harness)."""
     from quantdyn.evaluate.downstream import format_accuracy_table
     from quantdyn.study.accuracy import evaluate_accuracy
 
-    qs = [q for q in (quantizer or "").split(",") if q] or None
+    qs = [q for q in ",".join(x for x in (quantizers, quantizer) if x).split(",") if q] or None
     rows = evaluate_accuracy(model, [t for t in tasks.split(",") if t], qs, num_fewshot=num_fewshot, limit=limit,
-                             seed=seed, metric=metric, backend=backend, progress=not as_json)
+                             seed=seed, metric=metric, backend=backend, progress=not as_json, device=device)
     if store:
         from quantdyn.results.store import ResultStore
 
-        st = ResultStore(store)
-        done = st.keys()
-        st.append([r for r in rows if r["key"] not in done])
+        ResultStore(store).append(rows)  # rows already stored are skipped
     if as_json:
         echo_json(rows)
         return

@@ -516,10 +516,9 @@ def accuracy_row_key(checkpoint_hash: str, task: str, task_version: Any, task_id
 def _quant_fields(label: str, qc) -> dict:
     if qc is None:
         return {"quantizer": label, "quant_config": None, "quant_config_hash": None}
-    from quantdyn.config import config_hash, to_dict
+    from quantdyn.quantize.config import row_fields
 
-    return {"quantizer": label, "method": qc.method, "bits": qc.bits, "group_size": qc.group_size,
-            "quant_config": to_dict(qc), "quant_config_hash": config_hash(qc)}
+    return row_fields(label, qc)
 
 
 def accuracy_rows_for_point(

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import hashlib
 
-from quantdyn.config import config_hash, to_dict
+from quantdyn.config import config_hash
 from quantdyn.measure.engine import MeasureConfig, Measurement
 from quantdyn.quantize.config import QuantConfig
+from quantdyn.quantize.config import row_fields as quantizer_fields
 
 
 def row_key(ckpt_hash: str, what: str, eval_hash: str) -> str:
@@ -32,12 +33,6 @@ def calib_hash(data_hash: str, samples: int, seq_len: int, seed: int) -> str:
 def ptq_what(qc: QuantConfig, calib: str) -> str:
     """The ``what`` of a PTQ row's key."""
     return f"ptq:{config_hash(qc)}:{calib}"
-
-
-def quantizer_fields(label: str, qc: QuantConfig) -> dict:
-    """The quantizer columns of a row (label as the user wrote it, plus the full config and its hash)."""
-    return {"quantizer": label, "method": qc.method, "bits": qc.bits, "group_size": qc.group_size,
-            "quant_config": to_dict(qc), "quant_config_hash": config_hash(qc)}
 
 
 def ptq_fields(label: str, qc: QuantConfig, m: Measurement, cfg: MeasureConfig, threads: int) -> dict:

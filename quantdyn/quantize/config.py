@@ -50,7 +50,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from quantdyn.config import from_dict
+from quantdyn.config import config_hash, from_dict, to_dict
 from quantdyn.errors import QuantdynError, did_you_mean, unknown_name
 from quantdyn.registry import Registry
 
@@ -321,6 +321,14 @@ def parse_quantizer(spec: str | dict | QuantConfig) -> QuantConfig:
         fields.update(_parse_short(str(name)))
     fields.update(data)
     return from_dict(QuantConfig, fields, "quantizer")
+
+
+def row_fields(label: str, qc: QuantConfig) -> dict:
+    """The quantizer columns of a result row: the canonical label (one spelling per configuration, so gptq4 and
+    gptq4g128 group together), the spec as the user wrote it, the full config and its hash (rows are keyed by
+    the hash, never by a label)."""
+    return {"quantizer": qc.name, "quantizer_spec": label, "method": qc.method, "bits": qc.bits,
+            "group_size": qc.group_size, "quant_config": to_dict(qc), "quant_config_hash": config_hash(qc)}
 
 
 def replace(cfg: QuantConfig, **changes: Any) -> QuantConfig:

@@ -119,7 +119,9 @@ h2{{margin-top:2em;border-bottom:1px solid #ddd}}</style></head><body>
 
 
 def _extra_sections(rows: list[dict], out: Path):
-    """Sections contributed by other studies (predictors, accuracy, optimizers) when their rows exist."""
+    """Sections contributed by other studies (predictors, accuracy, optimizers, public trajectories) when their
+    rows exist."""
+    from quantdyn.report import trajectories
     from quantdyn.report.extra import sections
 
-    return sections(rows, out)
+    return sections(rows, out) + trajectories.sections(rows, out)

@@ -11,7 +11,7 @@ from quantdyn.study.sweep import SweepConfig, run_sweep
 
 def analyze(
     checkpoints: list[str], metrics: list[str], quantizers: list[str], store: str = "results",
-    data: dict | None = None, budget: dict | None = None, progress: bool = True,
+    data: dict | None = None, budget: dict | None = None, progress: bool = True, device: str = "auto",
 ) -> list[dict]:
     """Compute ``metrics`` for each checkpoint (a run directory expands to its checkpoints); return the rows."""
     rows: list[dict] = []
@@ -19,7 +19,7 @@ def analyze(
         traj = {"run": ck} if (Path(ck) / "config.yaml").is_file() else {"checkpoints": [ck]}
         cfg = from_dict(SweepConfig, {"trajectory": traj, "quantizers": [], "analysis": list(metrics),
                                       "propagation_quantizers": list(quantizers), "store": store,
-                                      "data": data or {}, "analysis_budget": budget or {}})
+                                      "data": data or {}, "analysis_budget": budget or {}, "device": device})
         run_sweep(cfg, progress=progress)
     wanted = {str(Path(c).resolve()) for c in checkpoints}
     for r in ResultStore(store).rows():

@@ -35,10 +35,18 @@ from quantdyn.measure.rows import ptq_fields, ptq_what, row_key
 from quantdyn.models.lazy import open_checkpoint
 from quantdyn.quantize.config import parse_quantizer
 from quantdyn.quantize.qat import QATConfig, QATDeployed
-from quantdyn.results.store import ResultStore
+from quantdyn.results.store import ResultStore, StoreWriteError
 from quantdyn.runtime import provenance, resolve_device
 from quantdyn.study.metrics_rows import AnalysisConfig, analysis_rows, check_analysis_names
-from quantdyn.study.trajectory import Point, TrajectoryConfig, checkpoint_hash, plan_points
+from quantdyn.study.trajectory import (
+    Point,
+    TrajectoryConfig,
+    checkpoint_hash,
+    evict_revision,
+    plan_points,
+    preset_row_fields,
+    require_available,
+)
 
 log = logging.getLogger("quantdyn")
 
@@ -108,6 +116,10 @@ class SweepConfig:
     """Examples per task (0 = all)."""
     eval_fewshot: int = 0
     """Few-shot examples per prompt."""
+    evict: bool = False
+    """Hub trajectories: delete each revision's files from the Hugging Face cache once its rows are stored (the
+    revision whose tokenizer the sweep uses is kept), so a long trajectory needs the disk of one or two
+    revisions; a rerun skips stored rows before downloading anything."""
     eval_group: int = 8
     """Quantizers measured in one streamed pass over a checkpoint, sharing the FP forward (each adds one
     activation stream, not a model copy; more quantizers take several passes)."""
@@ -159,7 +171,8 @@ def point_fields(p: Point, ckpt_hash: str) -> dict:
             "parent_step": (p.meta.get("parent") or {}).get("from_step"),
             "optimizer": (conf.get("optim") or {}).get("name"),
             "weight_decay": (conf.get("optim") or {}).get("weight_decay"),
-            "qat": f"{qat['method']}-w{qat['w_bits']}a{qat.get('a_bits') or 0}" if qat else None}
+            "qat": f"{qat['method']}-w{qat['w_bits']}a{qat.get('a_bits') or 0}" if qat else None,
+            **preset_row_fields(p)}
 
 
 def measure_config(cfg: SweepConfig) -> MeasureConfig:
@@ -186,6 +199,9 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True,
         raise QuantdynError("the propagation analysis needs quantizers: set quantizers or propagation_quantizers")
     mcfg = measure_config(cfg)
     points = plan_points(cfg.trajectory)
+    say = echo or log.warning
+    for name, reason in points.skipped:
+        say(f"skipped revision {name}: {reason}")
     i, n = parse_shard(shard)
     device = resolve_device(cfg.device)
     store = ResultStore(cfg.store)
@@ -199,16 +215,20 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True,
         calib_hash=calib_identity(data.data_hash, d.calib_samples, d.calib_seq_len, d.calib_seed),
         done=store.keys(), acc_done=store.keys("sweep_acc_key") if cfg.eval_tasks else set(),
     )
-    say = echo or log.warning
     written = skipped = 0
     timings: list[float] = []
     failed: list[tuple[str, str]] = []
     mine = [p for k, p in enumerate(points) if k % n == i]
+    # offline, revisions that still need work must be cached: one line before any work (measured ones may be gone)
+    require_available([p for p in mine if not p.is_local and not _point_done(ctx, p)])
+    keep = points[0].ref  # the tokenizer's revision: never evicted
     bar = tqdm(mine, desc=f"sweep {i}/{n}", disable=not progress, unit="ckpt")
     for p in bar:
         t0 = time.perf_counter()
         try:
             w, s = _sweep_point(ctx, p)
+        except StoreWriteError:  # a full disk: every later checkpoint would fail the same way
+            raise
         except QuantdynError as e:
             failed.append((p.ref, str(e)))
             say(f"error: skipped checkpoint {p.ref}: {e}")
@@ -217,6 +237,9 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True,
         skipped += s
         if w:
             timings.append(time.perf_counter() - t0)
+        if cfg.evict and p.kind in ("hub", "soup") and "@" in p.ref and not p.is_local and p.ref != keep:
+            repo, _, rev = p.ref.partition("@")
+            evict_revision(repo, rev)
     return {"written": written, "skipped": skipped, "checkpoints": len(mine), "seconds": timings, "failed": failed}
 
 
@@ -237,8 +260,12 @@ class _SweepContext:
     acc_done: set
 
 
-def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
-    """Measure one checkpoint: the rows it still lacks. Returns (written, skipped)."""
+def _point_done(ctx: _SweepContext, p: Point) -> bool:
+    """Whether every row of ``p`` is stored already (hub points are hashed by reference: nothing is read)."""
+    return _point_keys(ctx, p)[-1]
+
+
+def _point_keys(ctx: _SweepContext, p: Point):
     cfg = ctx.cfg
     # the weights' hash, qualified by the point's place in the trajectory: a cooldown branch can end
     # with weights identical to its parent's own decayed endpoint, and both points belong in the plots
@@ -259,7 +286,15 @@ def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
                                    f"{cfg.eval_fewshot}:{cfg.eval_limit}", ctx.eval_hash)
                 for label, qc in ctx.qcfgs.items()} if cfg.eval_tasks else {}
     todo = [fp_key, *q_keys.values(), *a_keys.values(), *([qat_key] if qat_key else [])]
-    if all(k in ctx.done for k in todo) and all(k in ctx.acc_done for k in acc_keys.values()):
+    done = all(k in ctx.done for k in todo) and all(k in ctx.acc_done for k in acc_keys.values())
+    return h, base, fp_key, q_keys, qat_cfg, qat_key, a_keys, acc_keys, todo, done
+
+
+def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
+    """Measure one checkpoint: the rows it still lacks. Returns (written, skipped)."""
+    cfg = ctx.cfg
+    h, base, fp_key, q_keys, qat_cfg, qat_key, a_keys, acc_keys, todo, done = _point_keys(ctx, p)
+    if done:
         return 0, len(todo)
     written = skipped = 0
     t0 = time.perf_counter()
@@ -304,8 +339,7 @@ def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
                              **provenance()})
             else:
                 skipped += 1
-        ctx.store.append(rows)
-        written += len(rows)
+        written += len(ctx.store.append_new(rows))
         for label, weights_q in collect.items():
             written += _append_accuracy(ctx, p, label, weights_q, acc_keys[label], base)
     for name, key in a_keys.items():
@@ -314,8 +348,8 @@ def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
             continue
         vals = analysis_rows(name, weights, ctx.data, ctx.calib_ids, ctx.eval_ids, ctx.prop_q, cfg.analysis_budget,
                              device=ctx.device, mcfg=ctx.mcfg)
-        ctx.store.append([{"key": key, "kind": "analysis", "analysis": name, **base, **vals, **provenance()}])
-        written += 1
+        written += len(ctx.store.append_new([{"key": key, "kind": "analysis", "analysis": name, **base, **vals,
+                                               **provenance()}]))
     return written, skipped
 
 
@@ -335,10 +369,10 @@ def _append_accuracy(ctx: _SweepContext, p: Point, label: str, weights_q: dict, 
                                   quant_configs={label: ctx.qcfgs[label]}, base=base, data=ctx.data,
                                   calib_hash=ctx.calib_hash, limit=cfg.eval_limit or None,
                                   num_fewshot=cfg.eval_fewshot)
-    done_now = ctx.store.keys()
     tagged = [{**r, "sweep_acc_key": acc_key} for r in acc]
-    new_rows = [r for r in tagged if r["key"] not in done_now]
-    # rows stored earlier under the same keys (an older sweep, `quantdyn eval`) are written again only to
-    # record the marker; readers keep the first occurrence of a key
-    ctx.store.append(new_rows or tagged)
+    new_rows = ctx.store.append_new(tagged)
+    if not new_rows:
+        # every row is stored already (an older sweep, `quantdyn eval`): write them again only to record the
+        # marker, so a rerun does not recompute them; readers keep the first occurrence of a key
+        ctx.store.append(tagged, skip_stored=False)
     return len(new_rows)
