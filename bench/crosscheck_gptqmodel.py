@@ -23,6 +23,7 @@ codes overall. The script prints a table and writes JSON to --out; exit status 1
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -90,8 +91,13 @@ def gptqmodel_quantize(src: Path, dst: Path, calib: torch.Tensor, bits: int, gro
     if not v5_defaults:  # what GPTQModel v4.2.5 used by default (quantdyn preset 'gptqmodel')
         kw.update(desc_act=True, act_group_aware=False, damp_percent=0.05, damp_auto_increment=0.01,
                   true_sequential=True, static_groups=False, mse=0.0)
+    known = {f.name for f in dataclasses.fields(QuantizeConfig)}  # older releases lack some fields
+    kw = {k: v for k, v in kw.items() if k in known}
     t0 = time.perf_counter()
-    model = GPTQModel.load(str(src), QuantizeConfig(**kw), device="cpu", dtype=torch.float32)
+    try:
+        model = GPTQModel.load(str(src), QuantizeConfig(**kw), device="cpu", dtype=torch.float32)
+    except TypeError:  # GPTQModel < 5 names it torch_dtype
+        model = GPTQModel.load(str(src), QuantizeConfig(**kw), device="cpu", torch_dtype=torch.float32)
     rows = [{"input_ids": r.tolist(), "attention_mask": [1] * len(r)} for r in calib]
     model.quantize(rows, batch_size=8)
     model.save(str(dst))
@@ -125,6 +131,8 @@ def main() -> int:
     ap.add_argument("--calib", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--eval-windows", type=int, default=128)
+    ap.add_argument("--presets", default="gptqmodel,gptqmodel-v5",
+                    help="quantdyn presets to compare (gptqmodel-v5 only makes sense against GPTQModel >= 5)")
     ap.add_argument("--out", default=str(ROOT / ".cache" / "crosscheck"))
     ap.add_argument("--quick", action="store_true", help="fewer steps, samples and windows (a smoke run)")
     a = ap.parse_args()
@@ -159,8 +167,9 @@ def main() -> int:
         ce_fp=ce_fp, tolerances=dict(ce_rel=CE_REL_TOL, ce_abs=CE_ABS_TOL, codes_identical_min=CODE_MATCH_MIN),
         pairs=[])
     ok = True
-    for bits, (preset, v5) in ((int(b), p) for b in a.bits.split(",") for p in (("gptqmodel", False),
-                                                                                  ("gptqmodel-v5", True))):
+    presets = [p.strip() for p in a.presets.split(",") if p.strip()]
+    for bits, preset in ((int(b), p) for b in a.bits.split(",") for p in presets):
+        v5 = preset == "gptqmodel-v5"
         spec = f"gptq{bits}g{a.group_size}-{preset}"
         q = load_gpt(src)
         t1 = time.perf_counter()
