@@ -13,15 +13,16 @@ GPTQ (``quant_method: gptq``; read by GPTQModel, AutoGPTQ, transformers + optimu
     float16 scale buffers, so scales are rounded to float16 (relative error <= 2^-11);
     ``g_idx`` int32 (in,): the group of each input column (a permutation of groups with
     act-order, ``desc_act: true``). Bits 2, 3, 4 or 8 (5-7 exist only in GPTQModel's own
-    planar ``gptq_p`` layout, which transformers cannot load). 3 bits needs in and out
+    planar ``gptq_p`` layout; optimum, through which transformers loads GPTQ, accepts 2, 3, 4, 8). 3 bits needs in and out
     features divisible by 32 (32 codes fill 3 words).
     ``checkpoint_format``: ``gptq`` (v1) stores every zero point minus one, the convention
     of the original GPTQ/AutoGPTQ code; a zero point of 0 (asymmetric grid of a group with
     no negative weight) has no v1 encoding that all readers agree on (field-wise readers --
-    vLLM's GPTQ kernels, GPTQModel's dequantizer -- wrap it to 2^bits-1, GPTQModel's loader
-    carries into the neighbouring field), so v1 refuses it with an error naming the layer;
-    ``gptq_v2`` stores zero points as they are (GPTQModel's internal form; transformers and
-    vLLM >= 0.11 read it).
+    vLLM's GPTQ kernels, GPTQModel's own dequantizer -- add one to each decoded field, while
+    GPTQModel's loader adds 0x11111111 to whole 4-bit words, carrying into the neighbouring
+    field), so v1 refuses it with an error naming the layer;
+    ``gptq_v2`` stores zero points as they are (GPTQModel's internal form; transformers reads
+    it through GPTQModel, and vLLM since it added gptq_v2 support in late 2025).
 
 compressed-tensors ``pack-quantized`` (``quant_method: compressed-tensors``; written by
 llm-compressor, served by vLLM, read by transformers with the compressed-tensors package)
