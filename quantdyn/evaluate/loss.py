@@ -31,7 +31,13 @@ def model_device(model: nn.Module) -> torch.device:
 
 def window_ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Mean next-token CE per window from logits (B, T, V) and targets (B, T) -> float64 (B,) on the CPU."""
-    return F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(1).double().cpu()
+    return ce_of_log_probs(F.log_softmax(logits, -1), y)
+
+
+def ce_of_log_probs(log_probs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean next-token CE per window from log-probabilities (B, T, V) over the vocabulary (the last, contiguous
+    dimension: several times faster than cross_entropy on a (B, V, T) view) -> float64 (B,) on the CPU."""
+    return (-log_probs.gather(-1, y.unsqueeze(-1)).squeeze(-1)).mean(1).double().cpu()
 
 
 @torch.no_grad()

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from quantdyn.evaluate.loss import autocast_for, model_device, window_ce, window_losses
+from quantdyn.evaluate.loss import autocast_for, ce_of_log_probs, model_device, window_losses
 from quantdyn.models.gpt import logits_of
 
 
@@ -44,12 +44,26 @@ def compare_models(
     return compare_many(fp_model, {"q": q_model}, windows, fp_window_ce, batch_size, dtype)["q"]
 
 
-def window_metrics(lf: torch.Tensor, lq: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+class FPLogits:
+    """What every quantized variant is compared with, computed once per batch of full-precision logits."""
+
+    def __init__(self, lf: torch.Tensor, y: torch.Tensor):
+        self.log_probs = F.log_softmax(lf, -1)
+        self.probs = self.log_probs.exp()
+        self.top1 = lf.argmax(-1)
+        self.y = y
+
+    @property
+    def window_ce(self) -> torch.Tensor:
+        return ce_of_log_probs(self.log_probs, self.y)
+
+
+def window_metrics(fp: FPLogits, lq: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Per window (float64, CPU): CE of the quantized logits, KL(P_FP || P_Q) per token, top-1 agreement."""
-    ce_q = window_ce(lq, y)
-    lpf, lpq = F.log_softmax(lf, -1), F.log_softmax(lq, -1)
-    kl = (lpf.exp() * (lpf - lpq)).sum(-1).mean(1).double().cpu()
-    agree = (lf.argmax(-1) == lq.argmax(-1)).double().mean(1).cpu()
+    lpq = F.log_softmax(lq, -1)
+    ce_q = ce_of_log_probs(lpq, fp.y)
+    kl = (fp.probs * (fp.log_probs - lpq)).sum(-1).mean(1).double().cpu()
+    agree = (fp.top1 == lq.argmax(-1)).double().mean(1).cpu()
     return ce_q, kl, agree
 
 
@@ -98,12 +112,14 @@ def compare_many(
         x = windows[i : i + batch_size]
         with autocast_for(fp_dev, dtype):
             lf_home = logits_of(fp_model, x[:, :-1].to(fp_dev)).float()
-        fp_ce.append(window_ce(lf_home, x[:, 1:].to(fp_dev)))
+        fp_home = FPLogits(lf_home, x[:, 1:].to(fp_dev))
+        fp_ce.append(fp_home.window_ce)
         for label, q in q_models.items():
             dev = model_device(q)
             with autocast_for(dev, dtype):
                 lq = logits_of(q, x[:, :-1].to(dev)).float()
-            for lst, v in zip(acc[label], window_metrics(lf_home.to(dev), lq, x[:, 1:].to(dev))):
+            fp = fp_home if dev == fp_dev else FPLogits(lf_home.to(dev), x[:, 1:].to(dev))
+            for lst, v in zip(acc[label], window_metrics(fp, lq)):
                 lst.append(v)
     fp_ce_t = fp_window_ce.double() if fp_window_ce is not None else torch.cat(fp_ce)
     return {label: summarize(fp_ce_t, *(torch.cat(v) for v in a)) for label, a in acc.items()}

@@ -31,8 +31,7 @@ import torch
 import torch.nn as nn
 
 from quantdyn.errors import QuantdynError
-from quantdyn.evaluate.loss import window_ce
-from quantdyn.evaluate.quant_error import summarize, window_metrics
+from quantdyn.evaluate.quant_error import FPLogits, summarize, window_metrics
 from quantdyn.models.lazy import CheckpointWeights, open_checkpoint
 from quantdyn.models.streamed import BlockSource, InMemoryModel, LazyModel, compute_dtype_of
 from quantdyn.analysis.propagation import block_sums, finalize_propagation, input_sums
@@ -224,18 +223,18 @@ def _head_metrics(w, targets: torch.Tensor, batch_size: int, logits_budget: int,
         B, T = h_fp.shape[0], h_fp.shape[1]
         y_all = targets[start : start + B].to(device)
         start += B
-        # windows per slice so that one variant's float32 logits stay within the budget
+        # windows per slice so that one variant's float32 logits stay within the budget (the FP side holds three
+        # tensors of that size: log-probabilities, probabilities and the logits until sliced away)
         step = max(1, min(B, logits_budget // max(1, T * vocab * 4)))
         hq_all = {label: w.finals[label]["eval"][i] for label in labels}
         for a in range(0, B, step):
-            y = y_all[a : a + step]
-            lf = w.head(w.norm(h_fp[a : a + step])).float()
-            fp_ce.append(window_ce(lf, y))
+            fp = FPLogits(w.head(w.norm(h_fp[a : a + step])).float(), y_all[a : a + step])
+            fp_ce.append(fp.window_ce)
             for label in labels:
                 lq = w.head_of(label)(w.norm(hq_all[label][a : a + step])).float()
-                for lst, v in zip(acc[label], window_metrics(lf, lq, y)):
+                for lst, v in zip(acc[label], window_metrics(fp, lq)):
                     lst.append(v)
                 del lq
-            del lf
+            del fp
     fp = torch.cat(fp_ce) if fp_ce else torch.zeros(0, dtype=torch.float64)
     return fp, {label: [torch.cat(v) for v in a] for label, a in acc.items()}
