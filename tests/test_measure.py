@@ -286,3 +286,52 @@ def test_hub_reference_offline(tmp_path, monkeypatch):
     assert m.metrics["rtn4"]["n_windows"] == 4
     with pytest.raises(QuantdynError, match=r"'org/tiny@step200' is not in the local Hugging Face cache.*download"):
         open_checkpoint("org/tiny@step200")
+
+
+def test_repeats_vary_the_calibration_and_combine_the_uncertainty(tmp_path, kjv_small):
+    """quant_repeats: RTN (no calibration in its weights) shows exactly zero spread — the mechanism's check —
+    while GPTQ's repeats differ; rows carry mean, SD over repeats and sqrt(SE² + SD²/R); R = 1 keys are
+    unchanged, R > 1 rows are new measurements."""
+    from quantdyn.config import from_dict
+    from quantdyn.measure.rows import calibration_draws
+    from quantdyn.results.store import ResultStore
+    from quantdyn.study.sweep import SweepConfig, run_sweep
+
+    _, data = kjv_small
+    torch.manual_seed(0)
+    model = GPT(resolve_model_config(ModelConfig(n_layer=2, d_model=32, n_head=2, max_seq_len=64,
+                                                 vocab_size=-(-data.vocab_size // 64) * 64)))
+    ck = save(model, tmp_path / "ck")
+    draws = calibration_draws(data, 6, 32, 0, 3, "draw")
+    assert not torch.equal(draws[0], draws[1]) and torch.equal(draws[0], data.calib_windows(6, 32, 0))
+    order = calibration_draws(data, 6, 32, 0, 2, "order")
+    assert torch.equal(order[1].sort(0).values, order[0].sort(0).values) and not torch.equal(order[1], order[0])
+
+    def sweep(store, repeats):
+        cfg = from_dict(SweepConfig, {"trajectory": {"checkpoints": [str(ck)]}, "quantizers": ["rtn3", "gptq3"],
+                                      "store": str(store), "device": "cpu", "quant_repeats": repeats,
+                                      "data": {"source": "builtin:kjv", "tokenizer": data.manifest["tokenizer"],
+                                               "calib_samples": 6, "calib_seq_len": 32, "eval_windows": 12,
+                                               "eval_seq_len": 32}})
+        return run_sweep(cfg, progress=False)
+
+    sweep(tmp_path / "one", 1)
+    sweep(tmp_path / "three", 3)
+    one = {r["quantizer"]: r for r in ResultStore(tmp_path / "one").rows() if r["kind"] == "ptq"}
+    three = {r["quantizer"]: r for r in ResultStore(tmp_path / "three").rows() if r["kind"] == "ptq"}
+    rtn, gptq = three["rtn3"], three["gptq3"]
+    assert rtn["quant_repeats"] == 3 and rtn["delta_ce_run_sd"] == 0.0 and len(set(rtn["delta_ce_repeats"])) == 1
+    assert gptq["delta_ce_run_sd"] > 0 and len(set(gptq["delta_ce_repeats"])) == 3
+    # repeat 0 is the unrepeated measurement
+    assert gptq["delta_ce_repeats"][0] == pytest.approx(one["gptq3"]["delta_ce"], abs=1e-12)
+    assert gptq["delta_ce"] == pytest.approx(sum(gptq["delta_ce_repeats"]) / 3)
+    assert gptq["delta_ce_total_se"] == pytest.approx((gptq["delta_ce_se"] ** 2 + gptq["delta_ce_run_sd"] ** 2 / 3) ** 0.5)
+    assert one["gptq3"]["quant_repeats"] == 1 and one["gptq3"]["delta_ce_total_se"] == one["gptq3"]["delta_ce_se"]
+    assert {r["key"] for r in ResultStore(tmp_path / "one").rows()}.isdisjoint(
+        {r["key"] for r in ResultStore(tmp_path / "three").rows() if r["kind"] == "ptq"})
+    for r in three.values():
+        assert r["calib_batch_size"] == 8 and r["quantize_threads"] == 1 and r["uncertainty_dominant"]
+    # determinism: the same seeds, batch size and threads give bit-identical rows
+    sweep(tmp_path / "again", 3)
+    again = {r["quantizer"]: r for r in ResultStore(tmp_path / "again").rows() if r["kind"] == "ptq"}
+    assert again["gptq3"]["delta_ce_repeats"] == gptq["delta_ce_repeats"]

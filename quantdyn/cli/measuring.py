@@ -31,6 +31,8 @@ def quantize(
     dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (the checkpoint's) | float32 | bfloat16 | float16."),
     max_memory: str = typer.Option("", "--max-memory", help="Memory for one block + activations, e.g. 8GB (default: half the free memory)."),
     threads: int = typer.Option(1, "--threads", help="torch threads while quantizing on CPU (1: codes independent of the core count; 0: torch's setting)."),
+    repeats: int = typer.Option(1, "--repeats", help="Quantize R times with different calibration draws: mean, SD over repeats, combined uncertainty."),
+    repeat_vary: str = typer.Option("draw", "--repeat-vary", help="What differs between repeats: draw | order | both."),
     as_json: bool = typer.Option(False, "--json", help="Print the result row as one JSON object."),
 ):
     """Quantize one model and measure Δ CE, Δ PPL, KL and agreement on held-out text."""
@@ -42,13 +44,17 @@ def quantize(
     row = quantize_one(model, method=method, bits=bits, group_size=group_size, preset=preset, calib_data=calib_data,
                        calib_samples=calib_samples, calib_seq_len=calib_seq_len, eval_data=eval_data,
                        eval_tokens=eval_tokens, eval_seq_len=eval_seq_len, tokenizer=tokenizer, save=save,
-                       device=device, progress=not as_json, threads=threads, dtype=dtype, max_memory=max_memory)
+                       device=device, progress=not as_json, threads=threads, dtype=dtype, max_memory=max_memory,
+                       repeats=repeats, repeat_vary=repeat_vary)
     if as_json:
         echo_json({k: v for k, v in row.items() if k != "window_delta"})
         return
     typer.echo(f"model {model}  quantizer {row['quantizer']}  ({row['n_windows']} windows x {eval_seq_len} tokens)")
     typer.echo(f"  {'':<12}{'FP':>10}{'quantized':>12}{'delta':>12}")
-    typer.echo(f"  {'CE (nats)':<12}{row['ce_fp']:>10.4f}{row['ce_q']:>12.4f}{row['delta_ce']:>+12.4f}  ± {row['delta_ce_se']:.4f}")
+    typer.echo(f"  {'CE (nats)':<12}{row['ce_fp']:>10.4f}{row['ce_q']:>12.4f}{row['delta_ce']:>+12.4f}  ± {row['delta_ce_total_se']:.4f}")
+    if row["quant_repeats"] > 1:
+        typer.echo(f"  {row['quant_repeats']} quantizations ({row['repeat_vary']}): SD over repeats {row['delta_ce_run_sd']:.4f}, "
+                   f"evaluation SE {row['delta_ce_se']:.4f}; the {row['uncertainty_dominant']} dominate(s) the uncertainty")
     import math as _m
     typer.echo(f"  {'perplexity':<12}{_m.exp(row['ce_fp']):>10.3f}{_m.exp(row['ce_q']):>12.3f}{row['delta_ppl']:>+12.3f}")
     typer.echo(f"  KL(FP||Q) {row['kl']:.5f} nats/token   top-1 agreement {row['top1_agree']:.4f}   "
@@ -78,6 +84,7 @@ def sweep(
     tokens_range: Optional[str] = typer.Option(None, "--tokens-range", help="Keep checkpoints with tokens in A:B, e.g. 100B:1T."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print each checkpoint's step, tokens, LR and phase; download nothing."),
     evict: bool = typer.Option(False, "--evict", help="Delete each hub revision from the HF cache once its rows are stored."),
+    repeats: int = typer.Option(0, "--repeats", help="Quantize each checkpoint R times per quantizer (spec: quant_repeats)."),
     quiet: bool = typer.Option(False, "--quiet"),
 ):
     """Quantize every checkpoint of a trajectory with a grid of quantizers; rows go to the store."""
@@ -104,6 +111,8 @@ def sweep(
         data["trajectory"] = traj
     if evict:
         data["evict"] = True
+    if repeats:
+        data["quant_repeats"] = repeats
     if quantizers:
         data["quantizers"] = [q for q in quantizers.split(",") if q]
     for key, value in (("store", store), ("device", device), ("dtype", dtype), ("max_memory", max_memory)):

@@ -191,7 +191,7 @@ def _stream_bytes(cap: CapturedInputs) -> int:
 def walk(
     source: BlockSource,
     quantizers: Mapping[str, QuantConfig | str | dict | BlockTransform],
-    calib_ids: torch.Tensor | None,
+    calib_ids: torch.Tensor | Mapping[str, torch.Tensor] | None,
     probes: Mapping[str, torch.Tensor],
     device: str | torch.device,
     cfg: WalkConfig = WalkConfig(),
@@ -202,7 +202,9 @@ def walk(
 ) -> Walk:
     """Quantize with every quantizer and carry the probe sets through the blocks (module docstring).
 
-    ``on_layer(label, layer name, result, quantized module)`` sees every quantized layer (to pack
+    ``calib_ids`` is one calibration set for all quantizers, or {label: ids} (e.g. repeats of one quantizer
+    with different calibration draws; labels without an entry get no calibration); identical tensors are
+    captured once. ``on_layer(label, layer name, result, quantized module)`` sees every quantized layer (to pack
     or export codes); ``progress(block, n_blocks)`` is called after each block."""
     device = torch.device(device)
     model, blocks, adapter = source.model, source.blocks, source.adapter
@@ -214,35 +216,44 @@ def walk(
     if observe is not None and observe not in probes:
         raise ValueError(f"observed probe set '{observe}' is not among the probes")
     vocab = vocab_size_of(model)
-    calibrating = [label for label, qc in qcfgs.items()
-                   if QUANTIZERS.get(qc.method).needs_calibration or (calib_ids is not None and cfg.calibrate_all)]
-    if calibrating:
-        calib_ids = check_calibration(calib_ids, vocab)
+    calib_of: dict[str, torch.Tensor] = {}
+    for label, qc in qcfgs.items():
+        ids = calib_ids.get(label) if isinstance(calib_ids, Mapping) else calib_ids
+        if QUANTIZERS.get(qc.method).needs_calibration or (ids is not None and cfg.calibrate_all):
+            calib_of[label] = ids
+    checked: dict[int, torch.Tensor] = {}
+    for label, ids in calib_of.items():  # validate each distinct set once; equal objects share a capture
+        if id(ids) not in checked:
+            checked[id(ids)] = check_calibration(ids, vocab)
+        calib_of[label] = checked[id(ids)]
+    calibrating = list(calib_of)
     probes = {name: _check_probe(name, ids, vocab) for name, ids in probes.items()}
     was_training = model.training
     model.eval()
     store = None
     try:
-        cal: CapturedInputs | None = None
+        cals: dict[int, CapturedInputs] = {}
         caps: dict[str, CapturedInputs] = {}
         if calibrating or probes:
             pre = source.pre_block()
             for m in pre:
                 source.load(m, device)
             try:
-                first = calib_ids[:1] if calibrating else next(iter(probes.values()))[:1]
+                first = calib_of[calibrating[0]][:1] if calibrating else next(iter(probes.values()))[:1]
                 h0, (rest0, kw0) = first_block_inputs(model, blocks, first.to(device))
                 source.load(blocks[0], device)
                 returns_tuple = isinstance(blocks[0](h0, *rest0, **kw0), (tuple, list))
-                if calibrating:
-                    cal = capture_inputs(model, blocks, calib_ids, device, cfg.calib_batch_size, returns_tuple)
+                for ids in calib_of.values():
+                    if id(ids) not in cals:
+                        cals[id(ids)] = capture_inputs(model, blocks, ids, device, cfg.calib_batch_size, returns_tuple)
                 for name, ids in probes.items():
                     caps[name] = capture_inputs(model, blocks, ids, device, cfg.probe_batch_size, returns_tuple)
             finally:
                 for m in pre:
                     source.unload(m)
         need = sum(_stream_bytes(c) for c in caps.values()) * (1 + len(qcfgs) + len(transforms))
-        need += _stream_bytes(cal) * len(calibrating) if cal is not None else 0
+        need += sum(_stream_bytes(cals[id(ids)]) for ids in calib_of.values())
+        cal_of = {label: cals[id(ids)] for label, ids in calib_of.items()}
         store = StreamStore(device, need, cfg.max_memory, cfg.spill_dir,
                             force={"auto": None, "memory": "device", "disk": "disk"}[cfg.streams])
         fp: dict[str, Stream] = {}
@@ -258,13 +269,13 @@ def walk(
             for name in caps:
                 qs[label][name] = store.new(f"q{len(qs)}-{name}")
                 qs[label][name].copy_from(fp[name])
-            if label in calibrating:
+            if label in cal_of:
                 qcal[label] = store.new(f"q{len(qs)}-calib")
-                for h in cal.hiddens:
+                for h in cal_of[label].hiddens:
                     qcal[label].append(h)
-        if cal is not None:
-            cal.hiddens = []
-        variants = {label: VariantQuantization(qc, n_calibration=int(calib_ids.shape[0]) if label in qcal else 0)
+        for c in cals.values():
+            c.hiddens = []
+        variants = {label: VariantQuantization(qc, n_calibration=int(calib_of[label].shape[0]) if label in qcal else 0)
                     for label, qc in qcfgs.items()}
         probe_seconds = 0.0
 
@@ -272,13 +283,13 @@ def walk(
             source.load(block, device)
             groups = adapter.linear_groups(block)
             check_finite_weights(groups, f"{prefix}.{b}")
-            cal_args = (lambda i, b=b: cal.args(b, i)) if cal is not None else None
             probe_args = {name: (lambda i, b=b, c=c: c.args(b, i)) for name, c in caps.items()}
             for label, qc in qcfgs.items():
                 t0 = time.perf_counter()
                 qblock = block if cfg.in_place else copy.deepcopy(block)
                 qgroups = groups if cfg.in_place else adapter.linear_groups(qblock)
                 hook = (lambda full, res, m, label=label: on_layer(label, full, res, m)) if on_layer else None
+                cal_args = (lambda i, b=b, c=cal_of[label]: c.args(b, i)) if label in cal_of else None
                 with num_threads(cfg.calib_threads or None):
                     rows = quantize_block(qblock, qgroups, b, prefix, qcal.get(label), cal_args, qc,
                                           cfg.layer_threads, hook)

@@ -6,7 +6,7 @@ from pathlib import Path
 from quantdyn.data.prepare import DataConfig, prepare_data
 from quantdyn.errors import QuantdynError
 from quantdyn.measure.engine import MeasureConfig, measure
-from quantdyn.measure.rows import quantizer_fields
+from quantdyn.measure.rows import calibration_draws, ptq_fields, repeat_labels
 from quantdyn.models.hf_io import checkpoint_hash
 from quantdyn.models.lazy import open_checkpoint
 from quantdyn.models.streamed import LazyModel, compute_dtype_of
@@ -18,15 +18,20 @@ def quantize_one(
     calib_data: str = "builtin:kjv", calib_samples: int = 32, calib_seq_len: int = 128,
     eval_data: str | None = None, eval_tokens: int = 25600, eval_seq_len: int = 128,
     tokenizer: str | None = None, save: Path | None = None, device: str = "auto", progress: bool = True,
-    threads: int = 1, dtype: str = "auto", max_memory: str = "", echo=None,
+    threads: int = 1, dtype: str = "auto", max_memory: str = "", repeats: int = 1, repeat_vary: str = "draw",
+    echo=None,
 ) -> dict:
     """Quantize ``model_ref`` (checkpoint directory or hub ``ID[@REV]``) and measure Δ CE, KL and agreement on
-    held-out text; with ``save`` also write the fake-quantized checkpoint and its codes there (streamed)."""
+    held-out text; with ``save`` also write the fake-quantized checkpoint and its codes there (streamed).
+    ``repeats`` R > 1 quantizes R times (calibration draw r: see measure.rows.calibration_draws) and reports the
+    mean, the SD over repeats and the combined uncertainty; ``save`` keeps repeat 0."""
     from quantdyn.quantize.config import parse_quantizer, quant_preset
 
     base = {"method": method, "bits": bits, "group_size": group_size}
     qc = quant_preset(preset, **base) if preset else parse_quantizer(base)
     dev = resolve_device(device)
+    if repeats < 1:
+        raise QuantdynError(f"--repeats {repeats} must be >= 1")
     if eval_tokens < eval_seq_len:
         raise QuantdynError(f"--eval-tokens {eval_tokens} is less than one window of --eval-seq-len {eval_seq_len}")
     weights = open_checkpoint(model_ref)  # validated before any data is prepared
@@ -41,7 +46,8 @@ def quantize_one(
             f"tokenizer '{tok}' has {calib.vocab_size} tokens but the model only {vocab}; pass the model's own "
             "tokenizer with --tokenizer"
         )
-    calib_ids = calib.calib_windows(calib_samples, calib_seq_len)
+    draws = calibration_draws(calib, calib_samples, calib_seq_len, 0, repeats, repeat_vary)
+    labels = repeat_labels(qc.name, repeats)
     n_windows = eval_tokens // eval_seq_len
     eval_ids = evald.eval_windows(eval_seq_len, n_windows)
     cfg = MeasureConfig(quantize_threads=threads, dtype=dtype, max_memory=max_memory)
@@ -51,7 +57,8 @@ def quantize_one(
 
         writer = QuantizedCheckpointWriter(save, source, qc, qc.name, weights.config.get("model_type", "?"))
     try:
-        m = measure(source, {qc.name: qc}, eval_ids, calib_ids, device=dev, cfg=cfg, on_layer=writer,
+        m = measure(source, {label: qc for label in labels}, eval_ids, dict(zip(labels, draws)), device=dev, cfg=cfg,
+                    on_layer=writer,
                     progress=(echo if progress and echo else None))
     except BaseException:
         if writer is not None:
@@ -61,12 +68,10 @@ def quantize_one(
     row = {
         "kind": "ptq", "checkpoint": model_ref,
         "checkpoint_hash": checkpoint_hash(str(weights.path)) if Path(model_ref).is_dir() else checkpoint_hash(model_ref),
-        **quantizer_fields(qc.name, qc),
+        **ptq_fields(qc.name, qc, m, cfg, threads if dev.type == "cpu" else 0, repeats, repeat_vary),
         "calib_data": calib_data, "calib_samples": calib_samples, "calib_seq_len": calib_seq_len,
         "eval_data": eval_data or calib_data, "eval_hash": evald.token_hash("val", eval_seq_len, n_windows),
-        "data_key": calib.data_hash, **m.metrics[qc.name], "t_quantize": v.seconds, "t_eval": m.t_eval,
-        "calib_batch_size": cfg.calib_batch_size, "quantize_threads": threads if dev.type == "cpu" else 0,
-        "compute_dtype": m.dtype, "streams": m.streams,
+        "data_key": calib.data_hash, "streams": m.streams,
         "layers": [{k: val for k, val in r.items() if isinstance(val, (int, float, str))} for r in v.rows],
         **provenance(),
     }

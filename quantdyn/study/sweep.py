@@ -31,7 +31,7 @@ from quantdyn.errors import QuantdynError
 from quantdyn.evaluate.quant_error import _se
 from quantdyn.measure.engine import MeasureConfig, measure
 from quantdyn.measure.rows import calib_hash as calib_identity
-from quantdyn.measure.rows import ptq_fields, ptq_what, row_key
+from quantdyn.measure.rows import REPEAT_VARY, calibration_draws, ptq_fields, ptq_what, repeat_labels, row_key
 from quantdyn.models.lazy import open_checkpoint
 from quantdyn.quantize.config import parse_quantizer
 from quantdyn.quantize.qat import QATConfig, QATDeployed
@@ -116,6 +116,13 @@ class SweepConfig:
     """Examples per task (0 = all)."""
     eval_fewshot: int = 0
     """Few-shot examples per prompt."""
+    quant_repeats: int = 1
+    """Quantize each checkpoint R times per quantizer (repeat r calibrated on its own draw, see repeat_vary): rows
+    give the mean, the SD over repeats (delta_ce_run_sd) and the combined uncertainty (delta_ce_total_se), since
+    re-quantizing moves Δ CE by more than the evaluation SE shows."""
+    repeat_vary: str = "draw"
+    """What differs between repeats: draw (calibration windows drawn with calib_seed + r) | order (the same windows
+    in a permuted order: float summation order only) | both."""
     evict: bool = False
     """Hub trajectories: delete each revision's files from the Hugging Face cache once its rows are stored (the
     revision whose tokenizer the sweep uses is kept), so a long trajectory needs the disk of one or two
@@ -125,6 +132,12 @@ class SweepConfig:
     activation stream, not a model copy; more quantizers take several passes)."""
 
     def __post_init__(self):
+        if self.quant_repeats < 1:
+            raise QuantdynError(f"sweep quant_repeats={self.quant_repeats} must be >= 1")
+        if self.repeat_vary not in REPEAT_VARY:
+            from quantdyn.errors import unknown_name
+
+            raise unknown_name("sweep repeat_vary", self.repeat_vary, REPEAT_VARY)
         if self.eval_group < 1:
             raise QuantdynError(f"sweep eval_group={self.eval_group} must be >= 1 (quantized copies held at once)")
 
@@ -210,7 +223,8 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True,
     ctx = _SweepContext(
         cfg=cfg, mcfg=mcfg, qcfgs=qcfgs, prop_q=prop_q, device=device, store=store, data=data,
         eval_ids=data.eval_windows(d.eval_seq_len, d.eval_windows),
-        calib_ids=data.calib_windows(d.calib_samples, d.calib_seq_len, d.calib_seed),
+        calib_draws=calibration_draws(data, d.calib_samples, d.calib_seq_len, d.calib_seed, cfg.quant_repeats,
+                                      cfg.repeat_vary),
         eval_hash=data.token_hash("val", d.eval_seq_len, d.eval_windows),
         calib_hash=calib_identity(data.data_hash, d.calib_samples, d.calib_seq_len, d.calib_seed),
         done=store.keys(), acc_done=store.keys("sweep_acc_key") if cfg.eval_tasks else set(),
@@ -253,7 +267,7 @@ class _SweepContext:
     store: ResultStore
     data: TokenData
     eval_ids: torch.Tensor
-    calib_ids: torch.Tensor
+    calib_draws: list[torch.Tensor]
     eval_hash: str
     calib_hash: str
     done: set
@@ -274,7 +288,8 @@ def _point_keys(ctx: _SweepContext, p: Point):
     base = {**point_fields(p, h), "eval_hash": ctx.eval_hash, "calib_hash": ctx.calib_hash,
             "data_key": ctx.data.data_hash}
     fp_key = row_key(hp, "fp", ctx.eval_hash)
-    q_keys = {label: row_key(hp, ptq_what(qc, ctx.calib_hash), ctx.eval_hash) for label, qc in ctx.qcfgs.items()}
+    q_keys = {label: row_key(hp, ptq_what(qc, ctx.calib_hash, cfg.quant_repeats, cfg.repeat_vary), ctx.eval_hash)
+              for label, qc in ctx.qcfgs.items()}
     qat_cfg = (p.meta.get("config") or {}).get("qat")
     qat_key = row_key(hp, f"qat:{config_hash(qat_cfg)}", ctx.eval_hash) if qat_cfg else None
     prop_hash = config_hash({k: to_dict(v) for k, v in sorted(ctx.prop_q.items())})
@@ -309,7 +324,12 @@ def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
     skipped += not fp_pending
     groups = [pending[g : g + cfg.eval_group] for g in range(0, len(pending), cfg.eval_group)] or [[]]
     for g, group in enumerate(groups):
-        variants: dict = {label: ctx.qcfgs[label] for label in group}
+        variants: dict = {}
+        calib: dict = {}
+        for label in group:
+            for r, vlabel in enumerate(repeat_labels(label, cfg.quant_repeats)):
+                variants[vlabel] = ctx.qcfgs[label]
+                calib[vlabel] = ctx.calib_draws[r]
         if g == 0 and qat_pending:
             variants["__qat__"] = QATDeployed(from_dict(QATConfig, qat_cfg))
         if not variants and not (g == 0 and fp_pending):
@@ -317,8 +337,7 @@ def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
         collect = {label: {} for label in group if label in acc_keys and acc_keys[label] not in ctx.acc_done}
         on_layer = (lambda label, full, res, m: collect[label].__setitem__(full, m.weight.detach().cpu().clone())
                     if label in collect else None) if collect else None
-        m = measure(weights, variants, ctx.eval_ids, ctx.calib_ids, device=ctx.device, cfg=ctx.mcfg,
-                    on_layer=on_layer)
+        m = measure(weights, variants, ctx.eval_ids, calib, device=ctx.device, cfg=ctx.mcfg, on_layer=on_layer)
         base["n_params"] = m.n_params
         rows = []
         if g == 0 and fp_pending:
@@ -335,7 +354,8 @@ def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
         for label in group:
             if q_keys[label] not in ctx.done:
                 rows.append({"key": q_keys[label], "kind": "ptq", **base,
-                             **ptq_fields(label, ctx.qcfgs[label], m, ctx.mcfg, threads), "t_load": t_load,
+                             **ptq_fields(label, ctx.qcfgs[label], m, ctx.mcfg, threads, cfg.quant_repeats,
+                                          cfg.repeat_vary), "t_load": t_load,
                              **provenance()})
             else:
                 skipped += 1
@@ -346,7 +366,7 @@ def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
         if key in ctx.done:
             skipped += 1
             continue
-        vals = analysis_rows(name, weights, ctx.data, ctx.calib_ids, ctx.eval_ids, ctx.prop_q, cfg.analysis_budget,
+        vals = analysis_rows(name, weights, ctx.data, ctx.calib_draws[0], ctx.eval_ids, ctx.prop_q, cfg.analysis_budget,
                              device=ctx.device, mcfg=ctx.mcfg)
         written += len(ctx.store.append_new([{"key": key, "kind": "analysis", "analysis": name, **base, **vals,
                                                **provenance()}]))
