@@ -37,8 +37,13 @@ test-isa: $(STAMP)
 test-fast: $(STAMP)
 	$(VENV)/bin/pytest -q -m "not slow"
 
+# Every benchmark in bench/ (not the cross-checks: `make crosscheck`), one JSON per run in
+# bench/results/<machine>-<date>.json. Quick mode by default (minutes on a CPU); `make bench BENCH_MODE=`
+# runs the full benchmarks, BENCH_ONLY=train_throughput,gptq_speed a subset.
+BENCH_MODE ?= --quick
+BENCH_ONLY ?=
 bench: $(STAMP)
-	for b in bench/*.py; do $(VENV)/bin/python $$b || exit 1; done
+	$(VENV)/bin/python bench/common.py $(BENCH_MODE) $(if $(BENCH_ONLY),--only $(BENCH_ONLY))
 
 clean:
 	rm -rf $(VENV) .cache runs results report demo

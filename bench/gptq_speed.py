@@ -84,8 +84,9 @@ def timed(fn, repeat: int = 1):
     return best, out
 
 
-def bench_layers(args, ref) -> None:
+def bench_layers(args, ref) -> list[dict]:
     cfg = QuantConfig(bits=4, group_size=128)
+    rows = []
     print(f"per layer, {cfg.name} (best of {args.repeat} calls, seconds; qd/ref = quantdyn / reference)")
     head = f"{'layer':>16} {'shape':>10} {'qd 1T':>7} {'qd 2T':>7} {'textbk 1T':>9}"
     if ref:
@@ -115,9 +116,13 @@ def bench_layers(args, ref) -> None:
             equal = torch.equal(Q1, r1.weight)
             line += f" {rt1:7.2f} {rt2:7.2f} {t1 / rt1:9.2f} {t2 / rt2:9.2f} {t1 / rt2:10.2f} {str(equal):>5}"
         print(line, flush=True)
+        rows.append({"layer": name, "shape": [R, C], "quantdyn_1t_s": t1, "quantdyn_2t_s": t2,
+                     "textbook_1t_s": None if tb != tb else tb,
+                     **({"reference_1t_s": rt1, "reference_2t_s": rt2, "equal": equal} if ref else {})})
+    return rows
 
 
-def bench_model(args) -> None:
+def bench_model(args) -> dict:
     from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config
     from quantdyn.quantize.apply import quantize_model
 
@@ -136,12 +141,14 @@ def bench_model(args) -> None:
         times[th] = t
         print(f"  {th} thread(s): {t:6.2f} s total, {gptq_s:6.2f} s inside gptq(), {len(res.rows)} layers")
     print(f"  ratio 1 thread / 2 threads: {times[1] / times[2]:.2f}")
+    return {"model": "pythia-70m shape", "quantizer": cfg.name, "calib": [args.n_calib, args.seq_len],
+            "seconds_1t": times[1], "seconds_2t": times[2]}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--reference-dir", type=Path, default=None, help="directory with IST-DASLab gptq.py + quant.py")
-    p.add_argument("--quick", action="store_true", help="two layers and a short calibration set")
+    p.add_argument("--quick", action="store_true", help="two layers, one timing each, no textbook, a short calibration set")
     p.add_argument("--no-textbook", action="store_true", help="skip the slow textbook timing")
     p.add_argument("--no-model", action="store_true", help="skip the whole-model timing")
     p.add_argument("--repeat", type=int, default=3, help="per-layer timings: best of this many calls")
@@ -149,12 +156,15 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=256)
     args = p.parse_args()
     if args.quick:
-        args.n_calib, args.seq_len = 4, 64
+        args.n_calib, args.seq_len, args.repeat, args.no_textbook = 4, 64, 1, True
     ref = load_reference(args.reference_dir) if args.reference_dir else None
     print(f"torch {torch.__version__}, default threads {torch.get_num_threads()}")
-    bench_layers(args, ref)
+    figures = {"layers": bench_layers(args, ref)}
     if not args.no_model:
-        bench_model(args)
+        figures["model"] = bench_model(args)
+    from common import record  # bench/common.py (this directory is on sys.path)
+
+    record("gptq_speed", figures, args)
 
 
 if __name__ == "__main__":

@@ -80,7 +80,10 @@ def main() -> None:
     ap.add_argument("--probes", type=int, default=3, help="probes per timed trace estimate")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
+    ap.add_argument("--quick", action="store_true", help="batch 2 x 64 tokens, one timed round, 2 probes")
     args = ap.parse_args()
+    if args.quick:
+        args.batch, args.seq, args.reps, args.probes = 2, 64, 1, 2
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -156,6 +159,14 @@ def main() -> None:
           f"naive autograd.functional.hvp {_med(t_hvp, 'naive')}")
     print(f"ratio naive/quantdyn: vs reuse_graph HVP {_ratio(t_hvp, 'naive', 'quantdyn')}; "
           f"vs recompute {_ratio(t_hvp, 'naive', 'quantdyn_recompute')}; HVP max rel diff {_rel(hv_naive, hv_ours):.1e}")
+    from common import record  # bench/common.py (this script's directory is on sys.path)
+
+    def medians(times):
+        return {k: {"wall_s": statistics.median(w for w, _ in v), "cpu_s": statistics.median(c for _, c in v)}
+                for k, v in times.items()}
+
+    record("hessian_speed", {"params_m": n_params / 1e6, "graph_build_s": build, "hvp": medians(t_hvp),
+                             "trace": medians(t_tr), "trace_value": tr["trace"], "trace_se": tr["se"]}, args)
 
 
 def _rel(a, b) -> float:

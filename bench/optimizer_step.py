@@ -67,7 +67,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--optimizers", default=",".join(OPTIMIZERS.names()))
     ap.add_argument("--devices", default="cpu,cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    ap.add_argument("--quick", action="store_true", help="3 timed steps after 1 warm-up step")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.steps, args.warmup = 3, 1
     names = [n for n in args.optimizers.split(",") if n]
     if "adamw" not in names:
         names.insert(0, "adamw")
@@ -91,6 +94,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    try:
+        from common import record  # bench/common.py, when run as bench/optimizer_step.py
+    except ImportError:
+        return rows
+    record("optimizer_step", {"rows": rows}, args)
     return rows
 
 

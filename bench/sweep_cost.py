@@ -50,7 +50,11 @@ def main() -> None:
     ap.add_argument("--quantizers", default="gptq3,rtn4")
     ap.add_argument("--windows", type=int, default=100)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="12 training steps (6 checkpoints): 2 vs 6 checkpoints, 16 windows")
     a = ap.parse_args()
+    steps, small, large = (12, 2, 6) if a.quick else (40, 5, 20)
+    if a.quick:
+        a.windows = min(a.windows, 16)
     if a.threads:
         torch.set_num_threads(a.threads)
     qs = [q for q in a.quantizers.split(",") if q]
@@ -58,7 +62,7 @@ def main() -> None:
         cfg = from_dict(RunConfig, {
             "name": "cost", "out_dir": tmp, "model": {"n_layer": 4, "d_model": 128, "n_head": 4, "max_seq_len": 256},
             "schedule": {"name": "constant", "warmup": 0},
-            "train": {"steps": 40, "batch_size": 8, "seq_len": 128, "eval_every": 0, "eval_windows": 4,
+            "train": {"steps": steps, "batch_size": 8, "seq_len": 128, "eval_every": 0, "eval_windows": 4,
                       "checkpoint_every": 2, "log_every": 10},
         })
         t0 = time.perf_counter()
@@ -67,21 +71,26 @@ def main() -> None:
         ckpts = [str(c.path) for c in list_checkpoints(run)]
         # warm the token cache so both sweeps measure only per-checkpoint work
         sweep_cost(ckpts[:1], Path(tmp) / "warm", qs, a.windows)
-        c5 = sweep_cost(ckpts[:5], Path(tmp) / "s5", qs, a.windows)
-        c20 = sweep_cost(ckpts[:20], Path(tmp) / "s20", qs, a.windows)
-        c5_one = sweep_cost(ckpts[:5], Path(tmp) / "s5one", qs, a.windows, eval_group=1)
+        c5 = sweep_cost(ckpts[:small], Path(tmp) / "s5", qs, a.windows)
+        c20 = sweep_cost(ckpts[:large], Path(tmp) / "s20", qs, a.windows)
+        c5_one = sweep_cost(ckpts[:small], Path(tmp) / "s5one", qs, a.windows, eval_group=1)
     print(f"threads {torch.get_num_threads()}  quantizers {qs}  eval {a.windows} windows x 128 tokens  "
           f"(training the 20-checkpoint run took {t_train:.1f}s)")
     for c in (c5, c20):
         p = c["parts"]
         print(f"{c['n']:>2} checkpoints: {c['wall']:7.1f}s total, {c['per_ckpt']:6.2f}s/ckpt "
               f"(load {p['load']:.2f}  quantize {p['quantize']:.2f}  evaluate {p['evaluate']:.2f})")
-    print(f"per-checkpoint cost, 20 vs 5: ratio {c20['per_ckpt'] / c5['per_ckpt']:.3f}  (goal ~1.0: linear growth)")
+    print(f"per-checkpoint cost, {large} vs {small}: ratio {c20['per_ckpt'] / c5['per_ckpt']:.3f}  (goal ~1.0: linear growth)")
     p1 = c5_one["parts"]
-    print(f" 5 checkpoints, one quantized copy at a time: {c5_one['wall']:7.1f}s total "
+    print(f"{small:>2} checkpoints, one quantized copy at a time: {c5_one['wall']:7.1f}s total "
           f"(quantize {p1['quantize']:.2f}  evaluate {p1['evaluate']:.2f} s/ckpt)")
     print(f"evaluation time, together vs one at a time: ratio {c5['parts']['evaluate'] / p1['evaluate']:.3f}  "
           f"(ideal with k quantizers: (k + 1) / 2k)")
+    from common import record  # bench/common.py (this script's directory is on sys.path)
+
+    record("sweep_cost", {"train_s": t_train, "small": c5, "large": c20, "small_one_at_a_time": c5_one,
+                          "per_ckpt_ratio": c20["per_ckpt"] / c5["per_ckpt"],
+                          "eval_together_vs_one": c5["parts"]["evaluate"] / p1["evaluate"]}, a)
 
 
 if __name__ == "__main__":
