@@ -33,14 +33,32 @@ def test_logits_equal_transformers_gptneox(tmp_path, parallel, tie):
 
 
 def test_pythia_preset_shapes():
-    for name, n_params in [("pythia-14m", 14_067_712), ("pythia-70m", 70_426_624), ("pythia-160m", 162_322_944)]:
-        cfg = resolve_model_config(ModelConfig(preset=name))
-        m = GPT(cfg) if name != "pythia-160m" else None
-        if m is not None:
-            assert sum(p.numel() for p in m.parameters()) == n_params
+    """Parameter counts equal Pythia's published ones (Biderman et al. 2023, Table 1), for every Pythia preset:
+    the models are built on the meta device, so even 1B costs no memory."""
+    from quantdyn.models.streamed import params_on_meta
+
+    published = {"pythia-14m": 14_067_712, "pythia-70m": 70_426_624, "pythia-160m": 162_322_944,
+                 "pythia-410m": 405_334_016, "pythia-1b": 1_011_781_632}
+    for name, n_params in published.items():
+        with params_on_meta():
+            m = GPT(resolve_model_config(ModelConfig(preset=name)))
+        assert sum(p.numel() for p in m.parameters()) == n_params, name
     cfg = resolve_model_config(ModelConfig(preset="pythia-160m"))
     assert (cfg.n_layer, cfg.d_model, cfg.n_head, cfg.ff_dim, cfg.vocab_size) == (12, 768, 12, 3072, 50304)
-    assert set(PRESETS) >= {"pythia-14m", "pythia-70m", "pythia-160m", "pythia-410m"}
+    assert set(PRESETS) >= set(published)
+
+
+def test_preset_respects_every_explicit_field():
+    """An explicit field wins over the preset even when it equals the default (n_layer: 4 with a 6-layer preset)."""
+    from quantdyn.config import from_dict
+
+    cfg = resolve_model_config(from_dict(ModelConfig, {"preset": "pythia-70m", "n_layer": 4, "rotary_pct": 0.25,
+                                                       "tie_embeddings": False}))
+    assert (cfg.n_layer, cfg.d_model, cfg.rotary_pct) == (4, 512, 0.25)
+    assert resolve_model_config(ModelConfig(preset="pythia-70m")).n_layer == 6
+    assert resolve_model_config(cfg) == cfg  # resolving twice changes nothing
+    plain = ModelConfig(vocab_size=64)  # without a preset the defaults apply at once
+    assert (plain.n_layer, plain.d_model, plain.ff_dim) == (4, 128, 512)
 
 
 def test_bad_model_inputs(tmp_path):

@@ -25,44 +25,65 @@ import torch.nn.functional as F
 from quantdyn.errors import QuantdynError
 
 
+_DEFAULTS: dict = dict(vocab_size=0, n_layer=4, d_model=128, n_head=4, d_ff=0, max_seq_len=2048, rotary_pct=0.25,
+                       rotary_base=10000.0, parallel_residual=True, tie_embeddings=False, layer_norm_eps=1e-5,
+                       init_std=0.02)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a GPT-NeoX/Pythia model."""
+    """Shape of a GPT-NeoX/Pythia model.
+
+    With a ``preset`` every field left unset (None) comes from the preset, else from the default in its
+    docstring, and every field set explicitly wins — also when it equals the default (``n_layer: 4`` with
+    a 6-layer preset gives 4 layers). Without a preset, unset fields take their defaults at once."""
 
     preset: str | None = None
     """Name of a preset (see PRESETS); explicit fields below override it."""
-    vocab_size: int = 0
-    """Vocabulary size; 0 = take it from the tokenizer (rounded up to a multiple of 64)."""
-    n_layer: int = 4
-    """Number of transformer blocks."""
-    d_model: int = 128
-    """Residual width (hidden_size)."""
-    n_head: int = 4
-    """Attention heads; must divide d_model."""
-    d_ff: int = 0
-    """MLP width; 0 = 4 * d_model (Pythia)."""
-    max_seq_len: int = 2048
-    """Largest context (max_position_embeddings)."""
-    rotary_pct: float = 0.25
-    """Fraction of each head's dimensions that get rotary embeddings (Pythia: 0.25)."""
-    rotary_base: float = 10000.0
-    """RoPE base (rotary_emb_base)."""
-    parallel_residual: bool = True
-    """Pythia's parallel attention+MLP residual."""
-    tie_embeddings: bool = False
-    """Share input embedding and output head (Pythia: untied)."""
-    layer_norm_eps: float = 1e-5
-    """LayerNorm epsilon."""
-    init_std: float = 0.02
-    """Std of the normal initialisation; output projections get init_std / sqrt(2 * n_layer)."""
+    vocab_size: int | None = None
+    """Vocabulary size; 0 (default) = take it from the tokenizer (rounded up to a multiple of 64)."""
+    n_layer: int | None = None
+    """Number of transformer blocks (default 4)."""
+    d_model: int | None = None
+    """Residual width (hidden_size; default 128)."""
+    n_head: int | None = None
+    """Attention heads; must divide d_model (default 4)."""
+    d_ff: int | None = None
+    """MLP width; 0 (default) = 4 * d_model (Pythia)."""
+    max_seq_len: int | None = None
+    """Largest context (max_position_embeddings; default 2048)."""
+    rotary_pct: float | None = None
+    """Fraction of each head's dimensions that get rotary embeddings (Pythia: 0.25, the default)."""
+    rotary_base: float | None = None
+    """RoPE base (rotary_emb_base; default 10000)."""
+    parallel_residual: bool | None = None
+    """Pythia's parallel attention+MLP residual (default true)."""
+    tie_embeddings: bool | None = None
+    """Share input embedding and output head (Pythia: untied, the default)."""
+    layer_norm_eps: float | None = None
+    """LayerNorm epsilon (default 1e-5)."""
+    init_std: float | None = None
+    """Std of the normal initialisation (default 0.02); output projections get init_std / sqrt(2 * n_layer)."""
 
     def __post_init__(self):
-        if self.n_layer < 1 or self.d_model < 1 or self.n_head < 1:
-            raise QuantdynError("model: n_layer, d_model and n_head must be positive")
-        if self.d_model % self.n_head:
+        if self.preset is None:
+            for k, v in _DEFAULTS.items():
+                if getattr(self, k) is None:
+                    object.__setattr__(self, k, v)
+        for k in ("n_layer", "d_model", "n_head"):
+            v = getattr(self, k)
+            if v is not None and v < 1:
+                raise QuantdynError(f"model: {k}={v} must be a positive integer")
+        if self.d_model is not None and self.n_head is not None and self.d_model % self.n_head:
             raise QuantdynError(f"model: n_head={self.n_head} must divide d_model={self.d_model}")
-        if not 0.0 <= self.rotary_pct <= 1.0:
+        if self.rotary_pct is not None and not 0.0 <= self.rotary_pct <= 1.0:
             raise QuantdynError(f"model: rotary_pct={self.rotary_pct} must lie in [0, 1]")
+        for k in ("vocab_size", "d_ff"):
+            v = getattr(self, k)
+            if v is not None and v < 0:
+                raise QuantdynError(f"model: {k}={v} must be >= 0 (0 = derived)")
+        if self.max_seq_len is not None and self.max_seq_len < 1:
+            raise QuantdynError(f"model: max_seq_len={self.max_seq_len} must be >= 1")
 
     @property
     def head_dim(self) -> int:
@@ -88,6 +109,7 @@ PRESETS: dict[str, dict] = {
     "pythia-70m": dict(n_layer=6, d_model=512, n_head=8, max_seq_len=2048, vocab_size=50304),
     "pythia-160m": dict(n_layer=12, d_model=768, n_head=12, max_seq_len=2048, vocab_size=50304),
     "pythia-410m": dict(n_layer=24, d_model=1024, n_head=16, max_seq_len=2048, vocab_size=50304),
+    "pythia-1b": dict(n_layer=16, d_model=2048, n_head=8, max_seq_len=2048, vocab_size=50304),
     "tiny-2x64": dict(n_layer=2, d_model=64, n_head=2, max_seq_len=512),
     "tiny-4x128": dict(n_layer=4, d_model=128, n_head=4, max_seq_len=512),
     "tiny-4x256": dict(n_layer=4, d_model=256, n_head=4, max_seq_len=512),
@@ -95,26 +117,23 @@ PRESETS: dict[str, dict] = {
 
 
 def resolve_model_config(cfg: ModelConfig, vocab_size: int | None = None) -> ModelConfig:
-    """Apply the preset (explicit non-default fields win) and fill vocab_size."""
-    import dataclasses
-
-    base = ModelConfig()
-    fields = {}
+    """Apply the preset (every explicitly set field wins) and fill vocab_size."""
+    fields = dict(_DEFAULTS)
     if cfg.preset is not None:
         if cfg.preset not in PRESETS:
             from quantdyn.errors import unknown_name
 
             raise unknown_name("model preset", cfg.preset, PRESETS)
         fields.update(PRESETS[cfg.preset])
-    for f in dataclasses.fields(cfg):
-        v = getattr(cfg, f.name)
-        if f.name != "preset" and v != getattr(base, f.name):
-            fields[f.name] = v
+    for k in _DEFAULTS:
+        v = getattr(cfg, k)
+        if v is not None and (cfg.preset is not None or v != _DEFAULTS[k]):
+            fields[k] = v
     if fields.get("vocab_size", 0) == 0:
         if vocab_size is None:
             raise QuantdynError("model.vocab_size is 0 and no tokenizer gives it; set model.vocab_size")
         fields["vocab_size"] = int(math.ceil(vocab_size / 64) * 64)
-    return dataclasses.replace(base, preset=cfg.preset, **fields)
+    return ModelConfig(preset=cfg.preset, **fields)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
