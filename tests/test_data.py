@@ -154,7 +154,6 @@ def test_hf_split_choice_and_held_out_manifest(tmp_path):
 def test_hf_source_is_streamed_once_and_revision_is_passed(tmp_path, monkeypatch):
     import datasets
 
-    import quantdyn.data.sources as sources
 
     calls = []
     docs = _docs(150)

@@ -277,7 +277,7 @@ def write_grid(base: dict, vary: Sequence[str], seeds: int, grid_dir: str | Path
     Writing the same grid again is a no-op (runs already started are kept); a
     different grid in the same directory is refused.
     """
-    from quantdyn.files import write_json_atomic
+    from quantdyn.files import write_json_atomic, write_text_atomic
 
     grid_dir = Path(grid_dir)
     manifest = grid_manifest(base, vary, seeds, grid_dir)
@@ -298,7 +298,7 @@ def write_grid(base: dict, vary: Sequence[str], seeds: int, grid_dir: str | Path
     cfg_dir = grid_dir / "configs"
     cfg_dir.mkdir(parents=True, exist_ok=True)
     for name, d in expand_grid(base, vary, seeds, grid_dir):
-        (cfg_dir / f"{name}.yaml").write_text(yaml.safe_dump(d, sort_keys=False))
+        write_text_atomic(cfg_dir / f"{name}.yaml", yaml.safe_dump(d, sort_keys=False))
     write_json_atomic(existing, manifest)
     return manifest
 

@@ -30,7 +30,7 @@ from quantdyn.data.prepare import prepare_data
 from quantdyn.errors import QuantdynError
 from quantdyn.evaluate.loss import mean_loss
 from quantdyn.models.gpt import GPT, resolve_model_config
-from quantdyn.files import write_json_atomic
+from quantdyn.files import write_json_atomic, write_text_atomic
 from quantdyn.runtime import git_sha, hardware, resolve_device, seed_everything
 from quantdyn.train.averaging import OnlineEMA, OnlineLAWA, local_state_dict
 from quantdyn.train.checkpoint import (
@@ -246,7 +246,7 @@ def train(
             clear_run(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(run_dir)
-        (run_dir / "config.yaml").write_text(dump_yaml(resolved))
+        write_text_atomic(run_dir / "config.yaml", dump_yaml(resolved))
         info_path = run_dir / "run.json"
         info = json.loads(info_path.read_text()) if info_path.is_file() else {}
         info.update(
