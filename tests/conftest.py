@@ -44,3 +44,29 @@ def tiny_run_dict(tmp_path, data_cfg, **train):
         "schedule": {"name": "wsd", "warmup": 2, "decay": 4},
         "train": t,
     }
+
+
+class CliResult:
+    """What a command line did: exit status and the text it wrote to stdout and stderr."""
+
+    def __init__(self, returncode: int, stdout: str, stderr: str):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+@pytest.fixture
+def cli(capsys):
+    """Run ``quantdyn ARGS...`` in this process (what the console script does, without a new interpreter):
+    ``cli("quantize", ckpt, "--bits", 3)`` -> CliResult(returncode, stdout, stderr)."""
+    from quantdyn.cli import main
+
+    def run(*args) -> CliResult:
+        capsys.readouterr()
+        try:
+            main([str(a) for a in args])
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        out = capsys.readouterr()
+        return CliResult(code, out.out, out.err)
+
+    return run

@@ -1,13 +1,9 @@
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from conftest import tiny_run_dict
 from quantdyn.config import from_dict
-from quantdyn.errors import QuantdynError
 from quantdyn.results.store import ResultStore
 from quantdyn.study.sweep import SweepConfig, run_sweep
 from quantdyn.train.config import RunConfig
@@ -47,17 +43,17 @@ def test_sweep_with_analysis_and_predictor_report(tmp_path, kjv_small):
     assert (tmp_path / "rep" / "predictors.png").is_file() and "predict" in page.read_text()
 
 
-def test_analyze_cli_json_and_bad_metric(tmp_path, kjv_small):
+def test_analyze_cli_json_and_bad_metric(tmp_path, kjv_small, cli):
     data_cfg, _ = kjv_small
     d = tiny_run_dict(tmp_path, data_cfg, steps=4, checkpoint_every=4)
     run = train(from_dict(RunConfig, d), progress=False)
     ck = str(run / "checkpoints" / "step-0000004")
-    exe = [sys.executable, "-m", "quantdyn.cli", "analyze", ck, "--store", str(tmp_path / "st"), "--quiet"]
-    r = subprocess.run(exe + ["--metrics", "outliers,propagation", "--quantizers", "rtn3", "--windows", "2", "--seq-len", "32", "--json"],
-                       capture_output=True, text=True, env=dict(os.environ))
+    exe = ["analyze", ck, "--store", str(tmp_path / "st"), "--quiet"]
+    r = cli(*exe, "--metrics", "outliers,propagation", "--quantizers", "rtn3", "--windows", "2", "--seq-len", "32",
+            "--json")
     assert r.returncode == 0, r.stderr[-1500:]
     rows = json.loads(r.stdout.strip().splitlines()[-1])
     assert sorted(x["analysis"] for x in rows) == ["outliers", "propagation"]
     assert all(x["checkpoint"] == ck for x in rows)
-    r = subprocess.run(exe + ["--metrics", "hesian"], capture_output=True, text=True, env=dict(os.environ))
+    r = cli(*exe, "--metrics", "hesian")
     assert r.returncode == 2 and "did you mean 'hessian'" in r.stderr

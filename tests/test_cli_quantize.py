@@ -1,9 +1,6 @@
 """`quantdyn quantize` end to end on a quantdyn checkpoint and on locally saved
 HF LLaMA- and GPT-2-family models (built here; no hub access)."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,13 +9,6 @@ from conftest import tiny_run_dict
 from quantdyn.config import from_dict
 from quantdyn.train.config import RunConfig
 from quantdyn.train.trainer import train
-
-EXE = [sys.executable, "-m", "quantdyn.cli"]
-
-
-def _run(args, **kw):
-    return subprocess.run(EXE + ["quantize"] + args, capture_output=True, text=True, env=dict(os.environ), **kw)
-
 
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory, kjv_small):
@@ -41,9 +31,9 @@ def hf_models(tmp_path_factory, kjv_small):
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_quantize_local_hf_models(hf_models, family, tmp_path):
-    r = _run([str(hf_models[family]), "--method", "gptq", "--bits", "4", "--group-size", "32", "--calib-samples", "4",
-              "--eval-tokens", "2048", "--json", "--save", str(tmp_path / "q")])
+def test_quantize_local_hf_models(hf_models, family, tmp_path, cli):
+    r = cli("quantize", *[str(hf_models[family]), "--method", "gptq", "--bits", "4", "--group-size", "32", "--calib-samples", "4",
+              "--eval-tokens", "2048", "--json", "--save", str(tmp_path / "q")])  # --save: the old spelling of --out
     assert r.returncode == 0, r.stderr[-1500:]
     row = json.loads(r.stdout.strip().splitlines()[-1])
     assert row["method"] == "gptq" and row["bits"] == 4 and row["n_windows"] == 16
@@ -56,25 +46,25 @@ def test_quantize_local_hf_models(hf_models, family, tmp_path):
     AutoModelForCausalLM.from_pretrained(tmp_path / "q")  # the saved fake-quantized model loads
 
 
-def test_quantize_quantdyn_checkpoint_table_and_errors(tmp_path, kjv_small):
+def test_quantize_quantdyn_checkpoint_table_and_errors(tmp_path, kjv_small, cli):
     data_cfg, _ = kjv_small
     d = tiny_run_dict(tmp_path, data_cfg, steps=8, checkpoint_every=8)
     run = train(from_dict(RunConfig, d), progress=False)
     ck = str(run / "checkpoints" / "step-0000008")
     short = ["--calib-seq-len", "32", "--eval-seq-len", "32", "--eval-tokens", "2048"]
-    r = _run([ck, "--method", "rtn", "--bits", "3", "--group-size", "0", *short])
+    r = cli("quantize", ck, "--method", "rtn", "--bits", "3", "--group-size", "0", *short)
     assert r.returncode == 0, r.stderr[-1500:]
     assert "CE (nats)" in r.stdout and "KL(FP||Q)" in r.stdout
     for args, msg in [(["--bits", "1"], "bits=1 is not supported"),
                       (["--method", "gtpq"], "did you mean 'gptq'"),
                       (["--calib-samples", "0"], "calibration set is empty")]:
-        r = _run([ck, *args, *short])
+        r = cli("quantize", ck, *args, *short)
         assert r.returncode == 2 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    r = _run([str(tmp_path / "missing"), "--bits", "3"])
+    r = cli("quantize", str(tmp_path / "missing"), "--bits", "3")
     assert r.returncode == 2 and "does not exist" in r.stderr
     # another checkpoint directory with the same tokenizer reuses the token cache (no re-tokenization)
     import shutil
 
     other = shutil.copytree(ck, tmp_path / "elsewhere")
-    r = _run([str(other), "--method", "rtn", "--bits", "4", *short])
+    r = cli("quantize", str(other), "--method", "rtn", "--bits", "4", *short)
     assert r.returncode == 0 and "tokenizing" not in r.stderr

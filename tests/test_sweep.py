@@ -1,14 +1,8 @@
-import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from conftest import tiny_run_dict
 from quantdyn.config import from_dict
@@ -94,27 +88,8 @@ def test_bad_specs_fail_before_work(small_run, tmp_path):
     assert not list(store.glob("part-*"))
 
 
-@pytest.mark.slow
-def test_kill_and_resume_loses_nothing(small_run, tmp_path):
-    store = tmp_path / "store"
-    spec = tmp_path / "spec.yaml"
-    spec.write_text(yaml.safe_dump({"trajectory": {"run": str(small_run)}, "quantizers": ["rtn4", "rtn3", "gptq3"],
-                                    "store": str(store), "data": {"calib_samples": 4, "calib_seq_len": 32,
-                                                                  "eval_windows": 12, "eval_seq_len": 32}}))
-    cmd = [sys.executable, "-m", "quantdyn.cli", "sweep", str(spec), "--quiet"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.time() + 240
-    while time.time() < deadline and len(list(store.glob("part-*.jsonl"))) < 3:
-        time.sleep(0.05)
-    p.send_signal(signal.SIGKILL)
-    p.wait()
-    first = len(list(store.glob("part-*.jsonl")))
-    assert 3 <= first < 20, first  # killed mid-sweep
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    rows = ResultStore(store).rows()
-    lines = sum(len(p.read_text().splitlines()) for p in store.glob("part-*.jsonl"))
-    assert len(rows) == 20 and lines == 20  # nothing lost, nothing duplicated
+# Killing a sweep at random points and resuming it (no row lost or duplicated) is tested deterministically,
+# with seeded kill points, in tests/faults/test_kill_resume.py.
 
 
 def _fake_hub_cache(cache: Path, repo: str, checkpoints: dict[str, Path]) -> None:
