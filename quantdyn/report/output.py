@@ -1,0 +1,148 @@
+"""How report figures and their tables are sized and written.
+
+Every figure is a page-width figure (:data:`PAGE_WIDTH` inches; panels wrap into rows, :func:`panel_grid`)
+saved twice by :func:`save_figure`: PNG at :data:`PRINT_DPI` and SVG (vector, for print and editing), each
+written atomically under its final name.  :func:`write_csv` writes the rows behind a figure beside it.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import math
+import os
+import tempfile
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from quantdyn.files import current_umask
+
+PAGE_WIDTH = 7.5
+"""Inches: a US-letter or A4 page less its margins."""
+MAX_HEIGHT = 9.5
+"""Inches: the tallest figure that still fits a page."""
+PRINT_DPI = 200
+"""Dots per inch of the PNGs (print quality: a 7.5-inch figure is 1500 px wide)."""
+FIGURE_SUFFIXES = (".png", ".svg")
+TABLE_SUFFIX = ".csv"
+
+
+def figure_stem(out: str | Path) -> Path:
+    """``out`` without a figure suffix: ``a/b.png`` and ``a/b`` both give ``a/b`` (a dot inside a name, as
+    in ``pythia-1.4b``, is kept)."""
+    out = Path(out)
+    return out.with_suffix("") if out.suffix.lower() in (".png", ".svg", ".pdf") else out
+
+
+def figure_paths(out: str | Path) -> list[Path]:
+    stem = figure_stem(out)
+    return [stem.parent / f"{stem.name}{s}" for s in FIGURE_SUFFIXES]
+
+
+def panel_grid(n: int, max_cols: int = 3, panel_height: float = 2.4, width: float = PAGE_WIDTH,
+               extra_height: float = 0.5, **kw):
+    """A figure of ``n`` panels wrapped into rows of at most ``max_cols``, page-wide; panels left over in the
+    last row are hidden.  Returns (fig, flat list of the n axes)."""
+    n = max(1, n)
+    cols = min(n, max_cols)
+    rows = math.ceil(n / cols)
+    height = min(MAX_HEIGHT, panel_height * rows + extra_height)
+    fig, axes = plt.subplots(rows, cols, figsize=(width, height), squeeze=False, **kw)
+    flat = list(axes.flat)
+    for k, ax in enumerate(flat[n:], start=n):
+        ax.set_visible(False)
+        if kw.get("sharex") and k - cols >= 0:  # the panel above is now its column's lowest: give it x labels
+            flat[k - cols].tick_params(labelbottom=True)
+    return fig, flat[:n]
+
+
+def bottom_axes(axes: list, n_cols: int) -> list:
+    """The lowest panel of each column among ``axes`` (a flat list in row order)."""
+    low: dict[int, object] = {}
+    for k, ax in enumerate(axes):
+        low[k % n_cols] = ax
+    return list(low.values())
+
+
+def tokens_label(v: float, _pos=None) -> str:
+    """Token counts as 250K, 1.5M, 2B, 3.9T."""
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(v) >= div:
+            return f"{v / div:g}{unit}"
+    return f"{v:g}"
+
+
+def tokens_axis(ax) -> None:
+    from matplotlib.ticker import FuncFormatter
+
+    ax.xaxis.set_major_formatter(FuncFormatter(tokens_label))
+
+
+def _write_bytes_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o666 & ~current_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def save_figure(fig, out: str | Path, top: float = 0.0, bottom: float = 0.0) -> list[Path]:
+    """Lay ``fig`` out (leaving ``top``/``bottom`` inches free for a figure legend or title), write it as
+    ``<stem>.png`` (PRINT_DPI) and ``<stem>.svg``, each atomically, and close it.
+
+    ``out`` may carry a .png/.svg suffix or none.  SVGs carry no date, so the same figure gives the same
+    file.  Returns the paths written (PNG first)."""
+    paths = figure_paths(out)
+    h = fig.get_figheight()
+    fig.tight_layout(rect=(0, min(0.4, bottom / h), 1, 1 - min(0.4, top / h)))
+    try:
+        for p in paths:
+            buf = io.BytesIO()
+            kw = {"dpi": PRINT_DPI} if p.suffix == ".png" else {"metadata": {"Date": None}}
+            fig.savefig(buf, format=p.suffix[1:], **kw)
+            _write_bytes_atomic(p, buf.getvalue())
+    finally:
+        plt.close(fig)
+    return paths
+
+
+def table_columns(table: list[dict]) -> list[str]:
+    """Every column of ``table`` in order of first appearance."""
+    return list(dict.fromkeys(k for row in table for k in row))
+
+
+def _cell(v):
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return "" if math.isnan(v) else repr(v)
+    if isinstance(v, (list, tuple, dict)):
+        import json
+
+        return json.dumps(v, default=str)
+    return v
+
+
+def write_csv(table: list[dict], path: str | Path) -> Path:
+    """Write ``table`` as CSV (every column of any row; floats at full precision; None and NaN empty),
+    atomically.  Returns the path."""
+    path = Path(path)
+    buf = io.StringIO()
+    cols = table_columns(table)
+    w = csv.DictWriter(buf, fieldnames=cols, lineterminator="\n")
+    w.writeheader()
+    for row in table:
+        w.writerow({c: _cell(row.get(c)) for c in cols})
+    _write_bytes_atomic(path, buf.getvalue().encode())
+    return path

@@ -1,0 +1,152 @@
+"""The report's colours: one per quantizer, one per branch, the same in every figure.
+
+Quantizers
+    :func:`quantizer_color` is a pure function of the label, so a quantizer has the same colour on every
+    page of a report and across reports: a fixed table for the common labels (GPTQ warm, RTN blue, AWQ
+    green; fewer bits darker), and for any other label (``rtn4g64``, ``gptq4-gptqmodel``, ...) a colour
+    derived from a SHA-1 of the label (never Python's salted ``hash``).
+
+Branches
+    ``main`` is black.  Cooldown branches take colours along a rainbow ordered by the step they start from
+    (then decay length, then shape), so early branches are violet and late ones red; a constant-LR control
+    (``control-s<step>-d<decay>``) shares the colour of its cooldown twin and is drawn dashed.  Averaged
+    checkpoints (LAWA, EMA, soups), stage-2 ingredients and anything else take a qualitative palette in
+    name order.  The mapping depends on the set of branches, so a report builds one :class:`Palette` from
+    all its rows and hands it to every figure; a figure drawn alone builds one from its own rows.
+"""
+from __future__ import annotations
+
+import colorsys
+import hashlib
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+QUANTIZER_COLORS: dict[str, str] = {
+    # GPTQ: warm colours
+    "gptq2": "#7f2704",
+    "gptq3": "#d62728",
+    "gptq4": "#ff7f0e",
+    "gptq8": "#e377c2",
+    # RTN: blues
+    "rtn2": "#08306b",
+    "rtn3": "#1f77b4",
+    "rtn4": "#17becf",
+    "rtn8": "#9467bd",
+    # AWQ: greens
+    "awq2": "#00441b",
+    "awq3": "#2ca02c",
+    "awq4": "#8ca252",
+    "awq8": "#bcbd22",
+}
+"""Fixed colours of the common canonical labels (``<method><bits>`` with the default group size 128)."""
+
+FP_COLOR = "#000000"
+"""Full precision (the FP loss panel)."""
+LR_COLOR = "0.55"
+"""The learning-rate overlay (grey)."""
+MAIN_COLOR = "#000000"
+"""The main run's branch."""
+
+QUALITATIVE = ("#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d", "#666666",
+               "#1f78b4", "#b2df8a", "#fb9a99", "#cab2d6")
+"""Colours of averaged checkpoints, ingredients and other branches (ColorBrewer Dark2 + Paired), in name order."""
+
+_COOLDOWN = re.compile(r"^cooldown-s(\d+)-d(\d+)(?:-(.*))?$")
+_CONTROL = re.compile(r"^control-s(\d+)-d(\d+)$")
+
+
+def _hex(rgb: tuple[float, float, float]) -> str:
+    return "#" + "".join(f"{round(max(0.0, min(1.0, c)) * 255):02x}" for c in rgb)
+
+
+def hashed_color(label: str) -> str:
+    """A colour that depends only on ``label``: hue from a SHA-1 of it, saturation and value in a band that
+    reads on white."""
+    h = hashlib.sha1(label.encode()).digest()
+    hue = int.from_bytes(h[:2], "big") / 65536
+    sat = 0.55 + 0.35 * h[2] / 255
+    val = 0.55 + 0.3 * h[3] / 255
+    return _hex(colorsys.hsv_to_rgb(hue, sat, val))
+
+
+def quantizer_color(label: str) -> str:
+    """The colour of a quantizer label: the fixed table for common labels, a hash of the label otherwise."""
+    label = str(label)
+    return QUANTIZER_COLORS.get(label) or hashed_color(label)
+
+
+def control_of(branch: str) -> str:
+    """The constant-LR control twin of a cooldown branch (``cooldown-s8-d4-linear`` -> ``control-s8-d4``)."""
+    m = _COOLDOWN.match(branch)
+    return f"control-s{m.group(1)}-d{m.group(2)}" if m else branch.replace("cooldown-", "control-").rsplit("-", 1)[0]
+
+
+def is_control(branch: str) -> bool:
+    return str(branch).startswith("control-")
+
+
+def _rainbow(x: float) -> str:
+    from matplotlib import (
+        colormaps,  # matplotlib is the report's plotting library; imported on use
+    )
+
+    return _hex(colormaps["rainbow"](x)[:3])
+
+
+@dataclass
+class Palette:
+    """Branch colours of one report (see the module docstring); quantizer colours are label-derived."""
+
+    branches: dict[str, str] = field(default_factory=dict)
+    """Branch name -> colour (hex)."""
+
+    @classmethod
+    def for_branches(cls, names: Iterable[str]) -> Palette:
+        names = sorted({str(n) for n in names if n is not None})
+        colors = {"main": MAIN_COLOR}
+        cooldowns = sorted((b for b in names if _COOLDOWN.match(b)),
+                           key=lambda b: (int(_COOLDOWN.match(b).group(1)), int(_COOLDOWN.match(b).group(2)), b))
+        # controls without a cooldown twin in these rows still belong on the rainbow, at their start step
+        twins = {control_of(b) for b in cooldowns}
+        lone = [b for b in names if _CONTROL.match(b) and b not in twins]
+        ordered = sorted(cooldowns + lone, key=lambda b: (int(re.search(r"-s(\d+)", b).group(1)),
+                                                          int(re.search(r"-d(\d+)", b).group(1)), b))
+        for k, b in enumerate(ordered):
+            colors[b] = _rainbow(k / max(1, len(ordered) - 1)) if len(ordered) > 1 else _rainbow(0.0)
+            if b in cooldowns:
+                colors.setdefault(control_of(b), colors[b])
+        rest = [b for b in names if b not in colors]
+        for k, b in enumerate(rest):
+            colors[b] = QUALITATIVE[k] if k < len(QUALITATIVE) else hashed_color(b)
+        return cls(colors)
+
+    @classmethod
+    def for_rows(cls, rows: Iterable[dict]) -> Palette:
+        return cls.for_branches(r.get("branch") or "main" for r in rows)
+
+    def branch(self, name: str | None) -> str:
+        """The colour of a branch (one not seen when the palette was built: a hash of its name)."""
+        name = name or "main"
+        return self.branches.get(name) or hashed_color(name)
+
+    @staticmethod
+    def quantizer(label: str) -> str:
+        return quantizer_color(label)
+
+
+def ordered_colors(values: Iterable, cmap: str = "viridis") -> dict[str, str]:
+    """Colours for the values of a run-level setting (peak LR, weight decay, seed, run name): numbers along
+    ``cmap`` in numeric order, anything else from the qualitative palette in sorted order.  Keys are str(value)."""
+    vals = sorted({str(v) for v in values})
+    try:
+        nums = sorted(vals, key=float)
+    except ValueError:
+        return {v: (QUALITATIVE[k] if k < len(QUALITATIVE) else hashed_color(v)) for k, v in enumerate(vals)}
+    from matplotlib import (
+        colormaps,  # matplotlib is the report's plotting library; imported on use
+    )
+
+    cm = colormaps[cmap]
+    n = len(nums)
+    return {v: _hex(cm(0.1 + 0.75 * k / max(1, n - 1))[:3]) for k, v in enumerate(nums)}
