@@ -17,10 +17,9 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from quantdyn.report.output import panel_grid, save_figure
+from quantdyn.report.palette import quantizer_color
+from quantdyn.report.uncertainty import total_se
 
 MARKERS = "osD^v<>pP*hX"
 MEAN_TASK = "mean over tasks"
@@ -56,7 +55,7 @@ def accuracy_dce_table(rows: list[dict]) -> list[dict]:
         table.append({
             "checkpoint_hash": h, "checkpoint": a.get("checkpoint") or p.get("checkpoint"),
             "step": p.get("step"), "quantizer": q, "task": a["task"], "metric": a.get("metric"),
-            "delta_ce": p["delta_ce"], "delta_ce_se": p.get("delta_ce_se"),
+            "delta_ce": p["delta_ce"], "delta_ce_se": p.get("delta_ce_se"), "delta_ce_total_se": total_se(p),
             "acc_fp": a["acc_fp"], "acc_q": a["acc_q"], "acc_drop": a["acc_drop"], "acc_drop_se": a.get("acc_drop_se"),
         })
     return table
@@ -71,7 +70,7 @@ def _with_means(table: list[dict]) -> list[dict]:
     for t in table:
         groups[(t["checkpoint_hash"], t["quantizer"])].append(t)
     out = list(table)
-    for (h, q), ts in groups.items():
+    for ts in groups.values():
         if len(ts) != len(tasks):
             continue
         ses = [t["acc_drop_se"] for t in ts if t.get("acc_drop_se") is not None]
@@ -96,32 +95,31 @@ def accuracy_vs_dce(rows: list[dict], out_png: str | Path) -> list[dict]:
         tasks.append(MEAN_TASK)
     quantizers = sorted({str(t["quantizer"]) for t in table})
     n = max(1, len(tasks))
-    fig, axes = plt.subplots(1, n, figsize=(3.6 * n, 3.4), squeeze=False)
+    fig, axes = panel_grid(n, max_cols=3, panel_height=2.6, extra_height=0.3)
     if not table:
-        ax = axes[0, 0]
+        ax = axes[0]
         ax.text(0.5, 0.5, "no accuracy rows joined\nto PTQ rows", ha="center", va="center", fontsize=9)
         ax.set_axis_off()
-    for ax, task in zip(axes[0], tasks):
+    for ax, task in zip(axes, tasks):
         for k, q in enumerate(quantizers):
             pts = sorted((t for t in table if t["task"] == task and str(t["quantizer"]) == q),
                          key=lambda t: t["delta_ce"])
             if not pts:
                 continue
             ax.errorbar([t["delta_ce"] for t in pts], [100 * t["acc_drop"] for t in pts],
-                        xerr=[t.get("delta_ce_se") or 0 for t in pts],
+                        xerr=[t.get("delta_ce_total_se") or 0 for t in pts],
                         yerr=[100 * (t.get("acc_drop_se") or 0) for t in pts],
-                        fmt=MARKERS[k % len(MARKERS)], ms=4, capsize=1.5, ls="none", label=q)
+                        fmt=MARKERS[k % len(MARKERS)], ms=4, capsize=1.5, ls="none", color=quantizer_color(q),
+                        label=q)
         ax.axhline(0, color="0.6", lw=0.8)
         ax.set_title(task, fontsize=9)
         ax.set_xlabel("Δ CE (nats)", fontsize=8)
         ax.grid(alpha=0.3)
         ax.tick_params(labelsize=7)
-    axes[0, 0].set_ylabel("accuracy drop (points)", fontsize=8)
+    for ax in axes[::3]:
+        ax.set_ylabel("accuracy drop (points)", fontsize=8)
     if table:
-        axes[0, -1].legend(fontsize=6, title="quantizer", title_fontsize=7)
+        axes[-1].legend(fontsize=6, title="quantizer", title_fontsize=7)
     fig.suptitle("Downstream accuracy drop against quantization error", fontsize=10)
-    fig.tight_layout()
-    Path(out_png).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=110)
-    plt.close(fig)
+    save_figure(fig, out_png, top=0.1)
     return table

@@ -14,10 +14,10 @@ def sections(rows: list[dict], out: Path) -> list[tuple[str, str, list[dict], st
         if corr and predictor_figure(rows, corr, png):
             found.append((
                 "Which metric predicts the quantization error?", png.name, corr,
-                "Spearman and Pearson correlation (95 % bootstrap intervals) of each stored metric with Δ CE across "
+                ("Spearman and Pearson correlation (95 % bootstrap intervals) of each stored metric with Δ CE across "
                 "the checkpoints of this study, per quantizer; scatter plots of the strongest. Paper B finds "
                 "outlier metrics (MMR, kurtosis) fail across optimizers while the propagated error R_L predicts; "
-                "paper A links Δ CE to the Hessian trace and top eigenvalue.",
+                "paper A links Δ CE to the Hessian trace and top eigenvalue."),
             ))
     if any(r.get("kind") == "accuracy" for r in rows):
         from quantdyn.report.accuracy import accuracy_vs_dce
@@ -26,8 +26,8 @@ def sections(rows: list[dict], out: Path) -> list[tuple[str, str, list[dict], st
         table = accuracy_vs_dce(rows, png)
         if table:
             found.append(("Downstream accuracy drop against Δ CE", png.name, table,
-                          "Accuracy of the quantized model minus the full-precision one, per task, against Δ CE "
-                          "across checkpoints (paper A, Figure 4)."))
+                          ("Accuracy of the quantized model minus the full-precision one, per task, against Δ CE "
+                          "across checkpoints (paper A, Figure 4).")))
     if len({r.get("optimizer") for r in rows if r.get("optimizer")}) > 1 or any(r.get("kind") == "qat" for r in rows):
         from quantdyn.report.optimizers import optimizer_figure, optimizer_table
 
@@ -35,8 +35,8 @@ def sections(rows: list[dict], out: Path) -> list[tuple[str, str, list[dict], st
         png = out / "optimizers.png"
         if table and optimizer_figure(table, png):
             found.append(("Optimizers under quantization", png.name, table,
-                          "Per run's final checkpoint: FP loss, PTQ Δ CE per quantizer, the deployed QAT loss, "
-                          "outlier metrics (MMR, kurtosis) and the propagated error R_L (paper B)."))
+                          ("Per run's final checkpoint: FP loss, PTQ Δ CE per quantizer, the deployed QAT loss, "
+                          "outlier metrics (MMR, kurtosis) and the propagated error R_L (paper B).")))
     if any(r.get("kind") == "scaling" for r in rows):
         from quantdyn.report.optimizers import scaling_figure
 
@@ -44,6 +44,6 @@ def sections(rows: list[dict], out: Path) -> list[tuple[str, str, list[dict], st
         table = scaling_figure(rows, png)
         if table:
             found.append(("Scaling laws per optimizer, full precision and QAT", png.name, table,
-                          "L(N, D) = A(ρN)^-α + B·D^-β + E fitted to FP points, then ρ alone to QAT points; ρ < 1 is "
-                          "the parameter efficiency lost under quantization (paper B)."))
+                          ("L(N, D) = A(ρN)^-α + B·D^-β + E fitted to FP points, then ρ alone to QAT points; ρ < 1 is "
+                          "the parameter efficiency lost under quantization (paper B).")))
     return found

@@ -1,26 +1,45 @@
-"""Figures of a trajectory study (matplotlib, PNG), each drawn from result
-rows and returning the table of numbers behind it.
+"""Figures of a trajectory study (matplotlib), each drawn from result rows and returning the table of
+numbers behind it; every figure is page-wide and written as PNG (print dpi) and SVG (``output.save_figure``).
 
-  trajectory   FP loss and Δ CE per quantizer against tokens, LR overlaid (paper A, Figs. 1–3)
-  rainbow      cooldown branches' Δ CE against tokens, one colour per branch,
-               constant-LR controls dashed beside them (paper A, Fig. 5)
-  loss_vs_dce  Δ CE against FP loss, one marker per run (paper A, Fig. 6)
-  seeds        runs that differ only by seed: mean Δ CE per branch, error bars = SD over seeds
-Error bars are the paired standard error of Δ CE over evaluation windows,
-except in ``seeds``.
+  metric_panels  FP loss, Δ CE, Δ CE / CE(FP), Δ PPL, KL and top-1 agreement against tokens, one panel per
+                 metric, one colour per quantizer, LR overlaid: the trajectory figure of a sweep's rows
+                 (:func:`trajectory`) and of a monitored run's metrics.jsonl (``monitored.py``) alike
+  rainbow        cooldown branches' Δ CE against tokens, one colour per branch,
+                 constant-LR controls dashed beside them (paper A, Fig. 5)
+  loss_vs_dce    Δ CE against FP loss, one marker per run/branch (paper A, Fig. 6)
+  seeds          runs that differ only by seed: mean Δ CE per branch, error bars = SD over seeds
+  averaging_vs_decay  Δ CE of the decayed endpoint against averaged checkpoints
+
+Colours come from :mod:`quantdyn.report.palette` (one per quantizer, one per branch, the same in every
+figure).  Error bars are the combined uncertainty of :mod:`quantdyn.report.uncertainty` (evaluation windows
+and, where the quantization was repeated, the run-to-run spread), except in ``seeds`` (SD over seeds).
 """
 from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.lines import Line2D
 
-LR_STYLE = dict(color="0.55", lw=1.0, ls="-", alpha=0.8)
+from quantdyn.report import uncertainty
+from quantdyn.report.output import PAGE_WIDTH, panel_grid, save_figure, tokens_axis
+from quantdyn.report.palette import (
+    FP_COLOR,
+    LR_COLOR,
+    Palette,
+    control_of,
+    is_control,
+    ordered_colors,
+)
+
+LR_STYLE = {"color": LR_COLOR, "lw": 1.0, "ls": "-", "alpha": 0.8}
+MARKERS = "osD^v<>pP*hX"
 
 
 def _qorder(rows) -> list[str]:
@@ -31,128 +50,232 @@ def _qorder(rows) -> list[str]:
     return sorted({r["quantizer"] for r in rows if r.get("kind") == "ptq"}, key=key)
 
 
-def _overlay_lr(ax, lr_curve):
+def _style(ax) -> None:
+    ax.grid(alpha=0.3)
+    ax.tick_params(labelsize=7)
+
+
+def overlay_lr(ax, lr_curve, label: bool = True):
+    """The LR against the panel's x on a twin axis (grey); ticks labelled only when ``label``."""
     if not lr_curve:
-        return
+        return None
     ax2 = ax.twinx()
     xs, ys = zip(*sorted(lr_curve))
     ax2.plot(xs, ys, **LR_STYLE, label="LR")
-    ax2.set_ylabel("LR", color="0.45", fontsize=8)
-    ax2.tick_params(axis="y", labelsize=7, colors="0.45")
     ax2.set_ylim(bottom=0)
+    ax.set_zorder(ax2.get_zorder() + 1)  # the data in front of the LR
+    ax.patch.set_visible(False)
+    if label:
+        ax2.set_ylabel("LR", color="0.45", fontsize=7)
+        ax2.tick_params(axis="y", labelsize=6, colors="0.45")
+    else:
+        ax2.tick_params(axis="y", right=False, labelright=False)
+    return ax2
 
 
-def trajectory(rows: list[dict], run: str, lr_curve: list[tuple[int, float]], out: Path) -> list[dict]:
-    """FP loss and Δ CE (± SE) of the run's main trajectory against tokens, with the LR."""
-    main = [r for r in rows if r.get("run") == run and r.get("branch") == "main"]
-    fps = sorted((r for r in main if r["kind"] == "fp"), key=lambda r: r["tokens"] or 0)
-    qs = _qorder(main)
-    n = 1 + len(qs)
-    fig, axes = plt.subplots(n, 1, figsize=(7.5, 1.9 * n + 0.6), sharex=True, squeeze=False)
-    axes = axes[:, 0]
-    table = []
-    ax = axes[0]
-    ax.errorbar([r["tokens"] for r in fps], [r["ce_fp"] for r in fps], yerr=[r.get("ce_fp_se") or 0 for r in fps],
-                fmt="o-", color="k", ms=3, lw=1.2, capsize=2)
-    ax.set_ylabel("FP loss (nats)", fontsize=8)
-    ax.set_title(f"{run}: validation loss and quantization error along training", fontsize=10)
-    _overlay_lr(ax, lr_curve)
-    for ax, q in zip(axes[1:], qs):
-        pts = sorted((r for r in main if r["kind"] == "ptq" and r["quantizer"] == q), key=lambda r: r["tokens"] or 0)
-        ax.errorbar([r["tokens"] for r in pts], [r["delta_ce"] for r in pts], yerr=[r["delta_ce_se"] for r in pts],
-                    fmt="o-", ms=3, lw=1.2, capsize=2, label=q)
-        ax.set_ylabel(f"Δ CE {q}", fontsize=8)
-        _overlay_lr(ax, lr_curve)
-        for r in pts:
-            table.append({"quantizer": q, "step": r["step"], "tokens": r["tokens"], "lr": r["lr"],
-                          "ce_fp": r["ce_fp"], "delta_ce": r["delta_ce"], "delta_ce_se": r["delta_ce_se"]})
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.tick_params(labelsize=7)
-    axes[-1].set_xlabel("tokens", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+# --------------------------------------------------------------------------- metric panels
+def rel_delta_ce(p: dict) -> float | None:
+    """Δ CE / CE(FP): the row's ``rel_delta_ce``, else computed from ``delta_ce`` and ``ce_fp``."""
+    v = p.get("rel_delta_ce")
+    if v is not None:
+        return float(v)
+    d, fp = p.get("delta_ce"), p.get("ce_fp")
+    return float(d) / float(fp) if d is not None and fp else None
+
+
+def _rel_se(p: dict) -> float:
+    fp = p.get("ce_fp")
+    return uncertainty.total_se(p) / float(fp) if fp else 0.0
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One panel of :func:`metric_panels`."""
+
+    key: str
+    """Name of the value in a row (and in the figure's table)."""
+    label: str
+    """y-axis label."""
+    value: Callable[[dict], float | None]
+    """The value of a row (None: not measured)."""
+    se: Callable[[dict], float] | None = None
+    """Its error bar, or None."""
+    log_ok: bool = True
+    """Whether a log y axis may be used (values positive and spanning more than LOG_SPAN)."""
+
+
+METRICS: tuple[Metric, ...] = (
+    Metric("delta_ce", "Δ CE (nats)", lambda p: p.get("delta_ce"), uncertainty.total_se),
+    Metric("rel_delta_ce", "Δ CE / CE(FP)", rel_delta_ce, _rel_se),
+    Metric("delta_ppl", "Δ PPL", lambda p: p.get("delta_ppl")),
+    Metric("kl", "KL(FP ‖ Q) (nats/token)", lambda p: p.get("kl"), lambda p: uncertainty.total_se(p, "kl")),
+    Metric("top1_agree", "top-1 agreement with FP", lambda p: p.get("top1_agree"), log_ok=False),
+)
+"""The error metrics a PTQ row stores, in panel order."""
+LOG_SPAN = 30.0
+"""A panel whose positive values span more than this factor is drawn on a log y axis (quantizers of very
+different error then share it, and a relative change looks the same for each)."""
+
+
+def _x_key(points: list[dict]) -> str:
+    return "tokens" if points and all(p.get("tokens") is not None for p in points) else "step"
+
+
+def _tokens_per_step(points: list[dict]) -> float | None:
+    ratios = {round(p["tokens"] / p["step"], 6) for p in points
+              if p.get("tokens") is not None and p.get("step")}
+    return ratios.pop() if len(ratios) == 1 else None
+
+
+def trajectory_table_row(q: str, p: dict) -> dict:
+    """The table row of one PTQ point of :func:`metric_panels`."""
+    row = {"quantizer": q, "step": p.get("step"), "tokens": p.get("tokens"), "lr": p.get("lr"),
+           "decaying": p.get("decaying"), "ce_fp": p.get("ce_fp"), "delta_ce": p.get("delta_ce"),
+           **uncertainty.columns(p), "rel_delta_ce": rel_delta_ce(p), "delta_ppl": p.get("delta_ppl"),
+           "kl": p.get("kl"), "kl_se": p.get("kl_se"), "kl_total_se": uncertainty.total_se(p, "kl")
+           if p.get("kl") is not None else None, "top1_agree": p.get("top1_agree")}
+    for k in ("quantizer_spec", "checkpoint"):
+        if p.get(k) is not None:
+            row[k] = p[k]
+    return row
+
+
+def metric_panels(fp: list[dict], series: dict[str, list[dict]], lr_curve: list[tuple[float, float]], out: Path,
+                  title: str, palette: Palette | None = None, metrics: tuple[Metric, ...] = METRICS) -> list[dict]:
+    """FP loss and every error metric the points carry against tokens (steps when tokens are missing), one
+    panel per metric wrapped two to a row, one colour per quantizer, the LR overlaid in grey.
+
+    ``fp``: points with ce_fp (± ce_fp_se); ``series``: {quantizer: points with the metric values and their
+    uncertainties}.  Writes ``out`` (.png and .svg) and returns the table behind it (FP rows have quantizer
+    "FP").  A metric no point carries gets no panel."""
+    palette = palette or Palette()
+    qs = list(series)
+    qpts = [p for pts in series.values() for p in pts]
+    allpts = qpts + list(fp)
+    x_key = _x_key(allpts)
+    shown = [m for m in metrics if any(m.value(p) is not None for p in qpts)]
+    panels: list = (["fp"] if fp else []) + shown
+    cols = 2 if len(panels) > 2 else max(1, len(panels))
+    top = 0.3  # the legend under the title (tight_layout leaves room for the title itself)
+    fig, axes = panel_grid(len(panels), max_cols=cols, panel_height=2.15 if len(panels) > cols else 2.6,
+                           extra_height=top, sharex=True)
+    table = [{"quantizer": "FP", "step": p.get("step"), "tokens": p.get("tokens"), "lr": p.get("lr"),
+              "ce_fp": p["ce_fp"], "ce_fp_se": p.get("ce_fp_se")} for p in fp]
+    for q in qs:
+        table += [trajectory_table_row(q, p) for p in series[q]]
+    for k, (ax, panel) in enumerate(zip(axes, panels)):
+        if panel == "fp":
+            pts = sorted(fp, key=lambda p: p[x_key])
+            ax.errorbar([p[x_key] for p in pts], [p["ce_fp"] for p in pts],
+                        yerr=[p.get("ce_fp_se") or 0 for p in pts], fmt="o-", color=FP_COLOR, ms=2.5, lw=1.1,
+                        capsize=1.5)
+            ax.set_ylabel("FP loss (nats)", fontsize=8)
+        else:
+            vals = []
+            for q in qs:
+                pts = sorted((p for p in series[q] if panel.value(p) is not None), key=lambda p: p[x_key])
+                ys = [panel.value(p) for p in pts]
+                vals += ys
+                yerr = [panel.se(p) for p in pts] if panel.se else None
+                ax.errorbar([p[x_key] for p in pts], ys, yerr=yerr, fmt="o-", color=palette.quantizer(q), ms=2.5,
+                            lw=1.1, capsize=1.5, label=q)
+            pos = [v for v in vals if v is not None]
+            if panel.log_ok and pos and min(pos) > 0 and max(pos) / min(pos) > LOG_SPAN:
+                ax.set_yscale("log")
+            ax.set_ylabel(panel.label + (" (log)" if ax.get_yscale() == "log" else ""), fontsize=8)
+        overlay_lr(ax, lr_curve, label=(k % cols == cols - 1) or k == len(panels) - 1)
+        _style(ax)
+        if x_key == "tokens":
+            tokens_axis(ax)
+    n_rows = math.ceil(len(panels) / cols)
+    for k, ax in enumerate(axes):
+        if k >= len(panels) - cols or k // cols == n_rows - 1:
+            ax.set_xlabel(x_key, fontsize=8)
+    tps = _tokens_per_step(allpts) if x_key == "tokens" else None
+    if tps:
+        for ax in axes[:cols]:
+            sec = ax.secondary_xaxis("top", functions=(lambda t, s=tps: t / s, lambda s, t=tps: s * t))
+            sec.tick_params(labelsize=6)
+            sec.set_xlabel("step", fontsize=7)
+    handles = [Line2D([], [], color=palette.quantizer(q), marker="o", ms=3, lw=1.1, label=q) for q in qs]
+    if fp:
+        handles.insert(0, Line2D([], [], color=FP_COLOR, marker="o", ms=3, lw=1.1, label="FP"))
+    if lr_curve:
+        handles.append(Line2D([], [], **LR_STYLE, label="LR"))
+    fig.suptitle(title, fontsize=10, y=0.995)
+    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 1 - 0.25 / fig.get_figheight()),
+               ncol=min(8, len(handles)), fontsize=7, frameon=False)
+    save_figure(fig, out, top=top)
     return table
 
 
+def trajectory(rows: list[dict], run: str, lr_curve: list[tuple[int, float]], out: Path,
+               palette: Palette | None = None) -> list[dict]:
+    """The main trajectory of ``run``: FP loss and every stored error metric per quantizer against tokens,
+    with the LR (:func:`metric_panels`)."""
+    main = [r for r in rows if r.get("run") == run and (r.get("branch") or "main") == "main"]
+    fps = sorted((r for r in main if r.get("kind") == "fp"), key=lambda r: r.get("tokens") or 0)
+    series = {q: sorted((r for r in main if r.get("kind") == "ptq" and r["quantizer"] == q),
+                        key=lambda r: r.get("tokens") or 0) for q in _qorder(main)}
+    return metric_panels(fps, series, lr_curve, out, f"{run}: validation loss and quantization error along training",
+                         palette or Palette.for_rows(rows))
+
+
+# --------------------------------------------------------------------------- cooldowns vs controls
 def paired_difference(a: dict, b: dict) -> tuple[float, float]:
-    """Mean and SE of (Δ CE_a − Δ CE_b) over the same evaluation windows."""
-    wa, wb = a.get("window_delta"), b.get("window_delta")
-    if not wa or not wb or len(wa) != len(wb):
-        d = a["delta_ce"] - b["delta_ce"]
-        return d, math.hypot(a["delta_ce_se"], b["delta_ce_se"])
-    diffs = [x - y for x, y in zip(wa, wb)]
-    m = sum(diffs) / len(diffs)
-    var = sum((x - m) ** 2 for x in diffs) / max(1, len(diffs) - 1)
-    return m, math.sqrt(var / len(diffs))
+    """Mean and combined SE of (Δ CE_a − Δ CE_b): paired over the same evaluation windows, plus both rows'
+    run-to-run spread when their quantization was repeated (:func:`uncertainty.paired_difference`)."""
+    d = uncertainty.paired_difference(a, b)
+    return d["difference"], d["difference_se"]
 
 
-def rainbow(rows: list[dict], run: str, out: Path) -> list[dict]:
-    """Cooldown branches (solid, one colour each) and their controls (dashed) over the main run."""
+def _branch_line(ax, seq, color, fmt, label, alpha=1.0, lw=1.3):
+    ax.errorbar([r["tokens"] for r in seq], [r["delta_ce"] for r in seq], yerr=[uncertainty.total_se(r) for r in seq],
+                fmt=fmt, color=color, ms=3, lw=lw, capsize=1.5, alpha=alpha, label=label)
+
+
+def rainbow(rows: list[dict], run: str, out: Path, palette: Palette | None = None) -> list[dict]:
+    """Cooldown branches (solid, one colour each) and their controls (dashed, the twin's colour) over the
+    main run (black), one panel per quantizer."""
     mine = [r for r in rows if r.get("run") == run and r["kind"] == "ptq"]
     qs = _qorder(mine)
     branches = sorted({r["branch"] for r in mine if r.get("ckpt_kind") == "cooldown"},
-                      key=lambda b: next((r["parent_step"] or 0 for r in mine if r["branch"] == b), 0))
+                      key=lambda b: (next((r.get("parent_step") or 0 for r in mine if r["branch"] == b), 0), b))
     if not branches:
         return []
-    cmap = plt.get_cmap("rainbow")
-    fig, axes = plt.subplots(len(qs), 1, figsize=(7.5, 2.1 * len(qs) + 0.6), sharex=True, squeeze=False)
-    for ax, q in zip(axes[:, 0], qs):
+    palette = palette or Palette.for_rows(rows)
+    cols = 2 if len(qs) > 1 else 1
+    n_leg = 1 + 2 * len(branches)
+    leg_h = 0.17 * math.ceil(n_leg / 3) + 0.1
+    fig, axes = panel_grid(len(qs), max_cols=cols, panel_height=2.3, extra_height=0.3 + leg_h, sharex=True)
+    handles = {}
+    for ax, q in zip(axes, qs):
         main = sorted((r for r in mine if r["quantizer"] == q and r["branch"] == "main"), key=lambda r: r["tokens"])
-        by_tok = {r["step"]: r for r in main}
-        ax.errorbar([r["tokens"] for r in main], [r["delta_ce"] for r in main], yerr=[r["delta_ce_se"] for r in main],
-                    fmt="o-", color="k", ms=2.5, lw=1, capsize=1.5, label="main run")
-        for k, b in enumerate(branches):
-            col = cmap(k / max(1, len(branches) - 1))
+        by_step = {r["step"]: r for r in main}
+        _branch_line(ax, main, palette.branch("main"), "o-", "main run", lw=1.0)
+        for b in branches:
+            col = palette.branch(b)
             pts = sorted((r for r in mine if r["quantizer"] == q and r["branch"] == b), key=lambda r: r["tokens"])
-            start = by_tok.get(pts[0]["parent_step"]) if pts else None
+            start = by_step.get(pts[0].get("parent_step")) if pts else None
             seq = ([start] if start else []) + pts
-            ax.errorbar([r["tokens"] for r in seq], [r["delta_ce"] for r in seq], yerr=[r["delta_ce_se"] for r in seq],
-                        fmt="s-", color=col, ms=3, lw=1.4, capsize=1.5, label=b)
-            ctrl_name = b.replace("cooldown-", "control-").rsplit("-", 1)[0]
+            _branch_line(ax, seq, col, "s-", b)
+            ctrl_name = control_of(b)
             ctrl = sorted((r for r in mine if r["quantizer"] == q and r["branch"] == ctrl_name), key=lambda r: r["tokens"])
             if ctrl:
-                cs = ([start] if start else []) + ctrl
-                ax.errorbar([r["tokens"] for r in cs], [r["delta_ce"] for r in cs], yerr=[r["delta_ce_se"] for r in cs],
-                            fmt="^--", color=col, ms=3, lw=1, capsize=1.5, alpha=0.7, label=f"{ctrl_name} (constant LR)")
+                _branch_line(ax, ([start] if start else []) + ctrl, col, "^--", f"{ctrl_name} (constant LR)",
+                             alpha=0.75, lw=1.0)
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
         ax.set_ylabel(f"Δ CE {q}", fontsize=8)
-        ax.grid(alpha=0.3)
-        ax.tick_params(labelsize=7)
-    axes[0, 0].set_title(f"{run}: cooldown branches (solid) vs constant-LR controls (dashed)", fontsize=10)
-    axes[0, 0].legend(fontsize=6, ncol=2, loc="upper left")
-    axes[-1, 0].set_xlabel("tokens", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+        _style(ax)
+        tokens_axis(ax)
+    for ax in axes[-cols:]:
+        ax.set_xlabel("tokens", fontsize=8)
+    fig.suptitle(f"{run}: cooldown branches (solid) vs constant-LR controls (dashed)", fontsize=10, y=0.995)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(3, len(handles)), fontsize=7,
+               frameon=False)
+    save_figure(fig, out, bottom=leg_h)
     return rainbow_table(rows, run)
-
-
-def loss_vs_dce(rows: list[dict], out: Path, color_key: str = "run") -> list[dict]:
-    """Δ CE against FP loss, one marker per run, one panel per quantizer."""
-    ptq = [r for r in rows if r["kind"] == "ptq"]
-    qs = _qorder(ptq)
-    groups = sorted({str(r.get(color_key)) for r in ptq})
-    markers = "osD^v<>pP*hX"
-    fig, axes = plt.subplots(1, len(qs), figsize=(3.6 * len(qs), 3.4), squeeze=False)
-    table = []
-    for ax, q in zip(axes[0], qs):
-        for k, g in enumerate(groups):
-            pts = [r for r in ptq if r["quantizer"] == q and str(r.get(color_key)) == g]
-            ax.errorbar([r["ce_fp"] for r in pts], [r["delta_ce"] for r in pts], yerr=[r["delta_ce_se"] for r in pts],
-                        fmt=markers[k % len(markers)], ms=4, capsize=1.5, ls="none", label=g)
-            table += [{"quantizer": q, color_key: g, "ce_fp": r["ce_fp"], "delta_ce": r["delta_ce"],
-                       "delta_ce_se": r["delta_ce_se"], "checkpoint": r["checkpoint"]} for r in pts]
-        ax.set_title(q, fontsize=9)
-        ax.set_xlabel("FP loss (nats)", fontsize=8)
-        ax.grid(alpha=0.3)
-        ax.tick_params(labelsize=7)
-    axes[0, 0].set_ylabel("Δ CE", fontsize=8)
-    axes[0, -1].legend(fontsize=6, title=color_key, title_fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return table
 
 
 def stable_jitter(rows: list[dict]) -> float | None:
@@ -179,24 +302,33 @@ def stable_jitter(rows: list[dict]) -> float | None:
 
 
 def rainbow_table(rows: list[dict], run: str) -> list[dict]:
-    """The endpoint table of :func:`rainbow` without drawing (with each quantizer's stable-phase jitter)."""
+    """The endpoint table of :func:`rainbow` without drawing: per quantizer and cooldown branch, the decayed
+    endpoint minus its constant-LR control at the same tokens, with its uncertainty split into the paired
+    evaluation SE and the run-to-run part (``uncertainty.paired_difference``), z = difference / combined SE,
+    whether |z| > 2, which part dominates, and the quantizer's stable-phase jitter."""
     mine = [r for r in rows if r.get("run") == run and r["kind"] == "ptq"]
     table = []
     for q in _qorder(mine):
         jitter = stable_jitter([r for r in mine if r["quantizer"] == q])
         for b in sorted({r["branch"] for r in mine if r.get("ckpt_kind") == "cooldown"}):
             pts = sorted((r for r in mine if r["quantizer"] == q and r["branch"] == b), key=lambda r: r["tokens"])
-            ctrl_name = b.replace("cooldown-", "control-").rsplit("-", 1)[0]
+            ctrl_name = control_of(b)
             ctrl = sorted((r for r in mine if r["quantizer"] == q and r["branch"] == ctrl_name), key=lambda r: r["tokens"])
             if pts and ctrl and pts[-1]["tokens"] == ctrl[-1]["tokens"]:
-                d, se = paired_difference(pts[-1], ctrl[-1])
+                d = uncertainty.paired_difference(pts[-1], ctrl[-1])
                 table.append({"quantizer": q, "branch": b, "tokens": pts[-1]["tokens"],
                               "delta_ce_decayed": pts[-1]["delta_ce"], "delta_ce_control": ctrl[-1]["delta_ce"],
-                              "difference": d, "difference_se": se, "z": d / se if se > 0 else float("nan"),
-                              "stable_jitter": jitter})
+                              "difference": d["difference"], "difference_se": d["difference_se"],
+                              "difference_eval_se": d["difference_eval_se"],
+                              "difference_run_se": d["difference_run_se"],
+                              "quant_repeats": min(uncertainty.repeats(pts[-1]), uncertainty.repeats(ctrl[-1])),
+                              "z": d["z"], "exceeds_uncertainty": uncertainty.exceeds(d["difference"],
+                                                                                      d["difference_se"]),
+                              "dominant": d["dominant"], "stable_jitter": jitter})
     return table
 
 
+# --------------------------------------------------------------------------- across runs
 VARIED_KEYS = ("peak_lr", "weight_decay", "optimizer", "seed")
 
 
@@ -210,7 +342,47 @@ def varied_key(rows: list[dict]) -> str:
     return "run"
 
 
-def averaging_vs_decay(rows: list[dict], out: Path) -> list[dict]:
+def loss_vs_dce(rows: list[dict], out: Path, color_key: str = "run", palette: Palette | None = None) -> list[dict]:
+    """Δ CE against FP loss, one colour and marker per value of ``color_key`` (a branch's own colour when the
+    key is 'branch'), one panel per quantizer, three panels to a row."""
+    ptq = [r for r in rows if r["kind"] == "ptq"]
+    qs = _qorder(ptq)
+    groups = sorted({str(r.get(color_key)) for r in ptq}, key=lambda g: (g != "main", is_control(g), g))
+    if color_key == "branch":
+        palette = palette or Palette.for_rows(rows)
+        colors = {g: palette.branch(g) for g in groups}
+    else:
+        colors = ordered_colors(groups)
+    ncol = min(4, max(1, len(groups)))
+    leg_h = 0.17 * math.ceil(len(groups) / ncol) + 0.3
+    fig, axes = panel_grid(len(qs), max_cols=3, panel_height=2.4, extra_height=leg_h)
+    table = []
+    for ax, q in zip(axes, qs):
+        for k, g in enumerate(groups):
+            pts = [r for r in ptq if r["quantizer"] == q and str(r.get(color_key)) == g]
+            if not pts:
+                continue
+            ax.errorbar([r["ce_fp"] for r in pts], [r["delta_ce"] for r in pts],
+                        yerr=[uncertainty.total_se(r) for r in pts], fmt=MARKERS[k % len(MARKERS)], ms=3.5,
+                        capsize=1.5, ls="none", color=colors[g], mfc="none" if is_control(g) else colors[g], label=g)
+            table += [{"quantizer": q, color_key: g, "run": r.get("run"), "branch": r.get("branch"),
+                       "step": r.get("step"), "tokens": r.get("tokens"), "ce_fp": r["ce_fp"],
+                       "delta_ce": r["delta_ce"], **uncertainty.columns(r), "checkpoint": r.get("checkpoint")}
+                      for r in pts]
+        ax.set_title(q, fontsize=9, color=Palette.quantizer(q))
+        ax.set_xlabel("FP loss (nats)", fontsize=8)
+        _style(ax)
+    for ax in axes[:: min(3, len(axes))]:
+        ax.set_ylabel("Δ CE (nats)", fontsize=8)
+    handles = [Line2D([], [], ls="none", marker=MARKERS[k % len(MARKERS)], color=colors[g], ms=4,
+                      mfc="none" if is_control(g) else colors[g], label=g) for k, g in enumerate(groups)]
+    fig.legend(handles=handles, loc="lower center", ncol=ncol, fontsize=7, frameon=False, title=color_key,
+               title_fontsize=7)
+    save_figure(fig, out, bottom=leg_h)
+    return table
+
+
+def averaging_vs_decay(rows: list[dict], out: Path, palette: Palette | None = None) -> list[dict]:
     """Per run and bit width: Δ CE of the decayed endpoint against the averaged checkpoints (LAWA, EMA, soups)."""
     ptq = [r for r in rows if r.get("kind") == "ptq"]
     avg_kinds = ("lawa", "ema", "soup")
@@ -225,34 +397,33 @@ def averaging_vs_decay(rows: list[dict], out: Path) -> list[dict]:
             end = next((r for r in main if r["step"] == last and r["quantizer"] == q), None)
             if end is None:
                 continue
-            table.append({"run": run, "quantizer": q, "checkpoint": f"decayed @{last}",
+            table.append({"run": run, "quantizer": q, "branch": "main", "checkpoint": f"decayed @{last}",
                           "ce_fp": end["ce_fp"], "ce_q": end["ce_q"], "delta_ce": end["delta_ce"],
-                          "delta_ce_se": end["delta_ce_se"]})
+                          **uncertainty.columns(end)})
             for b in sorted({r["branch"] for r in mine if r.get("ckpt_kind") in avg_kinds}):
                 pts = [r for r in mine if r["branch"] == b and r["quantizer"] == q and r.get("step") is not None]
                 if pts:
                     best = max(pts, key=lambda r: r["step"])
-                    table.append({"run": run, "quantizer": q, "checkpoint": f"{b} @{best['step']}",
+                    table.append({"run": run, "quantizer": q, "branch": b, "checkpoint": f"{b} @{best['step']}",
                                   "ce_fp": best["ce_fp"], "ce_q": best["ce_q"], "delta_ce": best["delta_ce"],
-                                  "delta_ce_se": best["delta_ce_se"]})
+                                  **uncertainty.columns(best)})
     if not table:
         return []
+    palette = palette or Palette.for_rows(rows)
     qs = list(dict.fromkeys(t["quantizer"] for t in table))
-    fig, axes = plt.subplots(1, len(qs), figsize=(3.4 * len(qs), 3.4), squeeze=False)
-    for ax, q in zip(axes[0], qs):
+    fig, axes = panel_grid(len(qs), max_cols=3, panel_height=3.0, extra_height=0.0)
+    for ax, q in zip(axes, qs):
         ts = [t for t in table if t["quantizer"] == q]
-        ax.bar(range(len(ts)), [t["delta_ce"] for t in ts], yerr=[t["delta_ce_se"] for t in ts], capsize=2,
-               color=["0.3" if t["checkpoint"].startswith("decayed") else "tab:blue" for t in ts])
+        ax.bar(range(len(ts)), [t["delta_ce"] for t in ts], yerr=[t["delta_ce_total_se"] for t in ts], capsize=2,
+               color=[palette.branch(t["branch"]) for t in ts])
         ax.set_xticks(range(len(ts)))
         many = len({t["run"] for t in ts}) > 1
         ax.set_xticklabels([f"{t['run']}: {t['checkpoint']}" if many else t["checkpoint"] for t in ts],
-                           rotation=45, ha="right", fontsize=7)
-        ax.set_title(f"Δ CE {q}", fontsize=9)
+                           rotation=45, ha="right", fontsize=6)
+        ax.set_title(f"Δ CE {q}", fontsize=9, color=Palette.quantizer(q))
         ax.tick_params(axis="y", labelsize=7)
         ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    save_figure(fig, out)
     return table
 
 
@@ -268,7 +439,7 @@ def seed_families(rows: list[dict]) -> dict[str, list[str]]:
     return {k: sorted(v) for k, v in sorted(fam.items()) if len(v) >= 2}
 
 
-def seeds(rows: list[dict], family: str, runs: list[str], out: Path) -> list[dict]:
+def seeds(rows: list[dict], family: str, runs: list[str], out: Path, palette: Palette | None = None) -> list[dict]:
     """Mean Δ CE over the seeds of one family, per quantizer and branch, at the steps every seed has;
     error bars = SD over seeds (n − 1), faint lines = the single seeds."""
     mine = [r for r in rows if r.get("kind") == "ptq" and r.get("run") in runs]
@@ -276,15 +447,13 @@ def seeds(rows: list[dict], family: str, runs: list[str], out: Path) -> list[dic
     branches = sorted({r["branch"] for r in mine}, key=lambda b: (b != "main", b.startswith("control-"), b))
     if not qs:
         return []
-    cmap = plt.get_cmap("rainbow")
-    cooldowns = [b for b in branches if b != "main" and not b.startswith("control-")]
-    colour = {"main": "k"}
-    for k, b in enumerate(cooldowns):
-        colour[b] = cmap(k / max(1, len(cooldowns) - 1))
-        colour[b.replace("cooldown-", "control-").rsplit("-", 1)[0]] = colour[b]
-    fig, axes = plt.subplots(len(qs), 1, figsize=(7.5, 2.1 * len(qs) + 0.6), sharex=True, squeeze=False)
+    palette = palette or Palette.for_rows(rows)
+    cols = 2 if len(qs) > 1 else 1
+    leg_h = 0.17 * math.ceil(len(branches) / 3) + 0.1
+    fig, axes = panel_grid(len(qs), max_cols=cols, panel_height=2.3, extra_height=0.3 + leg_h, sharex=True)
     table = []
-    for ax, q in zip(axes[:, 0], qs):
+    handles = {}
+    for ax, q in zip(axes, qs):
         mains = {run: {r["step"]: r for r in mine if r["run"] == run and r["branch"] == "main" and r["quantizer"] == q}
                  for run in runs}
         for b in branches:
@@ -300,8 +469,8 @@ def seeds(rows: list[dict], family: str, runs: list[str], out: Path) -> list[dic
                 lines = [parent] + steps
             else:
                 lines = steps
-            style = "^--" if b.startswith("control-") else "o-"
-            col = colour.get(b, "0.4")
+            style = "^--" if is_control(b) else "o-"
+            col = palette.branch(b)
             for run in runs:
                 ax.plot([per_run[run][s]["tokens"] for s in lines], [per_run[run][s]["delta_ce"] for s in lines],
                         style[1:], color=col, lw=0.6, alpha=0.3)
@@ -318,15 +487,38 @@ def seeds(rows: list[dict], family: str, runs: list[str], out: Path) -> list[dic
                               "n_seeds": len(vals), "delta_ce_mean": m, "delta_ce_seed_sd": sd,
                               "delta_ce_min": min(vals), "delta_ce_max": max(vals)})
             ax.errorbar(xs, ms, yerr=sds, fmt=style, color=col, ms=3, lw=1.2, capsize=2,
-                        alpha=0.8 if b.startswith("control-") else 1.0, label=b)
+                        alpha=0.8 if is_control(b) else 1.0, label=b)
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
         ax.set_ylabel(f"Δ CE {q}", fontsize=8)
-        ax.grid(alpha=0.3)
-        ax.tick_params(labelsize=7)
-    axes[0, 0].set_title(f"{family}: mean over {len(runs)} seeds (error bars: SD over seeds; faint: each seed)",
-                         fontsize=10)
-    axes[0, 0].legend(fontsize=6, ncol=2, loc="upper left")
-    axes[-1, 0].set_xlabel("tokens", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+        _style(ax)
+        tokens_axis(ax)
+    for ax in axes[-cols:]:
+        ax.set_xlabel("tokens", fontsize=8)
+    fig.suptitle(f"{family}: mean over {len(runs)} seeds (error bars: SD over seeds; faint: each seed)",
+                 fontsize=10, y=0.995)
+    if handles:
+        fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(3, len(handles)), fontsize=7,
+                   frameon=False)
+    save_figure(fig, out, bottom=leg_h)
     return table
+
+
+__all__ = [
+    "METRICS",
+    "PAGE_WIDTH",
+    "Metric",
+    "averaging_vs_decay",
+    "loss_vs_dce",
+    "metric_panels",
+    "overlay_lr",
+    "paired_difference",
+    "rainbow",
+    "rainbow_table",
+    "rel_delta_ce",
+    "seed_families",
+    "seeds",
+    "stable_jitter",
+    "trajectory",
+    "varied_key",
+]

@@ -1,18 +1,45 @@
-"""The static HTML report: figures (PNG) plus the tables behind them."""
+"""The static HTML report: a provenance block, then one section per figure (PNG shown, SVG and the CSV of the
+numbers behind it linked beside it, the table itself folded under it).
+
+``write_report(STORE_OR_RUN, OUT)`` reads a results store, or a run directory (its rows in the store given,
+default ``results``, and its metrics.jsonl: a run trained with the in-training monitor gets the monitored
+Δ CE against steps with its LR, beside the same figure from a sweep's rows when the store has them).
+Files in OUT: index.html, every figure as <name>.png (print dpi) + <name>.svg + <name>.csv, rows.json (the
+rows the report read) and provenance.json (everything the provenance block lists, unabridged).
+"""
 from __future__ import annotations
 
 import html
 import json
 import math
-import time
+import re
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 from quantdyn.errors import QuantdynError
-from quantdyn.report import figures
+from quantdyn.files import write_json_atomic, write_text_atomic
+from quantdyn.report import figures, provenance, uncertainty
+from quantdyn.report.monitored import monitored_points, read_metrics
+from quantdyn.report.output import figure_paths, figure_stem, table_columns, write_csv
+from quantdyn.report.palette import Palette
 from quantdyn.results.store import ResultStore
 
 
+@dataclass
+class Section:
+    """One figure of the report with the rows behind it."""
+
+    title: str
+    figure: str
+    """File name of the PNG in the report directory (the SVG and CSV share its stem)."""
+    table: list[dict]
+    caption: str
+
+
 def _fmt(v) -> str:
+    if v is None:
+        return "–"
     if isinstance(v, float):
         if math.isnan(v):
             return "–"
@@ -23,98 +50,217 @@ def _fmt(v) -> str:
 def _table(rows: list[dict], limit: int = 400) -> str:
     if not rows:
         return "<p><em>no rows</em></p>"
-    cols = list(rows[0])
+    cols = table_columns(rows)
     head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
     body = "".join("<tr>" + "".join(f"<td>{_fmt(r.get(c))}</td>" for c in cols) + "</tr>" for r in rows[:limit])
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    more = f"<p><em>first {limit} of {len(rows)} rows; all in the CSV</em></p>" if len(rows) > limit else ""
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>{more}"
 
 
 def lr_curve_of(run_dir: Path | None) -> list[tuple[int, float]]:
+    """(tokens, LR) of every logged step of a run (its metrics.jsonl)."""
     if run_dir is None:
         return []
-    from quantdyn.train.trainer import read_metrics
+    return [(r["tokens"], r["lr"]) for r in read_metrics(run_dir)
+            if r.get("lr") is not None and r.get("tokens") is not None]
 
-    return [(r["tokens"], r["lr"]) for r in read_metrics(run_dir) if "lr" in r and "tokens" in r]
 
-
-def resolve_input(store_or_run: str | Path, store: str | Path | None) -> tuple[ResultStore, Path | None]:
+def resolve_input(store_or_run: str | Path, store: str | Path | None) -> tuple[ResultStore | None, Path | None]:
+    """(store, run directory) of the report's argument: a run directory (a config.yaml in it) reads its rows
+    from ``store`` (default ``results``), or none when that store does not exist and the run was monitored;
+    any other directory is a store."""
     p = Path(store_or_run)
     if (p / "config.yaml").is_file():
-        return ResultStore(store or "results", create=False), p
+        st = Path(store or "results")
+        if not st.is_dir() and monitored_points(read_metrics(p))[1]:
+            return None, p
+        return ResultStore(st, create=False), p
     if p.is_dir():
         return ResultStore(p, create=False), None
     raise QuantdynError(f"'{p}' is neither a results store nor a run directory; pass one (default store: results)")
 
 
-def write_report(store_or_run: str | Path, out_dir: str | Path, store: str | Path | None = None) -> Path:
-    st, run_dir = resolve_input(store_or_run, store)
-    rows = st.rows()
-    if run_dir is not None:
-        prefix = str(run_dir.resolve())
-        rows = [r for r in rows if str(Path(r.get("checkpoint", "")).resolve()).startswith(prefix)]
-    if not rows:
-        raise QuantdynError(f"no result rows found in '{st.root}'{' for ' + str(run_dir) if run_dir else ''}; run a sweep first")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    sections = []
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
+def _run_dir_of(rows: list[dict], run: str) -> Path | None:
+    ck = next((r["checkpoint"] for r in rows if r.get("run") == run and r.get("branch") == "main"
+               and r.get("checkpoint")), None)
+    if not ck:
+        return None
+    rd = Path(ck).parent.parent
+    return rd if (rd / "metrics.jsonl").is_file() else None
+
+
+TRAJECTORY_CAPTION = (
+    "Top left: full-precision loss (black). Other panels, per quantizer: Δ CE = CE(quantized) − CE(FP), "
+    "the relative error Δ CE / CE(FP) (paper A), Δ PPL, KL(FP ‖ quantized) per token and top-1 agreement with "
+    "the FP model; a panel whose values span more than 30× is drawn on a log scale. Grey: learning rate; "
+    "top axis: training step.")
+
+
+def _monitored_section(run: str, run_dir: Path, out: Path, palette: Palette, beside: bool) -> Section | None:
+    metrics = read_metrics(run_dir)
+    fp, series, lr = monitored_points(metrics)
+    if not series:
+        return None
+    safe = _safe(run)
+    f = out / f"monitored_{safe}.png"
+    order = sorted(series, key=lambda q: (-(int(m.group(1)) if (m := re.search(r"(\d+)", q)) else 0), q))
+    table = figures.metric_panels(fp, {q: series[q] for q in order}, lr, f,
+                                  f"{run}: quantization error monitored during training", palette)
+    every = sorted({p["step"] for pts in series.values() for p in pts})
+    cap = ("From the run's metrics.jsonl: what the in-training monitor measured on the current weights at "
+           f"{len(every)} steps, per quantizer, with the validation loss (black) and the LR (grey); the same "
+           "figure as a sweep's. The monitor calibrates and evaluates on sets of its own, usually smaller than a "
+           "sweep's, so its levels can differ from the sweep's rows; its error bars are the paired SE over its "
+           "evaluation windows.")
+    if beside:
+        cap += " The figure above is the same run from the sweep's result rows."
+    return Section(f"Run {run}: quantization error monitored during training", f.name, table, cap)
+
+
+def _sections(rows: list[dict], out: Path, run_dir: Path | None, palette: Palette) -> list[Section]:
+    sections: list[Section] = []
     runs = sorted({r["run"] for r in rows if r.get("kind") in ("fp", "ptq") and r.get("run")})
+    monitored_done = set()
     for run in runs:
-        rd = run_dir
-        if rd is None:
-            ck = next((r["checkpoint"] for r in rows if r["run"] == run and r.get("branch") == "main"), None)
-            rd = Path(ck).parent.parent if ck and Path(ck).is_dir() else None
-        safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in run)
+        rd = run_dir if run_dir is not None else _run_dir_of(rows, run)
+        safe = _safe(run)
         f1 = out / f"trajectory_{safe}.png"
-        t1 = figures.trajectory(rows, run, lr_curve_of(rd) if rd and (rd / "metrics.jsonl").is_file() else [], f1)
-        sections.append((f"Run {run}: loss and quantization error along training", f1.name, t1,
-                         "Top: full-precision validation loss. Below: Δ CE = CE(quantized) − CE(FP) per quantizer "
-                         "(error bars: paired SE over evaluation windows). Grey: learning rate."))
+        if any(r.get("kind") == "ptq" and r.get("run") == run and (r.get("branch") or "main") == "main" for r in rows):
+            t1 = figures.trajectory(rows, run, lr_curve_of(rd), f1, palette)
+            sections.append(Section(f"Run {run}: loss and quantization error along training", f1.name, t1,
+                                    TRAJECTORY_CAPTION))
+            if rd is not None:
+                mon = _monitored_section(run, rd, out, palette, beside=True)
+                if mon:
+                    sections.append(mon)
+                    monitored_done.add(rd.resolve())
         f2 = out / f"rainbow_{safe}.png"
-        t2 = figures.rainbow(rows, run, f2)
+        t2 = figures.rainbow(rows, run, f2, palette)
         if t2:
-            sections.append((f"Run {run}: cooldown branches vs constant-LR controls", f2.name, t2,
-                             "Each colour is a cooldown branch started from a stable-phase checkpoint; the dashed line "
-                             "of the same colour is its control twin at constant LR for the same tokens. The table "
-                             "gives the decayed endpoint minus its control, paired over windows, and z = difference/SE. "
-                             "A control branched while the main run is itself at constant LR coincides with it "
-                             "(same weights, data and LR), so it hides behind the black line."))
+            sections.append(Section(
+                f"Run {run}: cooldown branches vs constant-LR controls", f2.name, t2,
+                "Each colour is a cooldown branch started from a stable-phase checkpoint; the dashed line of the same "
+                "colour is its control twin at constant LR for the same tokens. The table gives the decayed endpoint "
+                "minus its control, paired over evaluation windows, its uncertainty split into the evaluation and "
+                "run-to-run parts, z = difference / combined SE, and whether |z| > 2 (exceeds_uncertainty). A "
+                "control branched while the main run is itself at constant LR coincides with it (same weights, data "
+                "and LR), so it hides behind the black line."))
+    if run_dir is not None and run_dir.resolve() not in monitored_done:
+        run = run_dir.name
+        mon = _monitored_section(run, run_dir, out, palette, beside=False)
+        if mon:
+            sections.insert(0, mon)
     for family, members in figures.seed_families(rows).items():
-        safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in family)
-        f5 = out / f"seeds_{safe}.png"
-        t5 = figures.seeds(rows, family, members, f5)
+        f5 = out / f"seeds_{_safe(family)}.png"
+        t5 = figures.seeds(rows, family, members, f5, palette)
         if t5:
-            sections.append((f"{family}: spread over {len(members)} seeds", f5.name, t5,
-                             f"Runs {', '.join(members)} differ only by seed. Mean Δ CE over the seeds at the steps "
-                             "they all have; error bars are the SD over seeds (with two seeds, |a − b|/√2), faint "
-                             "lines the single seeds. Solid: main run and cooldown branches; dashed: controls."))
+            sections.append(Section(
+                f"{family}: spread over {len(members)} seeds", f5.name, t5,
+                f"Runs {', '.join(members)} differ only by seed. Mean Δ CE over the seeds at the steps they all "
+                "have; error bars are the SD over seeds (with two seeds, |a − b|/√2), which includes each seed's "
+                "own quantization noise; faint lines the single seeds. Solid: main run and cooldown branches; "
+                "dashed: controls."))
     if any(r.get("kind") == "ptq" for r in rows):
         f3 = out / "loss_vs_dce.png"
         color_key = figures.varied_key(rows) if len(runs) > 1 else "branch"
-        t3 = figures.loss_vs_dce(rows, f3, color_key=color_key)
-        sections.append(("Δ CE against full-precision loss", f3.name, t3,
-                         f"One marker per {color_key} (paper A, Figure 6); lower-left is better."))
+        t3 = figures.loss_vs_dce(rows, f3, color_key=color_key, palette=palette)
+        sections.append(Section("Δ CE against full-precision loss", f3.name, t3,
+                                f"One marker per {color_key} (paper A, Figure 6); lower-left is better."
+                                + (" Hollow markers: constant-LR controls." if color_key == "branch" else "")))
         f4 = out / "averaging_vs_decay.png"
-        t4 = figures.averaging_vs_decay(rows, f4)
+        t4 = figures.averaging_vs_decay(rows, f4, palette)
         if t4:
-            sections.append(("Weight averaging against the decayed endpoint", f4.name, t4,
-                             "Per bit width: Δ CE of each run's decayed endpoint (grey) and of its latest averaged "
-                             "checkpoints (LAWA, EMA, soups; blue). The table also gives FP and quantized CE: a lower "
-                             "Δ CE at a much higher loss is not a better model."))
-    for extra in _extra_sections(rows, out):
-        sections.append(extra)
-    parts = [f"<h2>{html.escape(t)}</h2><p>{html.escape(cap)}</p><img src='{img}' style='max-width:100%'>"
-             f"<details><summary>numbers ({len(tab)} rows)</summary>{_table(tab)}</details>"
-             for t, img, tab, cap in sections]
+            sections.append(Section(
+                "Weight averaging against the decayed endpoint", f4.name, t4,
+                "Per bit width: Δ CE of each run's decayed endpoint (black) and of its latest averaged checkpoints "
+                "(LAWA, EMA, soups; each in its branch's colour). The table also gives FP and quantized CE: a lower "
+                "Δ CE at a much higher loss is not a better model."))
+    sections += [Section(*s) for s in _extra_sections(rows, out)]
+    return sections
+
+
+def _uncertainty_summary(rows: list[dict]) -> str:
+    ptq = [r for r in rows if r.get("kind") == "ptq" and r.get("delta_ce") is not None]
+    if not ptq:
+        return ""
+    reps = Counter(uncertainty.repeats(r) for r in ptq)
+    doms = Counter(r.get("uncertainty_dominant") or uncertainty.parts(r).dominant for r in ptq)
+    rs = ", ".join(f"R = {k}: {n} rows" for k, n in sorted(reps.items()))
+    if set(reps) == {1}:
+        msg = ("No row repeats its quantization (R = 1): every error bar and z in this report covers only the "
+               "evaluation windows (paired SE). Re-quantizing a checkpoint (another calibration draw, another "
+               "float order) can move Δ CE by more than that; measure it with quant_repeats R > 1 (--repeats R).")
+    else:
+        msg = (f"Quantization repeats: {rs}. Error bars and z use the combined SE = √(SE_eval² + SD_run²/R); the "
+               f"run-to-run part dominates in {doms.get(uncertainty.RUN, 0)} of {len(ptq)} PTQ rows, the "
+               f"evaluation windows in {doms.get(uncertainty.EVAL, 0)}.")
+    return f"<section id='uncertainty'><h2>Uncertainty</h2><p>{html.escape(msg)}</p></section>"
+
+
+CSS = """body{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#222;line-height:1.35}
+table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}
+table.prov th,table.prov td{text-align:left;vertical-align:top}table.prov td{font-size:12px}
+h2{margin-top:2em;border-bottom:1px solid #ddd}.small,.dl,.unc{font-size:13px;color:#444}.n{color:#777}
+figure{margin:0}figure img{max-width:100%;border:1px solid #eee}code{font-size:12px}
+@media print{section{break-inside:avoid}details{display:none}}"""
+
+
+def _section_html(k: int, s: Section, out: Path) -> str:
+    stem = figure_stem(s.figure)
+    png, svg = (p.name for p in figure_paths(stem))
+    csv_name = f"{stem.name}.csv"
+    write_csv(s.table, out / csv_name)
+    links = [f"<a href='{html.escape(png)}'>PNG</a>"]
+    if (out / svg).is_file():
+        links.append(f"<a href='{html.escape(svg)}'>SVG</a>")
+    links.append(f"<a href='{html.escape(csv_name)}' download>CSV</a> ({len(s.table)} rows, "
+                 f"{len(table_columns(s.table))} columns)")
+    note = uncertainty.note(s.table)
+    return (f"<section id='s{k}'><h2>{html.escape(s.title)}</h2><p>{html.escape(s.caption)}</p>"
+            + (f"<p class='unc'>{html.escape(note)}</p>" if note else "")
+            + f"<figure><img src='{html.escape(png)}' alt='{html.escape(s.title)}'></figure>"
+            f"<p class='dl'>Download: {' · '.join(links)}</p>"
+            f"<details><summary>numbers ({len(s.table)} rows)</summary>{_table(s.table)}</details></section>")
+
+
+def write_report(store_or_run: str | Path, out_dir: str | Path, store: str | Path | None = None) -> Path:
+    """Write the report of a store or a run directory into ``out_dir``; returns the path of index.html."""
+    st, run_dir = resolve_input(store_or_run, store)
+    rows = st.rows() if st is not None else []
+    if run_dir is not None:
+        prefix = str(run_dir.resolve())
+        rows = [r for r in rows if str(Path(r.get("checkpoint", "")).resolve()).startswith(prefix)]
+    monitored = run_dir is not None and bool(monitored_points(read_metrics(run_dir))[1])
+    if not rows and not monitored:
+        where = f"'{st.root}'" if st is not None else "no store"
+        hint = (" and its metrics.jsonl has no monitored Δ CE (train with monitor: {every: N, quantizers: [...]})"
+                if run_dir is not None else "")
+        raise QuantdynError(f"no result rows found in {where}{' for ' + str(run_dir) if run_dir else ''}{hint}; "
+                            "run a sweep first")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    palette = Palette.for_rows(rows)
+    sections = _sections(rows, out, run_dir, palette)
+    prov = provenance.collect(rows, st.root if st is not None else None, run_dir)
+    toc = "".join(f"<li><a href='#s{k}'>{html.escape(s.title)}</a></li>" for k, s in enumerate(sections))
+    parts = "".join(_section_html(k, s, out) for k, s in enumerate(sections))
+    source = html.escape(str(st.root if st is not None else run_dir))
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>quantdyn report</title>
-<style>body{{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#222}}
-table{{border-collapse:collapse;font-size:12px}}td,th{{border:1px solid #ccc;padding:2px 6px;text-align:right}}
-h2{{margin-top:2em;border-bottom:1px solid #ddd}}</style></head><body>
-<h1>quantdyn report</h1><p>store: {html.escape(str(st.root))} · {len(rows)} rows · written {time.strftime('%Y-%m-%d %H:%M')}</p>
-{''.join(parts)}
+<style>{CSS}</style></head><body>
+<h1>quantdyn report</h1><p>{source} · {len(rows)} rows · {len(sections)} figures · written {html.escape(prov['date'])}</p>
+{provenance.to_html(prov)}
+{_uncertainty_summary(rows)}
+<section id='contents'><h2>Figures</h2><ol>{toc}</ol></section>
+{parts}
 </body></html>"""
-    (out / "index.html").write_text(page)
-    (out / "rows.json").write_text(json.dumps([{k: v for k, v in r.items() if k not in ("window_delta",)} for r in rows],
-                                              default=str))
+    write_json_atomic(out / "provenance.json", prov)
+    write_text_atomic(out / "rows.json", json.dumps([{k: v for k, v in r.items() if k != "window_delta"}
+                                                     for r in rows], default=str))
+    write_text_atomic(out / "index.html", page)
     return out / "index.html"
 
 

@@ -3,13 +3,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import numpy as np
 
 from quantdyn.analysis.scaling import ScalingFit, predict
+from quantdyn.report.output import panel_grid, save_figure
+from quantdyn.report.palette import ordered_colors, quantizer_color
 
 
 def _final_main(rows: list[dict]) -> dict[str, int]:
@@ -51,9 +49,9 @@ def scaling_figure(rows: list[dict], out: Path) -> list[dict]:
     if not fits:
         return []
     groups = sorted({f["group"] for f in fits})
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.5), squeeze=False)
+    fig, axes = panel_grid(len(groups), max_cols=3, panel_height=2.8, extra_height=0.0)
     table = []
-    for ax, g in zip(axes[0], groups):
+    for ax, g in zip(axes, groups):
         for f in (x for x in fits if x["group"] == g):
             pts = f["points"]
             N = np.array([p["N"] for p in pts], dtype=float)
@@ -73,9 +71,8 @@ def scaling_figure(rows: list[dict], out: Path) -> list[dict]:
         ax.set_ylabel("loss", fontsize=8)
         ax.legend(fontsize=6)
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+        ax.tick_params(labelsize=7)
+    save_figure(fig, out)
     return table
 
 
@@ -85,16 +82,17 @@ def optimizer_figure(table: list[dict], out: Path) -> bool:
     opts = sorted({str(t["optimizer"]) for t in table if not t.get("qat")})
     if not qs or len(opts) < 2:
         return False
-    fig, axes = plt.subplots(1, len(qs), figsize=(3.4 * len(qs), 3.2), squeeze=False)
-    for ax, q in zip(axes[0], qs):
+    fig, axes = panel_grid(len(qs), max_cols=3, panel_height=2.6, extra_height=0.0)
+    colors = ordered_colors(opts)
+    for ax, q in zip(axes, qs):
         for i, o in enumerate(opts):
             vals = [t[q] for t in table if str(t["optimizer"]) == o and q in t and not t.get("qat")]
-            ax.scatter([i] * len(vals), vals, s=16)
+            ax.scatter([i] * len(vals), vals, s=16, color=colors[o])
         ax.set_xticks(range(len(opts)))
         ax.set_xticklabels(opts, rotation=45, fontsize=7)
-        ax.set_title(q.replace("dce_", "Δ CE "), fontsize=9)
+        label = q.removeprefix("dce_")
+        ax.set_title(f"Δ CE {label}", fontsize=9, color=quantizer_color(label))
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+        ax.tick_params(axis="y", labelsize=7)
+    save_figure(fig, out)
     return True

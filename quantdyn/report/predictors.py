@@ -14,9 +14,11 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 from quantdyn.analysis.correlate import CorrelateConfig, correlate
+from quantdyn.report.output import PAGE_WIDTH, save_figure
+from quantdyn.report.palette import quantizer_color
 
 META = {"key", "kind", "analysis", "time", "git_sha", "hardware", "checkpoint", "checkpoint_hash", "run", "branch",
         "ckpt_kind", "eval_hash", "calib_hash", "data_key", "step", "tokens", "lr", "decaying", "peak_lr", "seed",
@@ -66,7 +68,7 @@ def predictor_figure(rows: list[dict], corr: list[dict], out: Path, top: int = 4
     qs = sorted({c["quantizer"] for c in corr})[:4]
     if not qs:
         return False
-    fig, axes = plt.subplots(len(qs), top, figsize=(3.0 * top, 2.6 * len(qs)), squeeze=False)
+    fig, axes = plt.subplots(len(qs), top, figsize=(PAGE_WIDTH, 2.1 * len(qs)), squeeze=False)
     for i, q in enumerate(qs):
         table = joined_table(rows, q)
         best = [c for c in corr if c["quantizer"] == q and not math.isnan(c["spearman"])][:top]
@@ -77,14 +79,12 @@ def predictor_figure(rows: list[dict], corr: list[dict], out: Path, top: int = 4
                 continue
             m = best[j]["metric"]
             pts = [(t[m], t["delta_ce"]) for t in table if m in t]
-            ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=12)
-            ax.set_title(f"{q}: ρ={best[j]['spearman']:.2f} [{best[j]['spearman_lo']:.2f}, {best[j]['spearman_hi']:.2f}]",
-                         fontsize=8)
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=10, color=quantizer_color(q))
+            ax.set_title(f"{q}: ρ={best[j]['spearman']:.2f}\n[{best[j]['spearman_lo']:.2f}, "
+                         f"{best[j]['spearman_hi']:.2f}]", fontsize=7, color=quantizer_color(q))
             ax.set_xlabel(m, fontsize=7)
             ax.set_ylabel("Δ CE", fontsize=7)
             ax.tick_params(labelsize=6)
             ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    save_figure(fig, out)
     return True

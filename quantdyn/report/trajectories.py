@@ -2,30 +2,31 @@
 result rows (``ResultStore.rows()``) and the trajectory presets; each writes PNG and SVG and returns the table
 of numbers behind it.
 
-  error_vs_tokens       Δ CE and Δ CE / CE(FP) against tokens for one trajectory, LR overlaid
+  error_vs_tokens       Δ CE, Δ CE / CE(FP) (and Δ PPL, KL, top-1 agreement where measured) against tokens
+                        for one trajectory, LR overlaid
   families_side_by_side Δ CE / CE(FP) against tokens, one panel per trajectory (family and size)
   soup_vs_ingredients   OLMo-2 stage 2: each ingredient's error along its own tokens, the soup beside them
   sections              the three above as report sections, for the rows a store holds
 
 The LR overlay is drawn from the preset's schedule (the functions quantdyn trains with); without a preset
 it joins the rows' own ``lr`` values.  The relative error is the row's ``rel_delta_ce`` or, for rows written
-before it existed, ``delta_ce / ce_fp``.
+before it existed, ``delta_ce / ce_fp``.  Quantizer and branch colours come from ``palette.py`` (the same as
+in every other figure of the report), error bars from ``uncertainty.py`` (combined with the run-to-run
+spread where the quantization was repeated).
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-
 from quantdyn.errors import QuantdynError
+from quantdyn.report import uncertainty
+from quantdyn.report.output import panel_grid, save_figure, tokens_axis
+from quantdyn.report.palette import LR_COLOR, Palette, quantizer_color
 from quantdyn.study.presets import Preset, get_preset, preset_for_repo
 from quantdyn.train.schedules import PhaseSchedule, schedule_curve
 
-LR_STYLE = {"color": "0.55", "lw": 1.0, "ls": "-", "alpha": 0.8}
+LR_STYLE = {"color": LR_COLOR, "lw": 1.0, "ls": "-", "alpha": 0.8}
 PUBLIC_KINDS = ("hub", "soup")
 
 
@@ -124,29 +125,25 @@ def lr_curves(pre: Preset | None, rows: list[dict]) -> list[tuple[str, list[tupl
     return out
 
 
-def _overlay(ax, curves) -> None:
+def _overlay(ax, curves, label: bool = True) -> None:
     if not curves:
         return
     ax2 = ax.twinx()
     for k, (_, curve) in enumerate(curves):
         xs, ys = zip(*curve)
         ax2.plot(xs, ys, **{**LR_STYLE, "ls": "-" if k == 0 else "--"}, label="LR" if k == 0 else None)
-    ax2.set_ylabel("LR", color="0.45", fontsize=8)
-    ax2.tick_params(axis="y", labelsize=7, colors="0.45")
     ax2.set_ylim(bottom=0)
-
-
-def _tokens_label(v: float, _pos=None) -> str:
-    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(v) >= div:
-            return f"{v / div:g}{unit}"
-    return f"{v:g}"
+    ax.set_zorder(ax2.get_zorder() + 1)  # the data in front of the LR
+    ax.patch.set_visible(False)
+    if label:
+        ax2.set_ylabel("LR", color="0.45", fontsize=7)
+        ax2.tick_params(axis="y", labelsize=6, colors="0.45")
+    else:
+        ax2.tick_params(axis="y", right=False, labelright=False)
 
 
 def _tokens_axis(ax) -> None:
-    from matplotlib.ticker import FuncFormatter
-
-    ax.xaxis.set_major_formatter(FuncFormatter(_tokens_label))
+    tokens_axis(ax)
 
 
 def _log_x(tokens: list[float]) -> bool:
@@ -154,15 +151,8 @@ def _log_x(tokens: list[float]) -> bool:
     return bool(pos) and max(pos) / min(pos) > 1e3
 
 
-def _save(fig, out: Path) -> list[Path]:
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    paths = [out.with_suffix(".png"), out.with_suffix(".svg")]
-    fig.tight_layout()
-    fig.savefig(paths[0], dpi=110)
-    fig.savefig(paths[1])
-    plt.close(fig)
-    return paths
+def _save(fig, out: Path, **kw) -> list[Path]:
+    return save_figure(fig, out, **kw)
 
 
 def _branch_style(branch: str) -> dict:
@@ -183,13 +173,32 @@ def _table_row(run: str, pre: Preset | None, branch: str, q: str, r: dict) -> di
             "revision": r.get("revision") or str(r.get("checkpoint", "")).partition("@")[2],
             "step": r.get("step"), "tokens": r["tokens"], "lr": r.get("lr"), "phase": r.get("phase"),
             "decaying": r.get("decaying"), "ce_fp": r.get("ce_fp"), "delta_ce": r["delta_ce"],
-            "delta_ce_se": r.get("delta_ce_se"), "rel_delta_ce": rel_delta_ce(r)}
+            **uncertainty.columns(r), "rel_delta_ce": rel_delta_ce(r), "delta_ppl": r.get("delta_ppl"),
+            "kl": r.get("kl"), "top1_agree": r.get("top1_agree")}
+
+
+def _rel_se(r: dict) -> float:
+    fp = r.get("ce_fp")
+    return uncertainty.total_se(r) / float(fp) if fp else 0.0
+
+
+PANELS = (
+    ("delta_ce", "Δ CE (nats)", lambda r: r.get("delta_ce"), uncertainty.total_se),
+    ("rel_delta_ce", "Δ CE / CE(FP)", rel_delta_ce, _rel_se),
+    ("delta_ppl", "Δ PPL", lambda r: r.get("delta_ppl"), None),
+    ("kl", "KL(FP ‖ Q) (nats/token)", lambda r: r.get("kl"), lambda r: uncertainty.total_se(r, "kl")),
+    ("top1_agree", "top-1 agreement with FP", lambda r: r.get("top1_agree"), None),
+)
+"""(key, label, value, error bar) of the panels of :func:`error_vs_tokens`; Δ CE and Δ CE / CE(FP) always,
+the others when the rows carry them."""
 
 
 def error_vs_tokens(rows: list[dict], run: str, out: Path, quantizers: list[str] | None = None) -> list[dict]:
-    """Δ CE (± SE) and Δ CE / CE(FP) against tokens of one public trajectory (all its branches: stage-1 main,
-    stage-2 ingredients dashed, the soup as a star), with the preset's LR overlaid; filled markers = decaying.
-    Writes ``out``.png and .svg; returns the table behind it ([] and no files when the run has no rows)."""
+    """Δ CE (± combined SE) and Δ CE / CE(FP) against tokens of one public trajectory, with Δ PPL, KL and top-1
+    agreement beside them when the rows carry them (all its branches: stage-1 main, stage-2 ingredients
+    dashed, the soup as a star), with the preset's LR overlaid; filled markers = decaying; one colour per
+    quantizer (``palette``).  Writes ``out``.png and .svg; returns the table behind it ([] and no files when
+    the run has no rows)."""
     pts = _ptq(rows, run, quantizers)
     if not pts:
         return []
@@ -197,11 +206,13 @@ def error_vs_tokens(rows: list[dict], run: str, out: Path, quantizers: list[str]
     qs = _quantizers(pts)
     curves = lr_curves(pre, pts)
     start = _stage_start(pre)
-    fig, axes = plt.subplots(2, 1, figsize=(7.5, 5.2), sharex=True)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    panels = [p for k, p in enumerate(PANELS) if k < 2 or any(p[2](r) is not None for r in pts)]
+    cols = 1 if len(panels) <= 2 else 2
+    fig, axes = panel_grid(len(panels), max_cols=cols, panel_height=2.3 if cols == 2 else 2.5, extra_height=0.3,
+                           sharex=True)
     table = []
-    for qi, q in enumerate(qs):
-        c = colors[qi % len(colors)]
+    for q in qs:
+        c = quantizer_color(q)
         mine = [r for r in pts if r["quantizer"] == q]
         for branch in sorted({r.get("branch") or "main" for r in mine}, key=lambda b: (b != "main", b)):
             br = [r for r in mine if (r.get("branch") or "main") == branch]
@@ -209,32 +220,35 @@ def error_vs_tokens(rows: list[dict], run: str, out: Path, quantizers: list[str]
             if branch.startswith("ingredient"):  # drawn from the checkpoint the stage starts at
                 br = [r for r in mine if (r.get("branch") or "main") == "main" and r["tokens"] == start] + br
             xs = [r["tokens"] for r in br]
-            if branch == "soup":
-                axes[0].plot(xs, [r["delta_ce"] for r in br], "*", color=c, ms=10, label=f"{q} soup")
-                axes[1].plot(xs, [rel_delta_ce(r) for r in br], "*", color=c, ms=10)
-            else:
+            for k, (ax, (_, _, value, se)) in enumerate(zip(axes, panels)):
+                ys = [value(r) for r in br]
+                if branch == "soup":
+                    ax.plot(xs, ys, "*", color=c, ms=10, label=f"{q} soup" if k == 0 else None)
+                    continue
                 st = _branch_style(branch)
-                axes[0].errorbar(xs, [r["delta_ce"] for r in br], yerr=[r.get("delta_ce_se") or 0 for r in br],
-                                 color=c, capsize=2, ms=0, label=q if branch == "main" else None, **st)
-                axes[1].plot(xs, [rel_delta_ce(r) for r in br], color=c, **st)
-                for ax, key in ((axes[0], "delta_ce"), (axes[1], None)):
-                    ys = [r["delta_ce"] if key else rel_delta_ce(r) for r in br]
-                    ax.scatter(xs, ys, s=12, color=c, zorder=3,
-                               facecolors=[c if r.get("decaying") else "white" for r in br])
-    axes[0].set_ylabel("Δ CE (nats)", fontsize=8)
-    axes[1].set_ylabel("Δ CE / CE(FP)", fontsize=8)
-    axes[0].set_title(f"{_label(run, pre)}: quantization error along training (filled = LR decaying)", fontsize=10)
+                keep = [i for i, y in enumerate(ys) if y is not None]
+                kx, ky = [xs[i] for i in keep], [ys[i] for i in keep]
+                ax.errorbar(kx, ky, yerr=[se(br[i]) for i in keep] if se else None, color=c, capsize=2, ms=0,
+                            label=q if branch == "main" and k == 0 else None, **st)
+                ax.scatter(kx, ky, s=12, color=c, zorder=3,
+                           facecolors=[c if br[i].get("decaying") else "white" for i in keep])
+    for ax, (_, label, _, _) in zip(axes, panels):
+        ax.set_ylabel(label, fontsize=8)
+    fig.suptitle(f"{_label(run, pre)}: quantization error along training (filled = LR decaying)", fontsize=10)
     axes[0].legend(fontsize=7, loc="upper left")
-    for ax in axes:
-        _overlay(ax, curves)
+    for k, ax in enumerate(axes):
+        _overlay(ax, curves, label=(k % cols == cols - 1) or k == len(axes) - 1)
         ax.grid(alpha=0.3)
         ax.tick_params(labelsize=7)
-    if _log_x([r["tokens"] for r in pts]):
-        axes[1].set_xscale("log")
-    else:
-        _tokens_axis(axes[1])
-    axes[1].set_xlabel("tokens", fontsize=8)
-    _save(fig, out)
+    log = _log_x([r["tokens"] for r in pts])
+    for k, ax in enumerate(axes):
+        if log:
+            ax.set_xscale("log")
+        else:
+            _tokens_axis(ax)
+        if k >= len(axes) - cols:
+            ax.set_xlabel("tokens", fontsize=8)
+    _save(fig, out, top=0.25)
     return table
 
 
@@ -246,14 +260,14 @@ def families_side_by_side(rows: list[dict], out: Path, runs: list[str] | None = 
     if not runs:
         return []
     qs = _quantizers([r for r in rows if r.get("run") in runs and (quantizers is None or r.get("quantizer") in quantizers)])
-    fig, axes = plt.subplots(1, len(runs), figsize=(3.6 * len(runs) + 0.6, 3.4), sharey=True, squeeze=False)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    cols = min(3, len(runs))
+    fig, axes = panel_grid(len(runs), max_cols=cols, panel_height=2.5, extra_height=0.0, sharey=True)
     table = []
-    for ax, run in zip(axes[0], runs):
+    for k, (ax, run) in enumerate(zip(axes, runs)):
         pts = [r for r in _ptq(rows, run, quantizers) if (r.get("branch") or "main") in ("main", "soup")]
         pre = preset_of_rows(pts)
-        for qi, q in enumerate(qs):
-            c = colors[qi % len(colors)]
+        for q in qs:
+            c = quantizer_color(q)
             line = [r for r in pts if r["quantizer"] == q and (r.get("branch") or "main") == "main"]
             soup = [r for r in pts if r["quantizer"] == q and r.get("branch") == "soup"]
             if line:
@@ -265,14 +279,16 @@ def families_side_by_side(rows: list[dict], out: Path, runs: list[str] | None = 
                 table.append({"run": run, "preset": pre.name if pre else None, "quantizer": q,
                               "branch": r.get("branch") or "main", "tokens": r["tokens"], "lr": r.get("lr"),
                               "rel_delta_ce": rel_delta_ce(r), "delta_ce": r["delta_ce"]})
-        _overlay(ax, lr_curves(pre, pts)[:1])
+        _overlay(ax, lr_curves(pre, pts)[:1], label=k % cols == cols - 1 or k == len(runs) - 1)
         ax.set_title(_label(run, pre), fontsize=9)
         ax.set_xlabel("tokens", fontsize=8)
         _tokens_axis(ax)
         ax.grid(alpha=0.3)
         ax.tick_params(labelsize=7)
-    axes[0][0].set_ylabel("Δ CE / CE(FP)", fontsize=8)
-    axes[0][0].legend(fontsize=7, loc="upper left")
+        ax.tick_params(labelleft=True)
+    for ax in axes[::cols]:
+        ax.set_ylabel("Δ CE / CE(FP)", fontsize=8)
+    axes[0].legend(fontsize=7, loc="upper left")
     _save(fig, out)
     return table
 
@@ -293,8 +309,9 @@ def soup_vs_ingredients(rows: list[dict], run: str, out: Path, quantizers: list[
         before = [r["tokens"] for r in pts if (r.get("branch") or "main") == "main" and r["tokens"] <= first]
         base_tokens = max(before) if before else first
     qs = _quantizers(ings)
-    fig, axes = plt.subplots(2, len(qs), figsize=(4.2 * len(qs) + 0.6, 5.2), sharex=True, squeeze=False)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, flat = panel_grid(2 * len(qs), max_cols=2, panel_height=2.4, extra_height=0.0, sharex=True)
+    axes = [[flat[2 * j] for j in range(len(qs))], [flat[2 * j + 1] for j in range(len(qs))]]  # [metric][quantizer]
+    palette = Palette.for_rows(pts)
     table = []
     for j, q in enumerate(qs):
         mine = [r for r in pts if r["quantizer"] == q]
@@ -305,27 +322,29 @@ def soup_vs_ingredients(rows: list[dict], run: str, out: Path, quantizers: list[
             br = [r for r in mine if r["branch"] == b]
             xs = [r["tokens"] - base_tokens for r in start + br]
             for ax, f in ((axes[0][j], lambda r: r["delta_ce"]), (axes[1][j], rel_delta_ce)):
-                ax.plot(xs, [f(r) for r in start + br], "o-", ms=3, lw=1.1, color=colors[k % len(colors)],
+                ax.plot(xs, [f(r) for r in start + br], "o-", ms=3, lw=1.1, color=palette.branch(b),
                         label=b if ax is axes[0][j] else None)
             table += [{"run": run, "quantizer": q, "branch": b, "stage_tokens": r["tokens"] - base_tokens,
                        "tokens": r["tokens"], "lr": r.get("lr"), "delta_ce": r["delta_ce"],
                        "rel_delta_ce": rel_delta_ce(r)} for r in br]
         for r in soup:
             for ax, v in ((axes[0][j], r["delta_ce"]), (axes[1][j], rel_delta_ce(r))):
-                ax.plot([r["tokens"] - base_tokens], [v], "*", color="k", ms=12, label="soup" if ax is axes[0][j] else None)
+                ax.plot([r["tokens"] - base_tokens], [v], "*", color=palette.branch("soup"), ms=12,
+                        label="soup" if ax is axes[0][j] else None)
             table.append({"run": run, "quantizer": q, "branch": "soup", "stage_tokens": r["tokens"] - base_tokens,
                           "tokens": r["tokens"], "lr": r.get("lr"), "delta_ce": r["delta_ce"],
                           "rel_delta_ce": rel_delta_ce(r)})
         for r in start:
             table.append({"run": run, "quantizer": q, "branch": "main", "stage_tokens": 0, "tokens": r["tokens"],
                           "lr": r.get("lr"), "delta_ce": r["delta_ce"], "rel_delta_ce": rel_delta_ce(r)})
-        axes[0][j].set_title(f"{_label(run, pre)} stage 2, {q}", fontsize=9)
-        axes[1][j].set_xlabel(f"tokens since {base_rev or 'the stage-1 checkpoint'}", fontsize=8)
-        _tokens_axis(axes[1][j])
+        for ax, ylabel in ((axes[0][j], "Δ CE (nats)"), (axes[1][j], "Δ CE / CE(FP)")):
+            ax.set_title(f"{_label(run, pre)} stage 2, {q}", fontsize=9, color=quantizer_color(q))
+            ax.set_ylabel(ylabel, fontsize=8)
+            _tokens_axis(ax)
         axes[0][j].legend(fontsize=7)
-    axes[0][0].set_ylabel("Δ CE (nats)", fontsize=8)
-    axes[1][0].set_ylabel("Δ CE / CE(FP)", fontsize=8)
-    for ax in axes.flat:
+    for ax in flat[-2:]:
+        ax.set_xlabel(f"tokens since {base_rev or 'the stage-1 checkpoint'}", fontsize=8)
+    for ax in flat:
         ax.grid(alpha=0.3)
         ax.tick_params(labelsize=7)
     _save(fig, out)
@@ -343,8 +362,9 @@ def sections(rows: list[dict], out: Path) -> list[tuple[str, str, list[dict], st
         if table:
             name = table[0]["preset"] or run
             found.append((f"Public trajectory {name}: quantization error and LR against tokens", f"{stem}.png", table,
-                          ("Δ CE (± paired SE over evaluation windows) and Δ CE / CE(FP) of each quantizer at each "
-                          "revision, against tokens; the LR of the preset's schedule overlaid (grey; dashed: a "
+                          ("Δ CE (± its combined uncertainty) and Δ CE / CE(FP) of each quantizer at each revision, "
+                          "with Δ PPL, KL and top-1 agreement where measured, against tokens; the LR of the "
+                          "preset's schedule overlaid (grey; dashed: a "
                           "later stage); filled markers where the LR is decaying; dashed lines: stage-2 ingredients, "
                           "stars: soups (paper A, public trajectories).")))
         table = soup_vs_ingredients(rows, run, out / f"{stem}_soup")
