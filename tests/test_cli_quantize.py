@@ -68,3 +68,33 @@ def test_quantize_quantdyn_checkpoint_table_and_errors(tmp_path, kjv_small, cli)
     other = shutil.copytree(ck, tmp_path / "elsewhere")
     r = cli("quantize", str(other), "--method", "rtn", "--bits", "4", *short)
     assert r.returncode == 0 and "tokenizing" not in r.stderr
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors"])
+def test_quantize_export_streams_a_deployable_checkpoint(hf_models, fmt, tmp_path, cli):
+    """`quantize --export FMT --out DIR` writes the format through the streamed engine; its codes read back
+    exactly as the engine's, and what the format cannot hold is refused before any work."""
+    from safetensors.torch import load_file
+
+    from quantdyn.export import read_export
+
+    args = ["quantize", hf_models["llama"], "--method", "gptq", "--bits", "4", "--group-size", "32",
+            "--calib-samples", "4", "--eval-tokens", "1024", "--json"]
+    out = tmp_path / fmt
+    r = cli(*args, "--export", fmt, "--out", out)
+    assert r.returncode == 0, r.stderr[-1500:]
+    row = json.loads(r.stdout.strip().splitlines()[-1])
+    assert row["export"]["format"] == fmt and "quantization_config" in json.loads((out / "config.json").read_text())
+    assert (out / "tokenizer.json").is_file()
+    assert cli(*args, "--out", tmp_path / "fake").returncode == 0  # quantdyn's own layout, same run
+    codes = load_file(str(tmp_path / "fake" / "quant_codes.safetensors"))
+    layers = dict(read_export(out).layers())
+    assert len(layers) == 7 * 2
+    for name, layer in layers.items():
+        assert torch.equal(layer.codes, codes[f"{name}.codes"]), name  # the engine's decisions, exactly
+        assert torch.equal(layer.g_idx.long(), codes[f"{name}.g_idx"].long()), name
+    r = cli("quantize", hf_models["llama"], "--method", "rtn", "--bits", "2", "--export", "compressed-tensors",
+            "--out", tmp_path / "two")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "two").exists()
+    r = cli("quantize", hf_models["llama"], "--export", "gptq")
+    assert r.returncode == 2 and "--out" in r.stderr

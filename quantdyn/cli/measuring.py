@@ -27,6 +27,8 @@ def quantize(
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Default: the model's own tokenizer."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the fake-quantized model + codes to this directory."),
     save: Optional[Path] = typer.Option(None, "--save", hidden=True, help="Old spelling of --out."),
+    export: Optional[str] = typer.Option(None, "--export", help="Write --out as a deployable checkpoint: gptq | compressed-tensors."),
+    push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", help="Upload the export to this hub repo (needs a token)."),
     device: str = typer.Option("auto", "--device", help="cpu | cuda | cuda:N | auto; blocks are onloaded one at a time."),
     dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (the checkpoint's) | float32 | bfloat16 | float16."),
     max_memory: str = typer.Option("", "--max-memory", help="Memory for one block + activations, e.g. 8GB (default: half the free memory)."),
@@ -45,7 +47,7 @@ def quantize(
                        calib_samples=calib_samples, calib_seq_len=calib_seq_len, eval_data=eval_data,
                        eval_tokens=eval_tokens, eval_seq_len=eval_seq_len, tokenizer=tokenizer, save=save,
                        device=device, progress=not as_json, threads=threads, dtype=dtype, max_memory=max_memory,
-                       repeats=repeats, repeat_vary=repeat_vary)
+                       repeats=repeats, repeat_vary=repeat_vary, export=export, push_to_hub=push_to_hub)
     if as_json:
         echo_json({k: v for k, v in row.items() if k != "window_delta"})
         return
@@ -60,7 +62,8 @@ def quantize(
     typer.echo(f"  KL(FP||Q) {row['kl']:.5f} nats/token   top-1 agreement {row['top1_agree']:.4f}   "
                f"quantize {row['t_quantize']:.1f}s")
     if save:
-        typer.echo(f"saved: {save}")
+        typer.echo(f"{'exported (' + export + ')' if export else 'saved'}: {save}"
+                   + (f" and pushed to {row['export']['hub']}" if push_to_hub else ""))
 
 
 # ------------------------------------------------------------------ sweep

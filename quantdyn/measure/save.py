@@ -26,6 +26,8 @@ from quantdyn.quantize.config import QuantConfig
 from quantdyn.quantize.primitives import QuantResult
 
 _COPY_SUFFIXES = (".json", ".model", ".txt", ".tiktoken")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                    "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json")
 _NOT_COPIED = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json", "quant_config.json"}
 
 
@@ -133,3 +135,42 @@ class QuantizedCheckpointWriter:
             self._cm.__exit__(RuntimeError, err, None)
         except RuntimeError:
             pass
+
+
+class ExportSink:
+    """``on_layer`` sink that streams one quantizer's codes into a deployable export (``quantdyn.export``:
+    GPTQ or compressed-tensors): quantized layers as the engine produces them, every other tensor copied
+    from the source checkpoint at the end, the tokenizer files beside them."""
+
+    def __init__(self, fmt: str, out: str | Path, source: LazyModel, qc: QuantConfig, label: str, **options):
+        from quantdyn.export import open_export
+        from quantdyn.models.adapters import model_type_of
+
+        self.source, self.label = source, label
+        self.writer = open_export(fmt, out, dict(source.weights.config), qc, model_type_of(source.model), **options)
+        self.quantized: set[str] = set()
+
+    def __call__(self, label: str, full: str, res: QuantResult, module: nn.Module) -> None:
+        if label != self.label:
+            return
+        key = self.source.checkpoint_key(f"{full}.weight")
+        self.writer.add_quantized(key.rsplit(".", 1)[0], res.codes, res.scales, res.zeros, res.g_idx,
+                                  awq_scales=res.awq_scales)
+        self.quantized.add(key)
+
+    def close(self) -> Path:
+        w = self.source.weights
+        try:
+            for name in w.names():
+                if name not in self.quantized:
+                    self.writer.add_tensor(name, w.get(name))
+            for name in _TOKENIZER_FILES:
+                if (w.path / name).is_file():
+                    self.writer.add_file(name, w.path / name)
+        except BaseException:
+            self.writer.abort()
+            raise
+        return self.writer.close()
+
+    def abort(self) -> None:
+        self.writer.abort()

@@ -19,17 +19,23 @@ def quantize_one(
     eval_data: str | None = None, eval_tokens: int = 25600, eval_seq_len: int = 128,
     tokenizer: str | None = None, save: Path | None = None, device: str = "auto", progress: bool = True,
     threads: int = 1, dtype: str = "auto", max_memory: str = "", repeats: int = 1, repeat_vary: str = "draw",
-    echo=None,
+    export: str | None = None, push_to_hub: str | None = None, echo=None,
 ) -> dict:
     """Quantize ``model_ref`` (checkpoint directory or hub ``ID[@REV]``) and measure Δ CE, KL and agreement on
     held-out text; with ``save`` also write the fake-quantized checkpoint and its codes there (streamed).
     ``repeats`` R > 1 quantizes R times (calibration draw r: see measure.rows.calibration_draws) and reports the
-    mean, the SD over repeats and the combined uncertainty; ``save`` keeps repeat 0."""
+    mean, the SD over repeats and the combined uncertainty; ``save`` keeps repeat 0. With ``export`` ('gptq' or
+    'compressed-tensors') ``save`` receives a deployable checkpoint in that format instead (streamed too; what the
+    format cannot hold is refused before any work), uploaded to ``push_to_hub`` (a repo id) when given."""
     from quantdyn.quantize.config import parse_quantizer, quant_preset
 
     base = {"method": method, "bits": bits, "group_size": group_size}
     qc = quant_preset(preset, **base) if preset else parse_quantizer(base)
     dev = resolve_device(device)
+    if (export or push_to_hub) and save is None:
+        raise QuantdynError("--export and --push-to-hub need --out DIR for the exported checkpoint")
+    if push_to_hub and not export:
+        raise QuantdynError("--push-to-hub uploads an export: add --export gptq|compressed-tensors")
     if repeats < 1:
         raise QuantdynError(f"--repeats {repeats} must be >= 1")
     if eval_tokens < eval_seq_len:
@@ -52,7 +58,11 @@ def quantize_one(
     eval_ids = evald.eval_windows(eval_seq_len, n_windows)
     cfg = MeasureConfig(quantize_threads=threads, dtype=dtype, max_memory=max_memory)
     writer = None
-    if save is not None:
+    if save is not None and export:
+        from quantdyn.measure.save import ExportSink
+
+        writer = ExportSink(export, save, source, qc, qc.name)
+    elif save is not None:
         from quantdyn.measure.save import QuantizedCheckpointWriter
 
         writer = QuantizedCheckpointWriter(save, source, qc, qc.name, weights.config.get("model_type", "?"))
@@ -75,7 +85,13 @@ def quantize_one(
         "layers": [{k: val for k, val in r.items() if isinstance(val, (int, float, str))} for r in v.rows],
         **provenance(),
     }
-    if writer is not None:
+    if writer is not None and export:
+        row["export"] = {"format": export, "path": str(writer.close())}
+        if push_to_hub:
+            from quantdyn.export import push_to_hub as push
+
+            row["export"]["hub"] = push(save, push_to_hub)
+    elif writer is not None:
         losses = [r["loss"] for r in v.rows if r.get("loss") is not None]
         errs = [r["output_error"] for r in v.rows if r.get("output_error") is not None]
         summary = dict(quantizer=qc.name, layers=len(v.rows), seconds=v.seconds,
