@@ -26,6 +26,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 from matplotlib.lines import Line2D
+from matplotlib.ticker import FuncFormatter
 
 from quantdyn.report import uncertainty
 from quantdyn.report.output import PAGE_WIDTH, panel_grid, save_figure, tokens_axis
@@ -117,6 +118,18 @@ LOG_SPAN = 30.0
 different error then share it, and a relative change looks the same for each)."""
 
 
+def _plain(v: float, _pos=None) -> str:
+    return f"{v:g}"
+
+
+def _plain_2_5(v: float, _pos=None) -> str:
+    """Minor log ticks: label 2× and 5× a power of ten, so a panel spanning a decade or two reads well."""
+    if v <= 0:
+        return ""
+    lead = v / 10 ** math.floor(math.log10(v) + 1e-9)
+    return f"{v:g}" if min(abs(lead - 2), abs(lead - 5)) < 1e-6 else ""
+
+
 def _x_key(points: list[dict]) -> str:
     return "tokens" if points and all(p.get("tokens") is not None for p in points) else "step"
 
@@ -134,7 +147,7 @@ def trajectory_table_row(q: str, p: dict) -> dict:
            **uncertainty.columns(p), "rel_delta_ce": rel_delta_ce(p), "delta_ppl": p.get("delta_ppl"),
            "kl": p.get("kl"), "kl_se": p.get("kl_se"), "kl_total_se": uncertainty.total_se(p, "kl")
            if p.get("kl") is not None else None, "top1_agree": p.get("top1_agree")}
-    for k in ("quantizer_spec", "checkpoint"):
+    for k in ("quantizer_spec", "checkpoint", "eval_hash", "calib_hash"):
         if p.get(k) is not None:
             row[k] = p[k]
     return row
@@ -182,6 +195,10 @@ def metric_panels(fp: list[dict], series: dict[str, list[dict]], lr_curve: list[
             pos = [v for v in vals if v is not None]
             if panel.log_ok and pos and min(pos) > 0 and max(pos) / min(pos) > LOG_SPAN:
                 ax.set_yscale("log")
+                # plain numbers (0.1, 1, 10), not mathtext powers: easier to read and much cheaper to draw
+                ax.yaxis.set_major_formatter(FuncFormatter(_plain))
+                ax.yaxis.set_minor_formatter(FuncFormatter(_plain_2_5))
+                ax.tick_params(axis="y", which="minor", labelsize=6)
             ax.set_ylabel(panel.label + (" (log)" if ax.get_yscale() == "log" else ""), fontsize=8)
         overlay_lr(ax, lr_curve, label=(k % cols == cols - 1) or k == len(panels) - 1)
         _style(ax)

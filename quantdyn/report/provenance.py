@@ -28,6 +28,8 @@ ROW_FIELDS: tuple[tuple[str, str], ...] = (
     ("quantize_threads", "quantization threads"),
 )
 """(row field, what the block calls it): the fields whose distinct values the block lists."""
+MIXED_WARNING = ("eval_hash", "calib_hash", "data_key")
+"""Fields whose having more than one value among the rows the block warns about."""
 
 
 def package_version() -> str:
@@ -128,6 +130,11 @@ def to_html(p: dict) -> str:
     writer.append(("rows", f"{p['rows']} ({kinds})" + (f", written {html.escape(span[0])} … {html.escape(span[1])}"
                                                         if span else "")))
     body = [(label, _values_html(p["fields"][f])) for f, label in ROW_FIELDS if p["fields"].get(f)]
+    mixed = [label for f, label in ROW_FIELDS if f in MIXED_WARNING and len(p["fields"].get(f) or []) > 1]
+    if mixed:
+        body.insert(0, ("⚠ mixed sets", "these rows come from more than one of: " + html.escape(", ".join(mixed))
+                        + ". Δ CE depends on the evaluation and calibration sets: compare points measured on the "
+                          "same ones (the figures' CSVs carry eval_hash and calib_hash)."))
     trs = "".join(f"<tr><th>{html.escape(k)}</th><td>{val}</td></tr>" for k, val in writer + body)
     return (f"<section id='provenance'><h2>Provenance</h2><table class='prov'>{trs}</table>"
             "<p class='small'>All of it, with every value: <a href='provenance.json'>provenance.json</a>; "
