@@ -28,7 +28,7 @@ def sections_of(page: str) -> list[dict]:
     for m in re.finditer(r"<section id='s\d+'>(.*?)</section>", page, re.S):
         body = m.group(1)
         out.append({"title": re.search(r"<h2>(.*?)</h2>", body).group(1),
-                    "img": re.search(r"<img src='([^']+)'", body).group(1),
+                    "img": (re.search(r"<img src='([^']+)'", body) or [None, None])[1],
                     "links": re.findall(r"<a href='([^']+)'", body),
                     "note": (re.search(r"<p class='unc'>(.*?)</p>", body) or [None, ""])[1]})
     return out
@@ -51,6 +51,7 @@ def test_report_links_csv_and_svg_beside_every_figure_and_lists_provenance(tmp_p
     assert [s["title"] for s in secs][:3] == ["Run demo: loss and quantization error along training",
                                               "Run demo: cooldown branches vs constant-LR controls",
                                               "Δ CE against full-precision loss"]
+    assert all(s["img"] for s in secs)
     for s in secs:
         stem = s["img"].removesuffix(".png")
         assert s["links"] == [f"{stem}.png", f"{stem}.svg", f"{stem}.csv"], s
@@ -176,3 +177,17 @@ def test_trajectory_sections_of_public_runs_still_link_their_files(tmp_path):
     secs = trajectories.sections(rows, tmp_path)
     assert secs and all((tmp_path / png).is_file() for _, png, _, _ in secs)
     assert math.isclose(figures.rel_delta_ce(rows[0]), rows[0]["delta_ce"] / rows[0]["ce_fp"])
+
+
+def test_sections_from_the_caller_come_first_with_their_csv(tmp_path):
+    """A study's findings table (a section without a figure) handed to write_report: shown first, CSV beside it."""
+    ResultStore(tmp_path / "st").append(study_rows())
+    table = [{"finding": "decay raises Δ CE", "quantizer": "gptq3", "effect": 0.05, "se": 0.01, "verdict": "reproduced"}]
+    page = write_report(tmp_path / "st", tmp_path / "rep",
+                        extra_sections=[("Findings: the papers' claims at this scale", "", table, "Each finding.")]
+                        ).read_text()
+    first = sections_of(page)[0]
+    assert first["img"] is None and first["title"] == "Findings: the papers&#x27; claims at this scale"
+    assert first["links"] == ["findings_the_papers_claims_at_this_scale.csv"]
+    cols, body = read_csv(tmp_path / "rep" / "findings_the_papers_claims_at_this_scale.csv")
+    assert cols == list(table[0]) and body[0]["verdict"] == "reproduced"

@@ -14,6 +14,7 @@ import json
 import math
 import re
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +33,8 @@ class Section:
 
     title: str
     figure: str
-    """File name of the PNG in the report directory (the SVG and CSV share its stem)."""
+    """File name of the PNG in the report directory (the SVG and CSV share its stem); "" for a table alone
+    (its CSV is named after the title)."""
     table: list[dict]
     caption: str
 
@@ -209,26 +211,40 @@ figure{margin:0}figure img{max-width:100%;border:1px solid #eee}code{font-size:1
 @media print{section{break-inside:avoid}details{display:none}}"""
 
 
+def _slug(title: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", title).strip("_").lower()[:48] or "table"
+
+
 def _section_html(k: int, s: Section, out: Path) -> str:
-    stem = figure_stem(s.figure)
-    png, svg = (p.name for p in figure_paths(stem))
-    csv_name = f"{stem.name}.csv"
+    """A section's HTML; writes the CSV of its table beside its figure (named after the figure, or after the
+    title for a section without one)."""
+    links = []
+    if s.figure:
+        stem = figure_stem(s.figure)
+        png, svg = (p.name for p in figure_paths(stem))
+        csv_name = f"{stem.name}.csv"
+        links.append(f"<a href='{html.escape(png)}'>PNG</a>")
+        if (out / svg).is_file():
+            links.append(f"<a href='{html.escape(svg)}'>SVG</a>")
+    else:
+        png, csv_name = None, f"{_slug(s.title)}.csv"
     write_csv(s.table, out / csv_name)
-    links = [f"<a href='{html.escape(png)}'>PNG</a>"]
-    if (out / svg).is_file():
-        links.append(f"<a href='{html.escape(svg)}'>SVG</a>")
     links.append(f"<a href='{html.escape(csv_name)}' download>CSV</a> ({len(s.table)} rows, "
                  f"{len(table_columns(s.table))} columns)")
     note = uncertainty.note(s.table)
     return (f"<section id='s{k}'><h2>{html.escape(s.title)}</h2><p>{html.escape(s.caption)}</p>"
             + (f"<p class='unc'>{html.escape(note)}</p>" if note else "")
-            + f"<figure><img src='{html.escape(png)}' alt='{html.escape(s.title)}'></figure>"
-            f"<p class='dl'>Download: {' · '.join(links)}</p>"
+            + (f"<figure><img src='{html.escape(png)}' alt='{html.escape(s.title)}'></figure>" if png else "")
+            + f"<p class='dl'>Download: {' · '.join(links)}</p>"
             f"<details><summary>numbers ({len(s.table)} rows)</summary>{_table(s.table)}</details></section>")
 
 
-def write_report(store_or_run: str | Path, out_dir: str | Path, store: str | Path | None = None) -> Path:
-    """Write the report of a store or a run directory into ``out_dir``; returns the path of index.html."""
+def write_report(store_or_run: str | Path, out_dir: str | Path, store: str | Path | None = None,
+                 extra_sections: Sequence[Section | tuple] = ()) -> Path:
+    """Write the report of a store or a run directory into ``out_dir``; returns the path of index.html.
+
+    ``extra_sections``: sections from the caller (e.g. a study's findings table), as :class:`Section` or
+    (title, figure file name in ``out_dir`` or "", table, caption); they come first, after the provenance."""
     st, run_dir = resolve_input(store_or_run, store)
     rows = st.rows() if st is not None else []
     if run_dir is not None:
@@ -244,7 +260,8 @@ def write_report(store_or_run: str | Path, out_dir: str | Path, store: str | Pat
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     palette = Palette.for_rows(rows)
-    sections = _sections(rows, out, run_dir, palette)
+    sections = [s if isinstance(s, Section) else Section(*s) for s in extra_sections]
+    sections += _sections(rows, out, run_dir, palette)
     prov = provenance.collect(rows, st.root if st is not None else None, run_dir)
     toc = "".join(f"<li><a href='#s{k}'>{html.escape(s.title)}</a></li>" for k, s in enumerate(sections))
     parts = "".join(_section_html(k, s, out) for k, s in enumerate(sections))
