@@ -123,22 +123,17 @@ def test_bad_training_input(tmp_path, kjv_small):
         train(_cfg(tmp_path, data_cfg, "r", steps=8), run, resume=latest_resumable(run), progress=False)
 
 
-def test_cli_train_and_errors(tmp_path, kjv_small):
+def test_cli_train_and_errors(tmp_path, kjv_small, cli):
     import yaml
 
     data_cfg, _ = kjv_small
     cfg_path = tmp_path / "c.yaml"
     cfg_path.write_text(yaml.safe_dump(tiny_run_dict(tmp_path, data_cfg, steps=4)))
-    exe = [sys.executable, "-m", "quantdyn.cli"]
-    env = dict(os.environ)
-    r = subprocess.run(exe + ["train", str(cfg_path), "name=cli", "--quiet"], capture_output=True, text=True, env=env)
+    r = cli("train", cfg_path, "name=cli", "--quiet")
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "cli" / "checkpoints" / "step-0000004").is_dir()
-    r = subprocess.run(exe + ["train", str(cfg_path), "optim.lrr=1"], capture_output=True, text=True, env=env)
-    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        r.stderr.strip().splitlines()[0]] and "did you mean 'lr'" in r.stderr
-    r = subprocess.run(exe + ["train", "--resume", str(tmp_path / "nope")], capture_output=True, text=True, env=env)
-    assert r.returncode == 2 and "not a quantdyn run directory" in r.stderr
+    _one_line_exit2(cli("train", cfg_path, "optim.lrr=1"), "did you mean 'lr'")
+    _one_line_exit2(cli("train", "--resume", tmp_path / "nope"), "not a quantdyn run directory")
 
 
 @pytest.mark.slow
@@ -242,29 +237,6 @@ def test_exact_resume_stateful_optimizers(tmp_path, kjv_small, optim):
     a, b = load_gpt(full / "checkpoints" / "step-0000008"), load_gpt(part / "checkpoints" / "step-0000008")
     for (k, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
         assert torch.equal(x, y), k
-
-
-class _Result:
-    def __init__(self, returncode, stderr):
-        self.returncode, self.stderr = returncode, stderr
-
-
-@pytest.fixture
-def cli(monkeypatch, capsys):
-    """Run the quantdyn CLI in this process (as `python -m quantdyn.cli ARGS`): (exit code, stderr)."""
-    from quantdyn.cli import main
-
-    def run(*args):
-        monkeypatch.setattr(sys, "argv", ["quantdyn", *map(str, args)])
-        capsys.readouterr()
-        try:
-            main()
-            code = 0
-        except SystemExit as e:
-            code = e.code
-        return _Result(code, capsys.readouterr().err)
-
-    return run
 
 
 def _one_line_exit2(r, *needles):
