@@ -135,7 +135,7 @@ def _sections(rows: list[dict], out: Path, run_dir: Path | None, palette: Palett
             t1 = figures.trajectory(rows, run, lr_curve_of(rd), f1, palette)
             sections.append(Section(f"Run {run}: loss and quantization error along training", f1.name, t1,
                                     TRAJECTORY_CAPTION))
-            if rd is not None:
+            if rd is not None and rd.resolve() not in monitored_done:
                 mon = _monitored_section(run, rd, out, palette, beside=True)
                 if mon:
                     sections.append(mon)
@@ -181,7 +181,7 @@ def _sections(rows: list[dict], out: Path, run_dir: Path | None, palette: Palett
                 "Per bit width: Δ CE of each run's decayed endpoint (black) and of its latest averaged checkpoints "
                 "(LAWA, EMA, soups; each in its branch's colour). The table also gives FP and quantized CE: a lower "
                 "Δ CE at a much higher loss is not a better model."))
-    sections += [Section(*s) for s in _extra_sections(rows, out)]
+    sections += [Section(*s) for s in _extra_sections(rows, out, palette)]
     return sections
 
 
@@ -281,10 +281,10 @@ def write_report(store_or_run: str | Path, out_dir: str | Path, store: str | Pat
     return out / "index.html"
 
 
-def _extra_sections(rows: list[dict], out: Path):
+def _extra_sections(rows: list[dict], out: Path, palette: Palette | None = None):
     """Sections contributed by other studies (predictors, accuracy, optimizers, public trajectories) when their
     rows exist."""
     from quantdyn.report import trajectories
     from quantdyn.report.extra import sections
 
-    return sections(rows, out) + trajectories.sections(rows, out)
+    return sections(rows, out) + trajectories.sections(rows, out, palette)

@@ -293,7 +293,8 @@ def families_side_by_side(rows: list[dict], out: Path, runs: list[str] | None = 
     return table
 
 
-def soup_vs_ingredients(rows: list[dict], run: str, out: Path, quantizers: list[str] | None = None) -> list[dict]:
+def soup_vs_ingredients(rows: list[dict], run: str, out: Path, quantizers: list[str] | None = None,
+                        palette: Palette | None = None) -> list[dict]:
     """Stage 2 of a multi-stage trajectory (OLMo-2): per quantizer, Δ CE and Δ CE / CE(FP) of each ingredient
     against tokens since the stage-1 checkpoint it starts from, the stage-1 checkpoint at 0 and the soup as a
     star at its tokens.  Returns the table behind it ([] when the run has no ingredient rows)."""
@@ -311,7 +312,7 @@ def soup_vs_ingredients(rows: list[dict], run: str, out: Path, quantizers: list[
     qs = _quantizers(ings)
     fig, flat = panel_grid(2 * len(qs), max_cols=2, panel_height=2.4, extra_height=0.0, sharex=True)
     axes = [[flat[2 * j] for j in range(len(qs))], [flat[2 * j + 1] for j in range(len(qs))]]  # [metric][quantizer]
-    palette = Palette.for_rows(pts)
+    palette = palette or Palette.for_rows(rows)
     table = []
     for j, q in enumerate(qs):
         mine = [r for r in pts if r["quantizer"] == q]
@@ -351,7 +352,7 @@ def soup_vs_ingredients(rows: list[dict], run: str, out: Path, quantizers: list[
     return table
 
 
-def sections(rows: list[dict], out: Path) -> list[tuple[str, str, list[dict], str]]:
+def sections(rows: list[dict], out: Path, palette: Palette | None = None) -> list[tuple[str, str, list[dict], str]]:
     """Report sections (title, PNG name, table, caption) for the public trajectories among ``rows``."""
     out = Path(out)
     found = []
@@ -367,7 +368,7 @@ def sections(rows: list[dict], out: Path) -> list[tuple[str, str, list[dict], st
                           "preset's schedule overlaid (grey; dashed: a "
                           "later stage); filled markers where the LR is decaying; dashed lines: stage-2 ingredients, "
                           "stars: soups (paper A, public trajectories).")))
-        table = soup_vs_ingredients(rows, run, out / f"{stem}_soup")
+        table = soup_vs_ingredients(rows, run, out / f"{stem}_soup", palette=palette)
         if table:
             found.append((f"{run}: stage-2 ingredients and their soup", f"{stem}_soup.png", table,
                           ("Each stage-2 ingredient's error along its own tokens from the stage-1 checkpoint it "
