@@ -3,6 +3,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import tiny_run_dict
 from quantdyn.config import from_dict
@@ -165,3 +166,27 @@ def test_sweep_eval_tasks_and_accuracy_panel(tmp_path, kjv_small):
 
     write_report(store, tmp_path / "rep")
     assert (tmp_path / "rep" / "accuracy_vs_dce.png").is_file()
+
+
+def test_sweep_slurm_writes_an_array_over_shards_of_one_resolved_spec(small_run, tmp_path, cli):
+    """`sweep --slurm --shards 2`: the resolved sweep is written once and each array task runs one shard of it
+    into the same store; running the two shards' commands gives every row once."""
+    store = tmp_path / "store"
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump({"data": {"calib_samples": 4, "calib_seq_len": 32, "eval_windows": 8,
+                                             "eval_seq_len": 32}}))
+    r = cli("sweep", base, "--run", small_run, "--quantizers", "rtn4", "--store", store, "--slurm", "--shards", "2",
+            "--partition", "gpu", "--time", "01:00:00", "--max-parallel", "1", "--cpus-per-task", "4")
+    assert r.returncode == 0, r.stderr
+    script = (store / "slurm" / "sweep.sbatch").read_text()
+    assert "#SBATCH --array=0-1%1" in script and "#SBATCH --partition=gpu" in script
+    assert "#SBATCH --time=01:00:00" in script and '--shard "$SLURM_ARRAY_TASK_ID/2"' in script
+    spec = store / "slurm" / "sweep.yaml"
+    assert str(spec.resolve()) in script and not list(store.glob("part-*.jsonl"))  # nothing measured yet
+    for i in range(2):  # what the two array tasks run
+        r = cli("sweep", spec, "--quiet", "--shard", f"{i}/2")
+        assert r.returncode == 0, r.stderr
+    rows = ResultStore(store).rows()
+    assert len(rows) == len({r["key"] for r in rows}) == 2 * len({r["checkpoint"] for r in rows})
+    r = cli("sweep", "--run", small_run, "--store", store, "--slurm", "--shard", "0/2")
+    assert r.returncode == 2 and "--shards" in r.stderr

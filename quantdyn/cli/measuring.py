@@ -6,6 +6,7 @@ from typing import List, Optional
 
 import typer
 
+from quantdyn.cli import slurm_options as so
 from quantdyn.cli.app import app, echo_json
 from quantdyn.errors import QuantdynError
 
@@ -88,6 +89,21 @@ def sweep(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print each checkpoint's step, tokens, LR and phase; download nothing."),
     evict: bool = typer.Option(False, "--evict", help="Delete each hub revision from the HF cache once its rows are stored."),
     repeats: int = typer.Option(0, "--repeats", help="Quantize each checkpoint R times per quantizer (spec: quant_repeats)."),
+    slurm: bool = typer.Option(False, "--slurm", help="Write STORE/slurm/sweep.sbatch (one array task per shard) instead of running."),
+    shards: int = typer.Option(1, "--shards", help="With --slurm: array tasks, each sweeping every n-th checkpoint into the store."),
+    submit: bool = so.SUBMIT,
+    partition: str = so.PARTITION,
+    time_limit: str = so.TIME,
+    account: str = so.ACCOUNT,
+    qos: str = so.QOS,
+    gpus: int = so.GPUS,
+    cpus: int = so.CPUS,
+    mem_gb: int = so.MEM_GB,
+    max_parallel: int = so.MAX_PARALLEL,
+    constraint: str = so.CONSTRAINT,
+    sbatch_extra: Optional[List[str]] = so.SBATCH,
+    setup: Optional[List[str]] = so.SETUP,
+    cluster: str = so.CLUSTER,
     quiet: bool = typer.Option(False, "--quiet"),
 ):
     """Quantize every checkpoint of a trajectory with a grid of quantizers; rows go to the store."""
@@ -124,6 +140,9 @@ def sweep(
     if not spec and not traj:
         raise QuantdynError("give a sweep spec YAML or a trajectory (--run, --checkpoint, --hub or --preset)")
     cfg = from_dict(SweepConfig, data)
+    if slurm or submit:
+        return _sweep_on_slurm(cfg, shard, shards, submit, cluster, so.slurm_config(
+            partition, time_limit, account, qos, gpus, cpus, mem_gb, max_parallel, constraint, sbatch_extra, setup))
     if dry_run:
         plan = plan_trajectory(cfg.trajectory)
         for line in dry_run_lines(list(plan.points), list(plan.skipped)):
@@ -137,6 +156,33 @@ def sweep(
         more = f" and {len(out['failed']) - 5} more" if len(out["failed"]) > 5 else ""
         raise QuantdynError(f"{len(out['failed'])} checkpoint(s) could not be measured and have no rows: {names}{more} "
                             "(reasons above); fix them and rerun the same command to add their rows")
+
+
+def _sweep_on_slurm(cfg, shard, shards: int, submit: bool, cluster: str, slurm_cfg) -> None:
+    """Write the resolved sweep as STORE/slurm/sweep.yaml and an sbatch array over its shards, or submit it."""
+    import yaml
+
+    from quantdyn.config import to_dict
+    from quantdyn.files import write_text_atomic
+    from quantdyn.study.slurm import submit_sweep, sweep_script
+
+    if shard:
+        raise QuantdynError("--slurm sets --shard itself (one shard per array task); drop --shard and give --shards")
+    if shards < 1:
+        raise QuantdynError(f"--shards {shards} must be >= 1")
+    so.require_sbatch(submit, cluster)
+    folder = Path(cfg.store) / "slurm"
+    spec = folder / "sweep.yaml"
+    write_text_atomic(spec, "# the sweep each array task runs (written by quantdyn sweep --slurm)\n"
+                      + yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    args = [str(spec.resolve()), "--quiet"]
+    if submit:
+        jobs = submit_sweep(args, shards, slurm_cfg, folder / "submitit", cluster=cluster)
+        typer.echo(f"submitted {len(jobs)} shards; rows go to {cfg.store}; logs in {folder / 'submitit'}")
+        return
+    script = folder / "sweep.sbatch"
+    write_text_atomic(script, sweep_script(args, shards, slurm_cfg, workdir="."))
+    typer.echo(f"wrote {script} ({shards} array tasks) and {spec}; submit with: sbatch {script}")
 
 
 @app.command()

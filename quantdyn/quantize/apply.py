@@ -60,7 +60,7 @@ from quantdyn.quantize.blockwise import (
 from quantdyn.quantize.config import QUANTIZERS, QuantConfig, parse_quantizer
 from quantdyn.quantize.gptq import stats_update
 from quantdyn.quantize.primitives import QuantResult, num_threads
-from quantdyn.quantize.streams import Stream, StreamStore
+from quantdyn.quantize.streams import Stream, StreamStore, trim_heap
 
 log = logging.getLogger("quantdyn")
 
@@ -251,6 +251,7 @@ def walk(
             finally:
                 for m in pre:
                     source.unload(m)
+                trim_heap()
         need = sum(_stream_bytes(c) for c in caps.values()) * (1 + len(qcfgs) + len(transforms))
         need += sum(_stream_bytes(cals[id(ids)]) for ids in calib_of.values())
         cal_of = {label: cals[id(ids)] for label, ids in calib_of.items()}
@@ -318,6 +319,8 @@ def walk(
                 run_block(block, fp[name], probe_args[name])
             probe_seconds += time.perf_counter() - t0
             source.unload(block)
+            if device.type == "cpu":
+                trim_heap()
             if progress is not None:
                 progress(b + 1, len(blocks))
 
