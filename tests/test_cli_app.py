@@ -97,7 +97,7 @@ def test_interrupt_messages_are_true_for_the_command():
 
 
 def test_ctrl_c_is_one_line_and_exit_130(capsys, monkeypatch):
-    import quantdyn.study.demo as demo
+    import quantdyn.experiments.pipeline as demo
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
@@ -113,7 +113,7 @@ def test_sigint_in_a_real_process_ends_in_one_line(tmp_path):
     script.write_text(
         "import sys, time\n"
         "import quantdyn.cli as cli\n"
-        "import quantdyn.study.demo as demo\n"
+        "import quantdyn.experiments.pipeline as demo\n"
         "def slow(*a, **k):\n"
         "    print('working', flush=True)\n"
         "    time.sleep(60)\n"
@@ -206,20 +206,21 @@ def test_scaling_takes_store_as_option_or_old_argument(capsys, tmp_path, monkeyp
 def test_study_and_demo_options_override_the_spec(capsys, tmp_path, monkeypatch):
     import yaml
 
-    import quantdyn.study.demo as demo
+    import quantdyn.experiments.pipeline as demo
+    from quantdyn.experiments.spec import demo_spec, spec_from_dict
 
     seen = []
     monkeypatch.setattr(demo, "run_study", lambda spec, progress=True, echo=print: seen.append(spec) or {})
     assert run(capsys, "demo", "--quiet")[0] == 0
-    assert seen[-1] == demo.demo_spec()
+    assert seen[-1] == demo_spec()
     assert run(capsys, "demo", "--store", "S", "--out", "R", "--device", "cpu", "--quiet")[0] == 0
     spec = seen[-1]
-    assert spec["sweep"]["store"] == "S" and spec["report"] == "R" and spec["sweep"]["device"] == "cpu"
-    assert spec["run"]["train"]["device"] == "cpu" and spec["run"]["model"] == demo.demo_spec()["run"]["model"]
+    assert spec.sweep.store == "S" and spec.report == "R" and spec.sweep.device == "cpu"
+    assert spec.run.train.device == "cpu" and spec.run.model == demo_spec().run.model
     p = tmp_path / "s.yaml"
     p.write_text(yaml.safe_dump({"run": {"name": "x"}}))
     assert run(capsys, "study", str(p), "--store", "T", "--quiet")[0] == 0
-    assert seen[-1] == {"run": {"name": "x"}, "sweep": {"store": "T"}}
+    assert seen[-1] == spec_from_dict({"run": {"name": "x"}, "sweep": {"store": "T"}})
 
 
 def test_logging_warnings_reach_stderr_as_one_line(tmp_path):

@@ -1,4 +1,4 @@
-"""`quantdyn study` end to end on a tiny spec (two seeds), the cross-seed summary and the jitter."""
+"""`quantdyn study` end to end on a tiny spec (two seeds), the cross-seed summary, the jitter and the findings."""
 import math
 
 import pytest
@@ -8,7 +8,9 @@ from conftest import tiny_run_dict
 from quantdyn.errors import QuantdynError
 from quantdyn.report.figures import stable_jitter
 from quantdyn.results.store import ResultStore
-from quantdyn.study.demo import load_study_spec, run_study, seed_summary
+from quantdyn.experiments.findings import seed_summary
+from quantdyn.experiments.pipeline import run_study
+from quantdyn.experiments.spec import load_study_spec
 
 
 def _spec(tmp_path, data_cfg):
@@ -51,7 +53,7 @@ def test_study_two_seeds_end_to_end_and_resume(tmp_path, kjv_small):
         assert a["between_se"] == pytest.approx(abs(ts[0]["difference"] - ts[1]["difference"]) / 2)
         assert a["difference_se"] == max(a["within_se"], a["between_se"])
     text = "\n".join(lines)
-    assert "Across the 2 seeds" in text and "st-s1" in text
+    assert "Across seeds" in text and "st-s1" in text and "Findings" in text
     assert (tmp_path / "report" / "index.html").is_file()
     pngs = {p.name for p in (tmp_path / "report").glob("*.png")}
     assert {f"{k}_st-s{s}.png" for k in ("trajectory", "rainbow") for s in (0, 1)} | {"seeds_st.png"} <= pngs, pngs
@@ -67,7 +69,7 @@ def test_study_two_seeds_end_to_end_and_resume(tmp_path, kjv_small):
 def test_study_spec_errors(tmp_path):
     p = tmp_path / "s.yaml"
     p.write_text(yaml.safe_dump({"run": {}, "seed": [0]}))
-    with pytest.raises(QuantdynError, match="unknown study key 'seed'.*seeds"):
+    with pytest.raises(QuantdynError, match="unknown config key 'seed'.*seeds"):
         load_study_spec(p)
     p.write_text(yaml.safe_dump({"seeds": [0]}))
     with pytest.raises(QuantdynError, match="no 'run' section"):
@@ -94,9 +96,9 @@ def test_stable_jitter_is_detrended_and_uses_only_peak_lr_main_checkpoints():
 
 
 def test_seed_summary_needs_two_runs_and_flags_disagreement():
-    t = [{"quantizer": "rtn2", "branch": "b", "difference": 0.02, "difference_se": 0.003},
-         {"quantizer": "rtn2", "branch": "b", "difference": -0.01, "difference_se": 0.004},
-         {"quantizer": "gptq3", "branch": "b", "difference": 0.01, "difference_se": 0.001}]
+    t = [{"run": "x-s0", "quantizer": "rtn2", "branch": "b", "difference": 0.02, "difference_se": 0.003},
+         {"run": "x-s1", "quantizer": "rtn2", "branch": "b", "difference": -0.01, "difference_se": 0.004},
+         {"run": "x-s0", "quantizer": "gptq3", "branch": "b", "difference": 0.01, "difference_se": 0.001}]
     (a,) = seed_summary(t)
     assert a["quantizer"] == "rtn2" and a["difference"] == pytest.approx(0.005)
     assert a["within_se"] == pytest.approx(0.0025) and a["between_se"] == pytest.approx(0.015)
@@ -125,26 +127,26 @@ def test_seed_families_and_seed_table(tmp_path):
 
 
 def test_demo_and_study_commands_run_the_pipeline(tmp_path, monkeypatch):
-    """`quantdyn demo` runs the embedded spec and `quantdyn study` a file's, through run_study."""
+    """`quantdyn demo` runs the embedded spec and `quantdyn study` a file's (with overrides), through run_study."""
     from typer.testing import CliRunner
 
-    import quantdyn.study.demo as demo
+    import quantdyn.experiments.pipeline as pipeline
     from quantdyn.cli import app
-    from quantdyn.config import from_dict
-    from quantdyn.study.sweep import SweepConfig
-    from quantdyn.train.config import RunConfig
+    from quantdyn.experiments.spec import StudySpec, demo_spec
 
     seen = []
-    monkeypatch.setattr(demo, "run_study", lambda spec, progress=True, echo=print: seen.append(spec) or {})
+    monkeypatch.setattr(pipeline, "run_study", lambda spec, progress=True, echo=print: seen.append(spec) or {})
     runner = CliRunner()
     assert runner.invoke(app, ["demo", "--quiet"]).exit_code == 0
     spec = seen[-1]
-    assert spec == demo.demo_spec() and set(spec) <= demo.SPEC_KEYS
-    from_dict(RunConfig, spec["run"])  # the embedded spec is valid
-    from_dict(SweepConfig, {**spec["sweep"], "trajectory": {"run": "x"}})
-    assert spec["cooldowns"]["control"] and len(spec["cooldowns"]["from_steps"]) >= 2
-    assert {"rtn2", "rtn3", "gptq3", "gptq4", "rtn4"} <= set(spec["sweep"]["quantizers"])
+    assert isinstance(spec, StudySpec) and spec == demo_spec()
+    assert spec.cooldowns.control and len(spec.cooldowns.from_steps) >= 2
+    assert {"rtn2", "rtn3", "gptq3", "gptq4", "rtn4"} <= set(spec.sweep.quantizers)
+    assert spec.sweep.quant_repeats == 1 and spec.findings.compute == ("decay",)
     p = tmp_path / "s.yaml"
     p.write_text(yaml.safe_dump({"run": {"name": "x"}, "seeds": [0, 1]}))
     assert runner.invoke(app, ["study", str(p), "--quiet"]).exit_code == 0
-    assert seen[-1] == {"run": {"name": "x"}, "seeds": [0, 1]}
+    assert seen[-1].run.name == "x" and seen[-1].seeds == (0, 1)
+    r = runner.invoke(app, ["study", str(p), "data.source=other.txt", "sweep.quant_repeats=3", "seeds=[4]", "--quiet"])
+    assert r.exit_code == 0, r.output
+    assert seen[-1].run.data.source == "other.txt" and seen[-1].sweep.quant_repeats == 3 and seen[-1].seeds == (4,)

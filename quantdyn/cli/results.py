@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -120,48 +120,49 @@ def report(
 
 
 @app.command()
-def study(spec: Path = typer.Argument(..., help="Study spec YAML (see configs/kjv_cooldown_study.yaml)."),
+def study(spec: Path = typer.Argument(..., help="Study spec YAML (see configs/studies/ and configs/kjv_cooldown_study.yaml)."),
+          overrides: Optional[List[str]] = typer.Argument(None, help="key=value overrides of the spec, e.g. "
+                                                          "run.data.source=my.txt sweep.quant_repeats=3 "
+                                                          "scale=pythia-160m (data.source=... means run.data.source)"),
           store: Optional[str] = typer.Option(None, "--store", help="Results store (default: the spec's sweep.store)."),
           out: Optional[Path] = typer.Option(None, "--out", help="Report directory (default: the spec's report)."),
           device: Optional[str] = typer.Option(None, "--device", help="Device for training and sweeps "
                                                "(auto, cpu, cuda, cuda:N; default: the spec's)."),
           quiet: bool = typer.Option(False, "--quiet")):
-    """A cooldown study: train (seeds), cooldowns + controls, sweep, report, endpoint-vs-control summary."""
-    from quantdyn.study.demo import load_study_spec, run_study
+    """A study: train (seeds, grid), cooldowns + controls, averages, sweep, report, findings table with verdicts."""
+    import quantdyn.experiments.pipeline as pipeline
+    from quantdyn.experiments.spec import load_study_spec
 
-    run_study(_with_options(load_study_spec(spec), store, out, device), progress=not quiet, echo=typer.echo)
+    spec_ = load_study_spec(spec, [*(overrides or []), *_option_overrides(store, out, device)])
+    pipeline.run_study(spec_, progress=not quiet, echo=typer.echo)
 
 
 @app.command()
-def demo(store: Optional[str] = typer.Option(None, "--store", help="Results store (default: results)."),
+def demo(overrides: Optional[List[str]] = typer.Argument(None, help="key=value overrides of the embedded spec, "
+                                                         "e.g. sweep.quant_repeats=3"),
+         store: Optional[str] = typer.Option(None, "--store", help="Results store (default: results)."),
          out: Optional[Path] = typer.Option(None, "--out", help="Report directory (default: report)."),
          device: Optional[str] = typer.Option(None, "--device", help="Device for training and sweeps "
                                               "(auto, cpu, cuda, cuda:N; default: auto)."),
          quiet: bool = typer.Option(False, "--quiet")):
-    """The embedded default study: train, cooldowns + controls, sweep, report, summary."""
-    import quantdyn.study.demo as demo_mod
+    """The embedded default study: train, cooldowns + controls, sweep, report, summary and findings."""
+    import quantdyn.experiments.pipeline as pipeline
+    from quantdyn.experiments.spec import demo_spec
 
-    demo_mod.run_study(_with_options(demo_mod.demo_spec(), store, out, device), progress=not quiet, echo=typer.echo)
+    spec_ = demo_spec([*(overrides or []), *_option_overrides(store, out, device)])
+    pipeline.run_study(spec_, progress=not quiet, echo=typer.echo)
 
 
-def _with_options(spec: dict, store: Optional[str], out: Optional[Path], device: Optional[str]) -> dict:
-    """The study spec with the command line's --store, --out and --device applied (unchanged without them)."""
-    if store is None and out is None and device is None:
-        return spec
-    spec = dict(spec)
-    sweep = dict(spec.get("sweep") or {})
+def _option_overrides(store: Optional[str], out: Optional[Path], device: Optional[str]) -> list[str]:
+    """The command line's --store, --out and --device as spec overrides (applied after the user's own)."""
+    extra = []
     if store is not None:
-        sweep["store"] = store
-    if device is not None:
-        sweep["device"] = device
-        run = dict(spec.get("run") or {})
-        run["train"] = {**dict(run.get("train") or {}), "device": device}
-        spec["run"] = run
-    if sweep:
-        spec["sweep"] = sweep
+        extra.append(f"sweep.store={store}")
     if out is not None:
-        spec["report"] = str(out)
-    return spec
+        extra.append(f"report={out}")
+    if device is not None:
+        extra += [f"sweep.device={device}", f"run.train.device={device}"]
+    return extra
 
 
 @app.command()

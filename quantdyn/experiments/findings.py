@@ -1,0 +1,787 @@
+"""The papers' findings, computed from result rows: effect, uncertainty, verdict.
+
+Pure functions of rows (dicts as the results store returns them); nothing here trains, reads
+checkpoints or draws.  Every finding row says what was compared, the measured effect, its uncertainty
+in parts and a verdict that follows from the numbers:
+
+* ``se_windows``: paired SE over the evaluation windows (both sides measured on the same windows;
+  per-window deltas differenced window by window), averaged over seeds as sqrt(sum SE_i^2) / k;
+* ``se_run``: run-to-run SE of the quantization itself, sqrt(SD_a^2/R_a + SD_b^2/R_b) from rows that
+  repeated their quantization R > 1 times (None when R = 1: not measured);
+* ``se_seeds``: SD of the per-seed effects / sqrt(k) (None with one seed);
+* ``se``: the uncertainty the verdict uses, max(sqrt(se_windows^2 + se_run^2), se_seeds) — the seeds'
+  spread already contains the other two, and taking the larger keeps a few seeds from over-claiming.
+
+Verdict (``z`` = FindingsSpec.z, default 2): an effect with |effect| <= z * se is "not resolved at this
+scale", whatever its sign; beyond it, "reproduced" when its sign is the one the paper reports,
+"opposite" otherwise.  Correlations carry a percentile-bootstrap interval instead of an SE: resolved
+when the interval excludes 0.
+
+Families (FINDING_FAMILIES): decay (paper A a), peak_lr (b), averaging (c), sharpness (d),
+predictors (paper B).  Each returns (finding rows, detail tables for figures and docs).
+"""
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from quantdyn.analysis.correlate import CorrelateConfig, correlate, spearman
+from quantdyn.report import uncertainty
+from quantdyn.report.figures import stable_jitter
+
+REPRODUCED = "reproduced"
+OPPOSITE = "opposite"
+NOT_RESOLVED = "not resolved at this scale"
+
+_SEED_SUFFIX = re.compile(r"-s(\d+)$")
+
+
+# ------------------------------------------------------------------ uncertainty and verdicts
+def verdict(effect: float | None, se: float | None, expected: int, z: float = 2.0) -> str:
+    """reproduced / opposite / not resolved at this scale for an effect with uncertainty ``se``.
+
+    ``expected`` is the sign the paper reports (+1 or -1).  An effect inside z·se, or one whose
+    uncertainty is unknown (None, nan, <= 0), is not resolved."""
+    if effect is None or se is None or not math.isfinite(effect) or not math.isfinite(se) or se <= 0:
+        return NOT_RESOLVED
+    if abs(effect) <= z * se:
+        return NOT_RESOLVED
+    return REPRODUCED if (effect > 0) == (expected > 0) else OPPOSITE
+
+
+def interval_verdict(lo: float | None, hi: float | None, expected: int) -> str:
+    """The verdict of a quantity known by an interval [lo, hi]: resolved when it excludes 0."""
+    if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
+        return NOT_RESOLVED
+    if lo > 0:
+        return REPRODUCED if expected > 0 else OPPOSITE
+    if hi < 0:
+        return REPRODUCED if expected < 0 else OPPOSITE
+    return NOT_RESOLVED
+
+
+def null_verdict(lo: float | None, hi: float | None) -> str:
+    """For a claim of *no* association (paper B: MMR/kurtosis do not predict): an interval that excludes 0
+    contradicts it; one that includes 0 does not establish it either (not resolved)."""
+    if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
+        return NOT_RESOLVED
+    return OPPOSITE if lo > 0 or hi < 0 else NOT_RESOLVED
+
+
+def _num(v) -> float | None:
+    if v is None or isinstance(v, bool):
+        return None
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def run_se(row: Mapping) -> float | None:
+    """The run-to-run SE of a row's mean Δ CE: delta_ce_run_sd / sqrt(R) when R > 1, else None
+    (report/uncertainty.py's definition)."""
+    return uncertainty.parts(dict(row)).run_se
+
+
+def total_se(row: Mapping) -> float:
+    """A row's combined uncertainty of Δ CE, sqrt(SE_eval² + SD_run²/R) (report/uncertainty.py's)."""
+    return uncertainty.total_se(dict(row))
+
+
+def _windows(row: Mapping, metric: str, fp_windows: Mapping[str, Sequence[float]] | None):
+    wd = row.get("window_delta")
+    if not wd:
+        return None
+    if metric == "delta_ce":
+        return np.asarray(wd, dtype=np.float64)
+    fp = (fp_windows or {}).get(str(row.get("checkpoint")))
+    if fp is None or len(fp) != len(wd):
+        return None
+    return np.asarray(fp, dtype=np.float64) + np.asarray(wd, dtype=np.float64)
+
+
+def _value(row: Mapping, metric: str) -> float:
+    if metric == "delta_ce":
+        return float(row["delta_ce"])
+    if metric == "ce_q":
+        return float(row["ce_q"])
+    raise ValueError(metric)
+
+
+def paired_difference(a: Mapping, b: Mapping, metric: str = "delta_ce",
+                      fp_windows: Mapping[str, Sequence[float]] | None = None) -> dict:
+    """``metric`` of row a minus row b, with the window SE and the run-to-run SE.
+
+    metric = delta_ce: per-window Δ CE (``window_delta``) differenced window by window when both rows
+    carry them for the same windows (``eval_hash``), else the two SEs in quadrature.
+    metric = ce_q (the quantized model's CE, what a user deploys): per-window CE(q) = FP window CE
+    (``fp_windows[checkpoint]``) + window_delta, paired the same way; without FP windows the FP CE's
+    own SEs (``ce_fp_se``, window-to-window spread, much larger than a paired SE) stand in.
+    The run-to-run part is sqrt(run_se(a)^2 + run_se(b)^2) (independent quantizations); None when
+    neither row repeated its quantization."""
+    d = _value(a, metric) - _value(b, metric)
+    wa, wb = _windows(a, metric, fp_windows), _windows(b, metric, fp_windows)
+    same = a.get("eval_hash") is None or a.get("eval_hash") == b.get("eval_hash")
+    paired = wa is not None and wb is not None and len(wa) == len(wb) and len(wa) > 1 and same
+    if paired:
+        diffs = wa - wb
+        eval_se = float(diffs.std(ddof=1) / math.sqrt(len(diffs)))
+    elif metric == "delta_ce":
+        eval_se = math.hypot(_num(a.get("delta_ce_se")) or 0.0, _num(b.get("delta_ce_se")) or 0.0)
+    else:
+        eval_se = math.hypot(_num(a.get("ce_fp_se")) or 0.0, _num(b.get("ce_fp_se")) or 0.0)
+    runs = [x for x in (run_se(a), run_se(b)) if x is not None]
+    rse = math.sqrt(sum(x * x for x in runs)) if runs else None
+    return {"difference": d, "eval_se": eval_se, "run_se": rse, "se": math.hypot(eval_se, rse or 0.0),
+            "paired": paired}
+
+
+@dataclass(frozen=True)
+class SeedEffect:
+    """An effect averaged over seeds, with its uncertainty in parts (see the module docstring)."""
+
+    effect: float
+    se_windows: float
+    se_run: float | None
+    se_seeds: float | None
+    se: float
+    n_seeds: int
+    per_seed: tuple[float, ...]
+
+    @property
+    def z(self) -> float:
+        return self.effect / self.se if self.se > 0 else float("nan")
+
+    @property
+    def same_sign(self) -> bool:
+        return all(x > 0 for x in self.per_seed) or all(x < 0 for x in self.per_seed)
+
+    def fields(self) -> dict:
+        return {"effect": self.effect, "se": self.se, "se_windows": self.se_windows, "se_run": self.se_run,
+                "se_seeds": self.se_seeds, "z": self.z, "n_seeds": self.n_seeds,
+                "per_seed": list(self.per_seed)}
+
+
+def combine_seeds(per_seed: Sequence[Mapping]) -> SeedEffect:
+    """Mean of per-seed differences (dicts with difference, eval_se, run_se) and its uncertainty."""
+    k = len(per_seed)
+    if k == 0:
+        raise ValueError("combine_seeds needs at least one seed")
+    diffs = [float(p["difference"]) for p in per_seed]
+    mean = statistics.fmean(diffs)
+    within = math.sqrt(sum(float(p["eval_se"]) ** 2 for p in per_seed)) / k
+    runs = [p.get("run_se") for p in per_seed]
+    rse = math.sqrt(sum(float(x) ** 2 for x in runs if x is not None)) / k if any(x is not None for x in runs) \
+        else None
+    between = statistics.stdev(diffs) / math.sqrt(k) if k >= 2 else None
+    se = max(math.hypot(within, rse or 0.0), between or 0.0)
+    return SeedEffect(mean, within, rse, between, se, k, tuple(diffs))
+
+
+def family_of(run: str) -> str:
+    """A run's name without its seed suffix: runs that differ only by seed share it."""
+    return _SEED_SUFFIX.sub("", run)
+
+
+def finding_row(finding: str, family: str, quantizer: str | None, comparison: str, metric: str,
+                eff: SeedEffect, expected: int, z: float, figure: str, **extra) -> dict:
+    """One line of the findings table for an SE-based effect."""
+    return {"finding": finding, "family": family, "quantizer": quantizer, "comparison": comparison,
+            "metric": metric, **eff.fields(), "interval_lo": None, "interval_hi": None,
+            "expected": "+" if expected > 0 else "-", "verdict": verdict(eff.effect, eff.se, expected, z),
+            "figure": figure, **extra}
+
+
+def correlation_row(finding: str, family: str, quantizer: str | None, comparison: str, metric: str,
+                    rho: float, lo: float, hi: float, n: int, expected: int, figure: str, null: bool = False,
+                    **extra) -> dict:
+    """One line of the findings table for a correlation with a bootstrap interval."""
+    return {"finding": finding, "family": family, "quantizer": quantizer, "comparison": comparison,
+            "metric": metric, "effect": rho, "se": None, "se_windows": None, "se_run": None, "se_seeds": None,
+            "z": None, "n_seeds": None, "per_seed": None, "interval_lo": lo, "interval_hi": hi, "n": n,
+            "expected": "0" if null else ("+" if expected > 0 else "-"),
+            "verdict": null_verdict(lo, hi) if null else interval_verdict(lo, hi, expected), "figure": figure,
+            **extra}
+
+
+# ------------------------------------------------------------------ rows
+def dedupe(rows: Iterable[Mapping], repeats: int | None = None) -> list[dict]:
+    """One row per (kind, checkpoint, branch, step, quantizer/analysis): a store can hold the same checkpoint
+    measured with other repeat counts or eval settings; keep the row with ``repeats`` (when given), else the
+    newest."""
+    best: dict[tuple, dict] = {}
+    for r in rows:
+        k = (r.get("kind"), r.get("checkpoint"), r.get("run"), r.get("branch"), r.get("step"), r.get("quantizer"),
+             r.get("analysis"), r.get("task"))
+        old = best.get(k)
+        if old is None:
+            best[k] = dict(r)
+            continue
+
+        def rank(x):
+            match = repeats is not None and int(_num(x.get("quant_repeats")) or 1) == repeats
+            return (match, str(x.get("time") or ""))
+
+        if rank(r) > rank(old):
+            best[k] = dict(r)
+    return list(best.values())
+
+
+def with_fp_se(rows: list[dict]) -> list[dict]:
+    """PTQ rows with ``ce_fp_se`` from the FP row of the same checkpoint (for unpaired CE(q) differences)."""
+    fp = {(r.get("checkpoint"), r.get("run"), r.get("branch"), r.get("step")): r.get("ce_fp_se")
+          for r in rows if r.get("kind") == "fp"}
+    return [{**r, "ce_fp_se": fp.get((r.get("checkpoint"), r.get("run"), r.get("branch"), r.get("step")))}
+            if r.get("kind") == "ptq" and "ce_fp_se" not in r else r for r in rows]
+
+
+def quantizers_of(rows: Iterable[Mapping], wanted: Sequence[str] = ()) -> list[str]:
+    """Swept quantizers, most bits first (``wanted`` restricts and orders them)."""
+    ptq = [r for r in rows if r.get("kind") == "ptq"]
+    have = {r["quantizer"]: r.get("bits") or 0 for r in ptq}
+    if wanted:
+        return [q for q in wanted if q in have]
+    return sorted(have, key=lambda q: (-have[q], q))
+
+
+def _ptq(rows, run=None, branch=None, quantizer=None) -> list[dict]:
+    return [r for r in rows if r.get("kind") == "ptq" and (run is None or r.get("run") == run)
+            and (branch is None or r.get("branch") == branch) and (quantizer is None or r.get("quantizer") == quantizer)]
+
+
+def _last(rows: list[dict]) -> dict | None:
+    return max(rows, key=lambda r: (r.get("tokens") or 0, r.get("step") or 0)) if rows else None
+
+
+# ------------------------------------------------------------------ (a) decay vs control
+def control_of(branch: str) -> str:
+    """The control twin's branch name of a cooldown branch (cooldown-sS-dD-shape -> control-sS-dD)."""
+    return branch.replace("cooldown-", "control-").rsplit("-", 1)[0]
+
+
+def decay_table(rows: list[dict], run: str) -> list[dict]:
+    """Per quantizer and cooldown branch of ``run``: decayed endpoint minus its constant-LR control at equal
+    tokens (paired over windows, plus the run-to-run part), and the quantizer's stable-phase jitter."""
+    mine = _ptq(rows, run=run)
+    table = []
+    for q in quantizers_of(mine):
+        jitter = stable_jitter([r for r in mine if r["quantizer"] == q])
+        for b in sorted({r["branch"] for r in mine if r.get("ckpt_kind") == "cooldown"}):
+            end = _last(_ptq(mine, branch=b, quantizer=q))
+            ctrl = _last(_ptq(mine, branch=control_of(b), quantizer=q))
+            if end is None or ctrl is None or end["tokens"] != ctrl["tokens"]:
+                continue
+            p = paired_difference(end, ctrl)
+            table.append({"run": run, "quantizer": q, "branch": b, "from_step": end.get("parent_step"),
+                          "step": end.get("step"), "tokens": end["tokens"],
+                          "delta_ce_decayed": end["delta_ce"], "delta_ce_control": ctrl["delta_ce"],
+                          "ce_fp_decayed": end["ce_fp"], "ce_fp_control": ctrl["ce_fp"],
+                          "difference": p["difference"], "difference_eval_se": p["eval_se"],
+                          "difference_run_se": p["run_se"], "difference_se": p["se"],
+                          "z": p["difference"] / p["se"] if p["se"] > 0 else float("nan"),
+                          "quant_repeats": int(_num(end.get("quant_repeats")) or 1),
+                          "stable_jitter": jitter})
+    return table
+
+
+def seed_summary(tables: list[dict]) -> list[dict]:
+    """Per (run family, quantizer, branch) over runs that differ only by seed: the mean decayed-minus-control
+    difference and its uncertainty (combine_seeds).  Empty unless two runs share one."""
+    groups: dict[tuple, list[dict]] = {}
+    for t in tables:
+        groups.setdefault((family_of(t.get("run", "")), t["quantizer"], t["branch"]), []).append(t)
+    out = []
+    for (fam, q, b), ts in groups.items():
+        if len(ts) < 2:
+            continue
+        eff = combine_seeds([{"difference": t["difference"], "eval_se": t.get("difference_eval_se",
+                                                                              t["difference_se"]),
+                              "run_se": t.get("difference_run_se")} for t in ts])
+        out.append({"family": fam, "quantizer": q, "branch": b, "n_seeds": eff.n_seeds, "difference": eff.effect,
+                    "difference_se": eff.se, "within_se": eff.se_windows, "run_se": eff.se_run,
+                    "between_se": eff.se_seeds, "z": eff.z, "min": min(eff.per_seed), "max": max(eff.per_seed),
+                    "same_sign": eff.same_sign})
+    return out
+
+
+def decay_findings(rows: list[dict], runs: Sequence[str], quantizers: Sequence[str] = (), z: float = 2.0):
+    """Paper A (a): the decayed endpoint quantizes worse than its same-token constant-LR control."""
+    tables = [t for run in runs for t in decay_table(rows, run)]
+    qs = quantizers_of(rows, quantizers)
+    groups: dict[tuple, list[dict]] = {}
+    for t in tables:
+        if t["quantizer"] in qs:
+            groups.setdefault((family_of(t["run"]), t["quantizer"], t["branch"]), []).append(t)
+    out = []
+    for (fam, q, b), ts in sorted(groups.items(), key=lambda kv: (kv[0][0], qs.index(kv[0][1]), kv[0][2])):
+        eff = combine_seeds([{"difference": t["difference"], "eval_se": t["difference_eval_se"],
+                              "run_se": t["difference_run_se"]} for t in ts])
+        first = sorted(ts, key=lambda t: t["run"])[0]["run"]
+        out.append(finding_row(
+            "A(a) LR decay raises the quantization error", "decay", q,
+            f"{fam}: decayed endpoint − constant-LR control, {b} (step {ts[0]['step']})", "Δ CE", eff, +1, z,
+            f"rainbow_{_safe(first)}.png", quant_repeats=ts[0]["quant_repeats"],
+            jitter=max((t["stable_jitter"] for t in ts if t["stable_jitter"] is not None), default=None)))
+    return out, {"decay": tables}
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
+
+
+# ------------------------------------------------------------------ (b) peak LR at matched FP loss
+def curve(rows: list[dict], run: str, quantizer: str, from_fraction: float = 0.0) -> list[dict]:
+    """The main-run PTQ rows of ``run`` in step order, from ``from_fraction`` of its last step on."""
+    pts = sorted((r for r in _ptq(rows, run=run, branch="main", quantizer=quantizer) if r.get("step") is not None),
+                 key=lambda r: r["step"])
+    if not pts:
+        return []
+    first = from_fraction * pts[-1]["step"]
+    return [r for r in pts if r["step"] >= first]
+
+
+def interpolate_at_loss(pts: list[dict], loss: float) -> dict | None:
+    """Δ CE of a run at FP loss ``loss``: linear interpolation in FP loss between the two checkpoints where the
+    run first reaches it (in step order), with the per-window deltas and the run-to-run SE interpolated alike.
+
+    Returns {delta_ce, window_delta (array or None), run_se (or None), weight, steps} or None when the run
+    never crosses ``loss``."""
+    for a, b in zip(pts, pts[1:]):
+        la, lb = a["ce_fp"], b["ce_fp"]
+        if (la - loss) * (lb - loss) <= 0 and la != lb:
+            w = (la - loss) / (la - lb)
+            wa, wb = a.get("window_delta"), b.get("window_delta")
+            wd = ((1 - w) * np.asarray(wa, dtype=np.float64) + w * np.asarray(wb, dtype=np.float64)
+                  if wa and wb and len(wa) == len(wb) else None)
+            ra, rb = run_se(a), run_se(b)
+            rse = math.hypot((1 - w) * (ra or 0.0), w * (rb or 0.0)) if (ra is not None or rb is not None) else None
+            se = math.hypot((1 - w) * (_num(a.get("delta_ce_se")) or 0.0), w * (_num(b.get("delta_ce_se")) or 0.0))
+            return {"delta_ce": (1 - w) * a["delta_ce"] + w * b["delta_ce"], "window_delta": wd, "run_se": rse,
+                    "eval_se": se, "weight": w, "steps": (a["step"], b["step"]), "eval_hash": a.get("eval_hash")}
+        if la == lb == loss:
+            return {"delta_ce": a["delta_ce"], "window_delta": np.asarray(a["window_delta"], dtype=np.float64)
+                    if a.get("window_delta") else None, "run_se": run_se(a), "eval_se": _num(a.get("delta_ce_se")),
+                    "weight": 0.0, "steps": (a["step"], a["step"]), "eval_hash": a.get("eval_hash")}
+    if len(pts) == 1 and pts[0]["ce_fp"] == loss:
+        return interpolate_at_loss(pts * 2, loss)
+    return None
+
+
+def matched_levels(curves: Sequence[list[dict]], n: int) -> list[float]:
+    """``n`` FP-loss levels every curve covers: evenly spaced over the overlap of the curves' loss ranges
+    (from the highest of their lowest losses up to the lowest of their highest), lowest loss first."""
+    if not curves or any(len(c) < 2 for c in curves):
+        return []
+    lo = max(min(r["ce_fp"] for r in c) for c in curves)
+    hi = min(max(r["ce_fp"] for r in c) for c in curves)
+    if hi < lo:
+        return []
+    if n == 1 or hi == lo:
+        return [lo]
+    return [lo + (hi - lo) * j / (n - 1) for j in range(n)]
+
+
+def matched_difference(hi_pts: list[dict], lo_pts: list[dict], levels: Sequence[float]) -> dict | None:
+    """Mean over ``levels`` of Δ CE(hi run) − Δ CE(lo run) at matched FP loss, paired over windows."""
+    a = [interpolate_at_loss(hi_pts, L) for L in levels]
+    b = [interpolate_at_loss(lo_pts, L) for L in levels]
+    if any(x is None for x in a + b):
+        return None
+    d = statistics.fmean(x["delta_ce"] - y["delta_ce"] for x, y in zip(a, b))
+    wins = [x["window_delta"] - y["window_delta"] for x, y in zip(a, b)
+            if x["window_delta"] is not None and y["window_delta"] is not None
+            and len(x["window_delta"]) == len(y["window_delta"]) and x["eval_hash"] == y["eval_hash"]]
+    if len(wins) == len(levels) and len(wins[0]) > 1:
+        w = np.mean(wins, axis=0)
+        eval_se = float(w.std(ddof=1) / math.sqrt(len(w)))
+    else:  # unpaired: conservative
+        eval_se = statistics.fmean(math.hypot(x["eval_se"] or 0.0, y["eval_se"] or 0.0) for x, y in zip(a, b))
+    rs = [math.hypot(x["run_se"] or 0.0, y["run_se"] or 0.0) for x, y in zip(a, b)
+          if x["run_se"] is not None or y["run_se"] is not None]
+    # levels share checkpoints, so their run-to-run errors are correlated: average (not sqrt-sum) them
+    rse = statistics.fmean(rs) if rs else None
+    return {"difference": d, "eval_se": eval_se, "run_se": rse,
+            "per_level": [x["delta_ce"] - y["delta_ce"] for x, y in zip(a, b)],
+            "hi": [x["delta_ce"] for x in a], "lo": [y["delta_ce"] for y in b]}
+
+
+def _run_lr(rows: list[dict], run: str) -> float | None:
+    return next((_num(r.get("peak_lr")) for r in rows if r.get("run") == run and _num(r.get("peak_lr"))), None)
+
+
+def _run_seed(rows: list[dict], run: str):
+    s = next((r.get("seed") for r in rows if r.get("run") == run and r.get("seed") is not None), None)
+    if s is None:
+        m = _SEED_SUFFIX.search(run)
+        s = int(m.group(1)) if m else 0
+    return s
+
+
+def lr_pairs(lrs: Sequence[float]) -> list[tuple[float, float]]:
+    """The (higher, lower) peak-LR pairs a study compares: each LR with the next lower one, and the highest
+    with the lowest when there are more than two."""
+    lrs = sorted(lrs)
+    pairs = [(hi, lo) for lo, hi in zip(lrs, lrs[1:])]
+    if len(lrs) > 2:
+        pairs.append((lrs[-1], lrs[0]))
+    return pairs
+
+
+def peak_lr_findings(rows: list[dict], runs: Sequence[str], quantizers: Sequence[str] = (), levels: int = 5,
+                     from_fraction: float = 0.25, z: float = 2.0, cfg: CorrelateConfig = CorrelateConfig()):
+    """Paper A (b): a higher peak LR gives a lower quantization error at similar FP loss.
+
+    For every pair of peak LRs (lr_pairs), per seed: Δ CE of the higher-LR run minus the lower-LR run at
+    ``levels`` FP losses inside the overlap of the pair's Δ CE-vs-FP-loss curves (every seed's; each curve
+    is a run's main checkpoints from ``from_fraction`` of its steps on, interpolated by interpolate_at_loss),
+    averaged over the levels and paired over windows; combined over seeds.  Beside it, the same pair at
+    equal steps (final checkpoints: equal tokens, different FP loss), and, over every run, Spearman of
+    log10 peak LR with the run's mean Δ CE at the levels all runs share (paper: negative)."""
+    qs = quantizers_of(rows, quantizers)
+    lrs = {run: _run_lr(rows, run) for run in runs}
+    seeds = {run: _run_seed(rows, run) for run in runs}
+    runs = [r for r in runs if lrs[r] is not None and _ptq(rows, run=r)]
+    out: list[dict] = []
+    detail: list[dict] = []
+    by_seed: dict = {}
+    for r in runs:
+        by_seed.setdefault(seeds[r], {})[lrs[r]] = r
+    common = sorted(lr for lr in {lrs[r] for r in runs} if all(lr in m for m in by_seed.values()))
+    if len(common) < 2:
+        return out, {"peak_lr": detail}
+    title = "A(b) higher peak LR, lower error at similar FP loss"
+    for q in qs:
+        curves = {r: curve(rows, r, q, from_fraction) for r in runs}
+        for hi, lo in lr_pairs(common):
+            name = f"LR {hi:g} − LR {lo:g}"
+            pair_runs = [m[x] for m in by_seed.values() for x in (hi, lo)]
+            lv = matched_levels([curves[r] for r in pair_runs], levels)
+            per_seed, equal = [], []
+            for s, m in sorted(by_seed.items(), key=lambda kv: str(kv[0])):
+                if lv:
+                    md = matched_difference(curves[m[hi]], curves[m[lo]], lv)
+                    if md is not None:
+                        per_seed.append(md)
+                ends = [_last(_ptq(rows, run=x, branch="main", quantizer=q)) for x in (m[hi], m[lo])]
+                if all(e is not None for e in ends) and ends[0]["step"] == ends[1]["step"]:
+                    equal.append(paired_difference(ends[0], ends[1]))
+            if per_seed:
+                eff = combine_seeds(per_seed)
+                out.append(finding_row(title, "peak_lr", q, f"{name} at {len(lv)} matched FP losses "
+                                       f"{lv[0]:.3f}–{lv[-1]:.3f}", "Δ CE", eff, -1, z, "findings_peak_lr.png",
+                                       levels=lv, lr_hi=hi, lr_lo=lo))
+            else:
+                out.append({"finding": title, "family": "peak_lr", "quantizer": q, "metric": "Δ CE",
+                            "comparison": f"{name}: the runs' FP-loss ranges do not overlap (no matched loss)",
+                            "effect": None, "se": None, "verdict": NOT_RESOLVED, "expected": "-",
+                            "figure": "findings_peak_lr.png", "lr_hi": hi, "lr_lo": lo})
+            if equal:
+                eff = combine_seeds(equal)
+                out.append(finding_row(title + " (equal steps, for comparison)", "peak_lr", q,
+                                       f"{name} at the final checkpoint (equal tokens, FP losses differ)", "Δ CE",
+                                       eff, -1, z, "findings_peak_lr.png", lr_hi=hi, lr_lo=lo))
+        lv_all = matched_levels([curves[r] for r in runs], levels)
+        for r in runs:
+            for L in lv_all:
+                v = interpolate_at_loss(curves[r], L)
+                detail.append({"quantizer": q, "run": r, "peak_lr": lrs[r], "seed": seeds[r], "ce_fp": L,
+                               "delta_ce": v["delta_ce"] if v else None, "level": True})
+            for p in _ptq(rows, run=r, branch="main", quantizer=q):
+                detail.append({"quantizer": q, "run": r, "peak_lr": lrs[r], "seed": seeds[r], "ce_fp": p["ce_fp"],
+                               "delta_ce": p["delta_ce"], "step": p["step"], "level": False})
+        pts = []
+        for r in runs:
+            vals = [interpolate_at_loss(curves[r], L) for L in lv_all]
+            if lv_all and all(v is not None for v in vals):
+                pts.append({"log_lr": math.log10(lrs[r]), "delta_ce": statistics.fmean(v["delta_ce"] for v in vals)})
+        if len(pts) >= cfg.min_rows and len({p["log_lr"] for p in pts}) >= 2:
+            c = correlate(pts, "delta_ce", ["log_lr"], cfg)[0]
+            out.append(correlation_row(
+                title, "peak_lr", q, f"Spearman(log peak LR, Δ CE at {len(lv_all)} FP losses all runs reach, "
+                f"{lv_all[0]:.3f}–{lv_all[-1]:.3f}) over {c['n']} runs", "Spearman ρ", c["spearman"],
+                c["spearman_lo"], c["spearman_hi"], c["n"], -1, "findings_peak_lr.png"))
+        elif len(common) > 2:
+            out.append({"finding": title, "family": "peak_lr", "quantizer": q, "metric": "Spearman ρ",
+                        "comparison": "Spearman(log peak LR, Δ CE at matched loss): no FP loss that every run "
+                                      "reaches", "effect": None, "se": None, "verdict": NOT_RESOLVED,
+                        "expected": "-", "figure": "findings_peak_lr.png"})
+    return out, {"peak_lr": detail}
+
+
+# ------------------------------------------------------------------ (c) averaging vs decay
+def averaging_findings(rows: list[dict], runs: Sequence[str], reference_branch: str, at_step: int | None = None,
+                       quantizers: Sequence[str] = (), z: float = 2.0,
+                       fp_windows: Mapping[str, Sequence[float]] | None = None):
+    """Paper A (c): LAWA and soups match or beat LR decay (at 3 bits), at equal tokens.
+
+    Per run: every averaged checkpoint (branches whose ckpt_kind is lawa, ema or soup) at the reference's
+    tokens, and the constant-LR main checkpoint there, against ``reference_branch``'s endpoint (the decayed
+    model): Δ CE and CE of the quantized model (paired over windows; see paired_difference), FP CE beside."""
+    qs = quantizers_of(rows, quantizers)
+    out: list[dict] = []
+    detail: list[dict] = []
+    groups: dict[tuple, dict[str, list]] = {}
+    for run in runs:
+        for q in qs:
+            ref = _last(_ptq(rows, run=run, branch=reference_branch, quantizer=q))
+            if ref is None:
+                continue
+            tokens = ref["tokens"]
+            cands = {}
+            for r in _ptq(rows, run=run, quantizer=q):
+                if r.get("tokens") != tokens or r is ref:
+                    continue
+                if r.get("ckpt_kind") in ("lawa", "ema", "soup"):
+                    cands[r["branch"]] = r
+                elif r.get("branch") == "main":
+                    cands["main (constant LR, no averaging)"] = r
+            detail.append({"run": run, "quantizer": q, "checkpoint": f"decayed ({reference_branch})",
+                           "tokens": tokens, "ce_fp": ref["ce_fp"], "ce_q": ref["ce_q"], "delta_ce": ref["delta_ce"],
+                           "delta_ce_se": total_se(ref)})
+            for name, r in sorted(cands.items()):
+                dd = paired_difference(r, ref, "delta_ce")
+                dq = paired_difference(r, ref, "ce_q", fp_windows)
+                detail.append({"run": run, "quantizer": q, "checkpoint": name, "tokens": tokens, "ce_fp": r["ce_fp"],
+                               "ce_q": r["ce_q"], "delta_ce": r["delta_ce"], "delta_ce_se": total_se(r),
+                               "d_delta_ce": dd["difference"], "d_delta_ce_se": dd["se"],
+                               "d_ce_q": dq["difference"], "d_ce_q_se": dq["se"], "d_ce_q_paired": dq["paired"],
+                               "d_ce_fp": r["ce_fp"] - ref["ce_fp"]})
+                g = groups.setdefault((q, name), {"dce": [], "ceq": [], "fp": []})
+                g["dce"].append(dd)
+                g["ceq"].append(dq)
+                g["fp"].append(r["ce_fp"] - ref["ce_fp"])
+    for (q, name), g in sorted(groups.items(), key=lambda kv: (qs.index(kv[0][0]), kv[0][1])):
+        if name.startswith("main"):
+            continue  # context only (the decay finding's own comparison), in the detail table
+        fp = statistics.fmean(g["fp"])
+        e1 = combine_seeds(g["dce"])
+        out.append(finding_row("A(c) weight averaging matches or beats LR decay", "averaging", q,
+                               f"{name} − decayed endpoint (equal tokens)", "Δ CE", e1, -1, z,
+                               "findings_averaging.png", d_ce_fp=fp))
+        e2 = combine_seeds(g["ceq"])
+        out.append(finding_row("A(c) weight averaging matches or beats LR decay", "averaging", q,
+                               f"{name} − decayed endpoint (equal tokens)", "CE(quantized)", e2, -1, z,
+                               "findings_averaging.png", d_ce_fp=fp))
+    return out, {"averaging": detail}
+
+
+# ------------------------------------------------------------------ (d) sharpness through a cooldown
+def _analysis(rows, name="hessian") -> dict[tuple, dict]:
+    return {(r.get("run"), r.get("branch"), r.get("step")): r for r in rows
+            if r.get("kind") == "analysis" and r.get("analysis") == name}
+
+
+def sharpness_findings(rows: list[dict], runs: Sequence[str], quantizers: Sequence[str] = (), z: float = 2.0,
+                       cfg: CorrelateConfig = CorrelateConfig()):
+    """Paper A (d): the Hessian trace and top eigenvalue surge during the decay, mirroring Δ CE.
+
+    Per run: decayed endpoint minus its constant-LR control (trace: SE from the Hutchinson estimates of both;
+    top eigenvalue: power iteration gives no SE, so only the seeds' spread), combined over seeds; and across
+    every measured checkpoint of every run (main, branches): Spearman of trace / top eigenvalue with Δ CE
+    per quantizer, percentile-bootstrap interval (checkpoints of one run are not independent draws: read the
+    interval as optimistic)."""
+    hs = _analysis(rows)
+    out: list[dict] = []
+    detail: list[dict] = []
+    per: dict[tuple, list] = {}
+    for run in runs:
+        branches = sorted({k[1] for k in hs if k[0] == run and k[1].startswith("cooldown-")})
+        for b in branches:
+            ends = [v for k, v in hs.items() if k[0] == run and k[1] == b]
+            ctrls = [v for k, v in hs.items() if k[0] == run and k[1] == control_of(b)]
+            end, ctrl = _last(ends), _last(ctrls)
+            if end is None or ctrl is None or end.get("tokens") != ctrl.get("tokens"):
+                continue
+            start = hs.get((run, "main", end.get("parent_step")))
+            for metric, se_key in (("hessian_trace", "hessian_trace_se"), ("hessian_top_eig", None)):
+                a, c = _num(end.get(metric)), _num(ctrl.get(metric))
+                if a is None or c is None:
+                    continue
+                se = math.hypot(_num(end.get(se_key)) or 0.0, _num(ctrl.get(se_key)) or 0.0) if se_key else 0.0
+                per.setdefault((family_of(run), b, metric, "control"), []).append(
+                    {"difference": a - c, "eval_se": se, "run_se": None})
+                if start is not None and _num(start.get(metric)) is not None:
+                    s0 = _num(start.get(metric))
+                    se0 = math.hypot(_num(end.get(se_key)) or 0.0, _num(start.get(se_key)) or 0.0) if se_key else 0.0
+                    per.setdefault((family_of(run), b, metric, "start"), []).append(
+                        {"difference": a - s0, "eval_se": se0, "run_se": None})
+    labels = {"hessian_trace": "Hessian trace", "hessian_top_eig": "top Hessian eigenvalue"}
+    for (fam, b, metric, vs), ps in sorted(per.items()):
+        eff = combine_seeds(ps)
+        what = "constant-LR control" if vs == "control" else "the branch's start checkpoint"
+        row = finding_row("A(d) Hessian trace and top eigenvalue surge during the decay", "sharpness", None,
+                          f"{fam}: decayed endpoint − {what}, {b}", labels[metric], eff, +1, z,
+                          "findings_sharpness.png")
+        if metric == "hessian_top_eig" and eff.se_seeds is None:
+            row["verdict"] = NOT_RESOLVED  # one seed and no SE from power iteration: nothing to compare with
+        out.append(row)
+    for q in quantizers_of(rows, quantizers):
+        table = []
+        for run in runs:
+            for r in _ptq(rows, run=run, quantizer=q):
+                h = hs.get((run, r.get("branch"), r.get("step")))
+                if h is None:
+                    continue
+                table.append({"delta_ce": r["delta_ce"], "hessian_trace": _num(h.get("hessian_trace")),
+                              "hessian_top_eig": _num(h.get("hessian_top_eig"))})
+                detail.append({"quantizer": q, "run": run, "branch": r.get("branch"), "step": r.get("step"),
+                               "tokens": r.get("tokens"), "lr": r.get("lr"), "delta_ce": r["delta_ce"],
+                               "delta_ce_se": total_se(r), "ce_fp": r["ce_fp"], **table[-1],
+                               "hessian_trace_se": _num(h.get("hessian_trace_se"))})
+        if len(table) < cfg.min_rows:
+            continue
+        for c in correlate(table, "delta_ce", ["hessian_trace", "hessian_top_eig"], cfg):
+            out.append(correlation_row(
+                "A(d) Hessian trace and top eigenvalue surge during the decay", "sharpness", q,
+                f"Spearman({labels[c['metric']]}, Δ CE) over {c['n']} checkpoints (main, cooldowns, controls)",
+                "Spearman ρ", c["spearman"], c["spearman_lo"], c["spearman_hi"], c["n"], +1,
+                "findings_sharpness.png"))
+    return out, {"sharpness": detail}
+
+
+# ------------------------------------------------------------------ paper B: which metric predicts PTQ error
+OUTLIER_METRICS = ("weight_mmr_mean", "weight_kurtosis_mean", "act_mmr_mean", "act_kurtosis_mean")
+PROPAGATION_METRIC = "prop_R_final"
+
+
+def final_points(rows: list[dict], runs: Sequence[str], quantizer: str) -> list[dict]:
+    """One row per run: Δ CE of ``quantizer`` at the run's final main checkpoint joined with that checkpoint's
+    analysis metrics (outliers; propagation for this quantizer as prop_*)."""
+    out = []
+    for run in runs:
+        end = _last(_ptq(rows, run=run, branch="main", quantizer=quantizer))
+        if end is None:
+            continue
+        row = {"run": run, "optimizer": end.get("optimizer"), "n_params": end.get("n_params"),
+               "ce_fp": end["ce_fp"], "delta_ce": end["delta_ce"], "delta_ce_se": total_se(end)}
+        for r in rows:
+            if r.get("kind") != "analysis" or r.get("run") != run or r.get("branch") != "main" \
+                    or r.get("step") != end.get("step"):
+                continue
+            for k, v in r.items():
+                if k.startswith("prop_"):
+                    base, _, q = k.partition("__")
+                    if q == quantizer:
+                        row[base] = _num(v)
+                elif k in OUTLIER_METRICS or k.startswith(("weight_", "act_")):
+                    row[k] = _num(v)
+        out.append(row)
+    return out
+
+
+def _paired_bootstrap(x1, x2, y, cfg: CorrelateConfig) -> tuple[float, float, float]:
+    """ρ(x1, y) − ρ(x2, y) with a percentile interval from resampling rows (the same resamples for both)."""
+    x1, x2, y = (np.asarray(v, dtype=np.float64) for v in (x1, x2, y))
+    d = spearman(x1, y) - spearman(x2, y)
+    if not cfg.n_boot:
+        return d, math.nan, math.nan
+    rng = np.random.default_rng(cfg.seed)
+    idx = rng.integers(0, len(y), size=(cfg.n_boot, len(y)))
+    vals = np.array([spearman(x1[i], y[i]) - spearman(x2[i], y[i]) for i in idx])
+    vals = vals[~np.isnan(vals)]
+    if not vals.size:
+        return d, math.nan, math.nan
+    a = 1.0 - cfg.ci
+    lo, hi = np.quantile(vals, [a / 2, 1 - a / 2])
+    return d, float(lo), float(hi)
+
+
+def predictor_findings(rows: list[dict], runs: Sequence[str], quantizers: Sequence[str] = (),
+                       cfg: CorrelateConfig = CorrelateConfig()):
+    """Paper B: MMR and kurtosis fail to predict PTQ degradation across optimizers; R_L predicts it.
+
+    Across the runs' final checkpoints (optimizers x sizes x seeds), per quantizer: Spearman of each outlier
+    metric and of R_L with Δ CE (bootstrap intervals), and ρ(R_L) − ρ(metric) with a paired bootstrap
+    (paper: positive — R_L predicts better)."""
+    out: list[dict] = []
+    detail: list[dict] = []
+    names = {"weight_mmr_mean": "weight MMR", "weight_kurtosis_mean": "weight kurtosis",
+             "act_mmr_mean": "activation MMR", "act_kurtosis_mean": "activation kurtosis",
+             PROPAGATION_METRIC: "R_L (propagated error)"}
+    for q in quantizers_of(rows, quantizers):
+        pts = final_points(rows, runs, q)
+        detail += [{"quantizer": q, **p} for p in pts]
+        if len(pts) < cfg.min_rows:
+            continue
+        metrics = [m for m in (*OUTLIER_METRICS, PROPAGATION_METRIC) if sum(p.get(m) is not None for p in pts)
+                   >= cfg.min_rows]
+        cs = {c["metric"]: c for c in correlate(pts, "delta_ce", metrics, cfg)}
+        for m in metrics:
+            c = cs[m]
+            is_rl = m == PROPAGATION_METRIC
+            out.append(correlation_row(
+                "B R_L predicts PTQ error" if is_rl else "B MMR/kurtosis fail to predict PTQ error", "predictors", q,
+                f"Spearman({names[m]}, Δ CE) over {c['n']} final checkpoints", "Spearman ρ", c["spearman"],
+                c["spearman_lo"], c["spearman_hi"], c["n"], +1, "findings_predictors.png", null=not is_rl))
+        if PROPAGATION_METRIC in metrics:
+            for m in metrics:
+                if m == PROPAGATION_METRIC:
+                    continue
+                both = [p for p in pts if p.get(m) is not None and p.get(PROPAGATION_METRIC) is not None]
+                if len(both) < cfg.min_rows:
+                    continue
+                d, lo, hi = _paired_bootstrap([p[PROPAGATION_METRIC] for p in both], [p[m] for p in both],
+                                              [p["delta_ce"] for p in both], cfg)
+                out.append(correlation_row(
+                    "B R_L predicts PTQ error where MMR/kurtosis do not", "predictors", q,
+                    f"ρ(R_L) − ρ({names[m]}) over {len(both)} final checkpoints (paired bootstrap)", "Δ Spearman ρ",
+                    d, lo, hi, len(both), +1, "findings_predictors.png"))
+    return out, {"predictors": detail}
+
+
+# ------------------------------------------------------------------ formatting
+def _g(v: float, signed: bool = False) -> str:
+    """A number with 4 decimals, or 2 significant digits in scientific notation when it is small."""
+    if v != 0 and abs(v) < 1e-3:
+        return f"{v:+.1e}" if signed else f"{v:.1e}"
+    return f"{v:+.4f}" if signed else f"{v:.4f}"
+
+
+def format_effect(f: Mapping) -> str:
+    """'+0.0123 ± 0.0031' (SE-based) or '+0.45 [+0.12, +0.71]' (interval), 'n/a' without an effect."""
+    e = _num(f.get("effect"))
+    if e is None:
+        return "n/a"
+    if f.get("interval_lo") is not None or f.get("se") is None:
+        lo, hi = _num(f.get("interval_lo")), _num(f.get("interval_hi"))
+        return f"{e:+.2f} [{lo:+.2f}, {hi:+.2f}]" if lo is not None and hi is not None else f"{e:+.2f} [n/a]"
+    return f"{_g(e, True)} ± {_g(float(f['se']))}"
+
+
+def format_parts(f: Mapping) -> str:
+    """The uncertainty's parts: windows, seeds, run-to-run (or the bootstrap's size)."""
+    if f.get("se") is None:
+        return f"bootstrap over {f['n']} points" if f.get("interval_lo") is not None and f.get("n") else ""
+    parts = [f"windows {_g(float(f['se_windows']))}"]
+    parts.append(f"seeds {_g(float(f['se_seeds']))} (k={f['n_seeds']})" if f.get("se_seeds") is not None
+                 else f"seeds n/a (k={f.get('n_seeds', 1)})")
+    parts.append(f"run-to-run {_g(float(f['se_run']))}" if f.get("se_run") is not None
+                 else "run-to-run not measured (R=1)")
+    return ", ".join(parts)
+
+
+def format_table(findings: Sequence[Mapping]) -> list[str]:
+    """The findings table as text lines (what `quantdyn study` prints), grouped by finding."""
+    if not findings:
+        return ["  (no findings: the rows this study needs are missing)"]
+    lines: list[str] = []
+    w_q = max(9, *(len(str(f.get("quantizer") or "-")) for f in findings))
+    w_m = max(6, *(len(str(f.get("metric"))) for f in findings))
+    w_e = max(len(format_effect(f)) for f in findings)
+    title = None
+    for f in findings:
+        if f["finding"] != title:
+            title = f["finding"]
+            lines.append(f"  {title}   (paper's sign: {f.get('expected', '?')})")
+        lines.append(f"    {str(f.get('quantizer') or '-'):<{w_q}} {f['metric']:<{w_m}} {format_effect(f):>{w_e}}  "
+                     f"{f['verdict']:<27} {f['comparison']}")
+        parts = format_parts(f)
+        lines.append(f"    {'':<{w_q}} {'':<{w_m}} {'':>{w_e}}  " + (f"({parts}; " if parts else "(")
+                     + f"figure {f.get('figure') or '-'})")
+    return lines
