@@ -45,7 +45,7 @@ MARKERS = "osD^v<>pP*hX"
 
 def _qorder(rows) -> list[str]:
     def key(q):
-        bits = next((r["bits"] for r in rows if r.get("quantizer") == q), 0)
+        bits = next((r.get("bits") for r in rows if r.get("quantizer") == q), 0)
         return (-(bits or 0), q)
 
     return sorted({r["quantizer"] for r in rows if r.get("kind") == "ptq"}, key=key)
