@@ -12,7 +12,12 @@ import yaml
 from quantdyn.errors import QuantdynError
 from quantdyn.experiments import findings as fd
 from quantdyn.experiments.scales import SCALES, apply_scale
-from quantdyn.experiments.spec import StudySpec, demo_spec, load_study_spec, spec_from_dict
+from quantdyn.experiments.spec import (
+    StudySpec,
+    demo_spec,
+    load_study_spec,
+    spec_from_dict,
+)
 
 
 # ----------------------------------------------------------------------------------------------- the spec

@@ -21,12 +21,26 @@ from typing import Callable
 from quantdyn.analysis.correlate import CorrelateConfig
 from quantdyn.config import from_dict, to_dict
 from quantdyn.errors import QuantdynError
+from quantdyn.evaluate.loss import window_losses
 from quantdyn.experiments import findings as fd
+from quantdyn.experiments.section import (
+    findings_section,
+    write_findings,
+    write_report_with,
+)
 from quantdyn.experiments.spec import StudySpec, demo_spec, spec_from_dict
 from quantdyn.files import write_json_atomic
+from quantdyn.models.hf_io import checkpoint_hash, load_causal_lm
+from quantdyn.results.store import ResultStore
+from quantdyn.runtime import git_sha, hardware, resolve_device
 from quantdyn.study.grid import expand_grid
+from quantdyn.study.sweep import run_sweep, sweep_data
 from quantdyn.study.trajectory import TrajectoryConfig
+from quantdyn.train.branches import cooldown
+from quantdyn.train.checkpoint import checkpoint_dir, latest_resumable, list_checkpoints
 from quantdyn.train.config import RunConfig
+from quantdyn.train.offline_averaging import average_lawa, lawa_dir_name, make_soup
+from quantdyn.train.trainer import read_metrics, train
 
 Echo = Callable[[str], None]
 STATE = "study.json"
@@ -59,16 +73,11 @@ def _load_state(path: Path) -> dict:
 
 
 def _finished(cfg: RunConfig, run_dir: Path) -> bool:
-    from quantdyn.train.checkpoint import list_checkpoints
-
     return any(c.step >= cfg.train.steps for c in list_checkpoints(run_dir))
 
 
 def _train(cfg: RunConfig, run_dir: Path, progress: bool, echo: Echo) -> str | None:
     """Train (or resume) one run; returns the divergence message when training diverged."""
-    from quantdyn.train.checkpoint import latest_resumable
-    from quantdyn.train.trainer import train
-
     partial = latest_resumable(run_dir)
     echo(f"[1/4] training {cfg.name} ({cfg.train.steps} steps, {cfg.schedule.name}, peak LR {cfg.optim.lr:g}, "
          f"{cfg.optim.name})" + (f", resuming at step {partial.step}" if partial else ""))
@@ -82,8 +91,6 @@ def _train(cfg: RunConfig, run_dir: Path, progress: bool, echo: Echo) -> str | N
 
 
 def _cooldowns(spec: StudySpec, run_dir: Path, name: str, progress: bool, echo: Echo) -> None:
-    from quantdyn.train.branches import cooldown
-
     cd = spec.cooldowns
     if not cd.enabled:
         return
@@ -100,8 +107,6 @@ def lawa_at_step(run_dir: Path, window: int, every: int, step: int) -> Path:
 
     average_lawa writes every step of its grid; they are written to a temporary directory beside the run's
     averages and only ``step`` is moved into place (a sweep visits every stored average)."""
-    from quantdyn.train.offline_averaging import average_lawa, lawa_dir_name
-
     final = run_dir / "averages" / lawa_dir_name(window, every) / f"step-{step:07d}"
     if (final / "model.safetensors").is_file():
         return final
@@ -119,9 +124,6 @@ def lawa_at_step(run_dir: Path, window: int, every: int, step: int) -> Path:
 def soup_of_cooldowns(spec: StudySpec, run_dir: Path) -> Path:
     """A uniform soup of the endpoints of every cooldown branch (all end at cooldowns.end_step), written to
     RUN/averages/soup-cooldowns/step-N; an existing one is kept."""
-    from quantdyn.train.checkpoint import checkpoint_dir
-    from quantdyn.train.offline_averaging import make_soup
-
     cd = spec.cooldowns
     end = cd.end_step
     out = run_dir / "averages" / "soup-cooldowns" / f"step-{end:07d}"
@@ -145,13 +147,11 @@ def _averages(spec: StudySpec, cfg: RunConfig, run_dir: Path, echo: Echo) -> Non
 
 
 def _sweep(spec: StudySpec, run_dir: Path, name: str, progress: bool, echo: Echo) -> dict:
-    from quantdyn.study.sweep import run_sweep
-
     sw = spec.sweep
     R = sw.quant_repeats
     echo(f"[3/4] {name}: sweeping {', '.join(map(str, sw.quantizers))} over every checkpoint "
          f"(quantization repeated R = {R} time{'s' if R > 1 else ''}"
-         + (f", run-to-run spread measured" if R > 1 else ", run-to-run spread not measured")
+         + (", run-to-run spread measured" if R > 1 else ", run-to-run spread not measured")
          + (f"; analyses: {', '.join(sw.analysis)}" if sw.analysis else "") + ")")
     counts = run_sweep(replace(sw, trajectory=TrajectoryConfig(run=str(run_dir))), progress=progress, echo=echo)
     for ref, msg in counts.get("failed", []):
@@ -160,8 +160,6 @@ def _sweep(spec: StudySpec, run_dir: Path, name: str, progress: bool, echo: Echo
 
 
 def _rows_of(store: str, run_dirs: list[Path], repeats: int) -> list[dict]:
-    from quantdyn.results.store import ResultStore
-
     prefixes = [str(d.resolve()) + os.sep for d in run_dirs]
     rows = []
     for r in ResultStore(store).rows():
@@ -175,11 +173,6 @@ def fp_window_losses(spec: StudySpec, run_dir: Path, checkpoints: list[str], cac
     """Per-window FP CE of ``checkpoints`` on the sweep's evaluation windows (the sweep stores only their mean),
     so CE(quantized) differences between checkpoints pair window by window.  Cached in ``cache`` by
     checkpoint hash and evaluation-token hash."""
-    from quantdyn.evaluate.loss import window_losses
-    from quantdyn.models.hf_io import checkpoint_hash, load_causal_lm
-    from quantdyn.runtime import resolve_device
-    from quantdyn.study.sweep import sweep_data
-
     sw = replace(spec.sweep, trajectory=TrajectoryConfig(run=str(run_dir)))
     data = sweep_data(sw, [], progress=False)
     ids = data.eval_windows(sw.data.eval_seq_len, sw.data.eval_windows)
@@ -248,7 +241,7 @@ def _print_decay(rows: list[dict], runs: list[str], echo: Echo) -> tuple[list[di
     across = fd.seed_summary(tables)
     if across:
         echo("")
-        echo(f"Across seeds: mean difference ± the larger of the within-seed SE (windows, and run-to-run when R > 1)"
+        echo("Across seeds: mean difference ± the larger of the within-seed SE (windows, and run-to-run when R > 1)"
              " and the between-seed SE (seed spread):")
         for a in across:
             run = f", run-to-run {a['run_se']:.4f}" if a.get("run_se") is not None else ""
@@ -267,9 +260,6 @@ def verdict_text(z: float) -> str:
 
 def run_study(spec: StudySpec | dict, progress: bool = True, echo: Echo = print) -> dict:
     """Run (or resume) a study; returns the report path, the decay tables, the findings and the run dirs."""
-    from quantdyn.experiments.section import findings_section, write_findings, write_report_with
-    from quantdyn.runtime import git_sha, hardware
-
     if isinstance(spec, dict):
         spec = spec_from_dict(spec)
     t_start = time.perf_counter()
@@ -304,8 +294,6 @@ def run_study(spec: StudySpec | dict, progress: bool = True, echo: Echo = print)
         t4 = time.perf_counter()
         for k, a, b in (("train", t0, t1), ("cooldowns", t1, t2), ("averages", t2, t3), ("sweep", t3, t4)):
             seconds[k] += b - a
-        from quantdyn.train.trainer import read_metrics
-
         vals = [r["val_loss"] for r in read_metrics(run_dir) if "val_loss" in r]
         summary.append({"run_dir": run_dir, "cfg": cfg, "counts": counts, "val": (vals[0], vals[-1]) if vals else None})
     if not summary:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import html
+import inspect
 import io
 import json
 from pathlib import Path
@@ -16,9 +17,15 @@ from typing import Sequence
 
 from quantdyn.config import to_dict
 from quantdyn.experiments import figures
-from quantdyn.experiments.findings import REPRODUCED, OPPOSITE, format_effect, format_parts
+from quantdyn.experiments.findings import (
+    OPPOSITE,
+    REPRODUCED,
+    format_effect,
+    format_parts,
+)
 from quantdyn.experiments.spec import StudySpec
 from quantdyn.files import write_json_atomic, write_text_atomic
+from quantdyn.report.html import write_report
 
 BEGIN, END = "<!-- quantdyn findings -->", "<!-- /quantdyn findings -->"
 COLUMNS = ("finding", "quantizer", "comparison", "metric", "effect ± uncertainty", "uncertainty parts", "verdict",
@@ -129,10 +136,6 @@ def write_report_with(store: str, report_dir: str | Path, section: tuple[str, st
                       block: str) -> Path:
     """The report of ``store`` with the findings section: passed to write_report when it takes sections from
     its caller (``extra_sections``), else inserted into the page it wrote."""
-    import inspect
-
-    from quantdyn.report.html import write_report
-
     if "extra_sections" in inspect.signature(write_report).parameters:
         return write_report(store, report_dir, extra_sections=[section])
     page = write_report(store, report_dir)

@@ -34,6 +34,7 @@ import yaml
 
 from quantdyn.config import apply_overrides, from_dict, load_yaml, parse_override
 from quantdyn.errors import QuantdynError, unknown_name
+from quantdyn.experiments.scales import SCALES, apply_scale
 from quantdyn.quantize.config import parse_quantizer
 from quantdyn.study.grid import parse_vary
 from quantdyn.study.sweep import SweepConfig
@@ -213,8 +214,6 @@ class StudySpec:
     """One line saying what the study measures (printed and shown in the report)."""
 
     def __post_init__(self):
-        from quantdyn.experiments.scales import SCALES
-
         if self.scale and self.scale not in SCALES:
             raise unknown_name("scale", self.scale, SCALES)
         if self.sweep.trajectory != _DEFAULT_TRAJECTORY:
@@ -297,8 +296,6 @@ def _spec_path(key: list[str]) -> list[str]:
 
 def spec_from_dict(data: dict, overrides: Sequence[str] = (), where: str = "study spec") -> StudySpec:
     """Type a study dict: the scale (from the dict or an override) first, then the overrides, then checks."""
-    from quantdyn.experiments.scales import apply_scale
-
     data = dict(data or {})
     if "run" not in data:
         raise QuantdynError(f"{where} has no 'run' section (a run config)")
