@@ -1,4 +1,4 @@
-"""quantdyn's lm-eval adapter (evaluate/downstream.make_lm) against lm-eval's own HFLM.
+"""quantdyn's lm-eval adapter (evaluate/lm_eval_tasks.make_lm) against lm-eval's own HFLM.
 
 One tiny GPT-NeoX checkpoint on disk, evaluated by both: quantdyn's adapter on quantdyn's GPT
 loaded from it, HFLM on transformers' GPTNeoXForCausalLM loaded from the same directory. Tasks:
@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("lm_eval")
 
-from quantdyn.evaluate.downstream import make_lm, prepare_tasks, run_tasks  # noqa: E402
+from quantdyn.evaluate.lm_eval_tasks import make_lm, prepare_tasks, run_tasks  # noqa: E402
 from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config  # noqa: E402
 from quantdyn.models.hf_io import load_gpt, save_hf  # noqa: E402
 

@@ -16,14 +16,9 @@ pytest.importorskip("lm_eval")
 
 from conftest import tiny_run_dict  # noqa: E402
 from quantdyn.errors import QuantdynError  # noqa: E402
-from quantdyn.evaluate.downstream import (  # noqa: E402
-    accuracy_rows_for_point,
-    format_accuracy_table,
-    make_lm,
-    prepare_tasks,
-)
+from quantdyn.evaluate.lm_eval_tasks import make_lm, prepare_tasks  # noqa: E402
 from quantdyn.evaluate.tasks import BUILTIN_TASKS, build_builtin_tasks  # noqa: E402
-from quantdyn.study.accuracy import evaluate_accuracy  # noqa: E402
+from quantdyn.study.accuracy import accuracy_rows_for_point, evaluate_accuracy, format_accuracy_table  # noqa: E402
 from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config  # noqa: E402
 
 
@@ -178,7 +173,7 @@ def test_hub_task_offline_is_one_line_naming_the_dataset(tmp_path):
     (tasks / "arc_easy.yaml").write_text(src.read_text())
     code = (
         "from quantdyn.errors import QuantdynError\n"
-        "from quantdyn.evaluate.downstream import prepare_tasks\n"
+        "from quantdyn.evaluate.lm_eval_tasks import prepare_tasks\n"
         f"try:\n    prepare_tasks(['arc_easy'], include_paths=[{str(tasks)!r}])\n"
         "except QuantdynError as e:\n    print('ERROR:' + str(e))\n"
     )
@@ -196,7 +191,7 @@ def test_hub_task_offline_by_name(tmp_path):
     """The same through the full lm-eval task index (as `quantdyn eval --tasks arc_easy` runs it)."""
     code = (
         "from quantdyn.errors import QuantdynError\n"
-        "from quantdyn.evaluate.downstream import prepare_tasks\n"
+        "from quantdyn.evaluate.lm_eval_tasks import prepare_tasks\n"
         "try:\n    prepare_tasks(['arc_easy'])\n"
         "except QuantdynError as e:\n    print('ERROR:' + str(e))\n"
     )

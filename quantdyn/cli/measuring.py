@@ -261,8 +261,7 @@ def eval_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the rows as a JSON array."),
 ):
     """Downstream accuracy of a model and its quantized twin (lm-evaluation-harness)."""
-    from quantdyn.evaluate.downstream import format_accuracy_table
-    from quantdyn.study.accuracy import evaluate_accuracy
+    from quantdyn.study.accuracy import evaluate_accuracy, format_accuracy_table
 
     qs = [q for q in ",".join(x for x in (quantizers, quantizer) if x).split(",") if q] or None
     rows = evaluate_accuracy(model, [t for t in tasks.split(",") if t], qs, num_fewshot=num_fewshot, limit=limit,

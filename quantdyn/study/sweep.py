@@ -378,9 +378,8 @@ def _append_accuracy(ctx: _SweepContext, p: Point, label: str, weights_q: dict, 
 
     lm-eval runs whole models: the FP model is loaded in memory and its quantized twin is that model with
     the engine's quantized weights written in (the quantization itself ran once, in the measurement)."""
-    from quantdyn.evaluate.downstream import accuracy_rows_for_point
     from quantdyn.models.hf_io import load_causal_lm
-    from quantdyn.study.accuracy import quantized_twin
+    from quantdyn.study.accuracy import accuracy_rows_for_point, quantized_twin
 
     cfg = ctx.cfg
     model = load_causal_lm(p.ref, device=ctx.device)
