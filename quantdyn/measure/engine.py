@@ -66,9 +66,10 @@ class MeasureConfig:
     Streams beyond it spill to disk; less than one block's needs is an error saying the minimum."""
     spill_dir: str = ""
     """Where spilled streams go ('' = the system temporary directory; removed afterwards)."""
-    logits_budget_mb: int = 64
-    """Largest logits tensor of one variant (MiB); bigger batches are evaluated in slices of windows (KL needs
-    about five tensors of that size at once: log-softmax of both variants, their difference, the product)."""
+    logits_budget_mb: int = 16
+    """Largest logits tensor of one variant (MiB); bigger batches are evaluated in slices of windows (at least one
+    window). The head holds about six tensors of that size at once (FP log-probabilities and probabilities; the
+    variant's logits, log-probabilities, their difference and its product), so this bounds the head's memory."""
     streams: str = "auto"
     """Where activation streams live: auto (by the memory budget) | memory | disk."""
 
