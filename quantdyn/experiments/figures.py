@@ -4,6 +4,7 @@
   averaging   averages minus the decayed endpoint: Δ CE and CE of the quantized model          paper A (c)
   sharpness   Hessian trace (± SE), top eigenvalue and Δ CE against tokens, main / cooldown / control  (d)
   predictors  Spearman ρ of each metric with Δ CE, bootstrap intervals                          paper B
+  overview    every finding: z = effect / uncertainty, or ρ with its interval, coloured by verdict
 Each function returns whether it drew anything.
 """
 from __future__ import annotations
@@ -15,6 +16,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+
+from quantdyn.experiments.findings import NOT_RESOLVED, OPPOSITE, REPRODUCED
 
 _MARKERS = "osD^v<>pP*hX"
 
@@ -172,5 +175,51 @@ def predictors(findings: list[dict], out: Path) -> bool:
     ax.set_xlim(-1.05, 1.05)
     ax.grid(alpha=0.3, axis="x")
     ax.legend(fontsize=7)
+    _save(fig, out)
+    return True
+
+
+def overview(findings: list[dict], out: Path) -> bool:
+    """Every finding at a glance: SE-based effects as z = effect / uncertainty (the band |z| <= 2 is "not
+    resolved"; ticks: the single seeds), correlations as ρ with their bootstrap interval; colour = verdict."""
+    colour = {REPRODUCED: "#1a7f37", OPPOSITE: "#b42318", NOT_RESOLVED: "0.45"}
+    zs = [f for f in findings if f.get("se") is not None and f.get("effect") is not None and f["se"] > 0]
+    cs = [f for f in findings if f.get("interval_lo") is not None and f.get("effect") is not None]
+    panels = [(rows, key) for rows, key in ((zs, "z"), (cs, "rho")) if rows]
+    if not panels:
+        return False
+    heights = [len(rows) for rows, _ in panels]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10.5, 0.3 * sum(heights) + 1.1 * len(panels)), squeeze=False,
+                             gridspec_kw={"height_ratios": [h + 1.5 for h in heights]})
+
+    def label(f):
+        cmp = f["comparison"].split(": ", 1)[-1]
+        return f"{f.get('quantizer') or ''} {f['metric']}: {cmp}"[:62]
+
+    for ax, (rows, key) in zip(axes[:, 0], panels):
+        for i, f in enumerate(rows):
+            c = colour.get(f["verdict"], "0.45")
+            if key == "z":
+                ax.plot([f["effect"] / f["se"]], [i], "o", color=c, ms=4)
+                for p in f.get("per_seed") or []:
+                    ax.plot([p / f["se"]], [i], "|", color=c, alpha=0.6, ms=7)
+            else:
+                ax.errorbar([f["effect"]], [i], xerr=[[f["effect"] - f["interval_lo"]],
+                                                       [f["interval_hi"] - f["effect"]]],
+                            fmt="o", color=c, ms=4, capsize=2)
+        ax.set_yticks(range(len(rows)))
+        ax.set_yticklabels([label(f) for f in rows], fontsize=6)
+        ax.axvline(0, color="0.3", lw=0.8)
+        if key == "z":
+            ax.axvspan(-2, 2, color="0.92", zorder=0)
+            lo, hi = ax.get_xlim()
+            ax.set_xlim(min(lo, -3), max(hi, 3))
+            ax.set_xlabel("z = effect / uncertainty (grey band: not resolved; ticks: single seeds)", fontsize=8)
+        else:
+            ax.set_xlim(-1.05, 1.05)
+            ax.set_xlabel("correlation (or difference of correlations) with its bootstrap interval", fontsize=8)
+        ax.invert_yaxis()
+        ax.grid(alpha=0.3, axis="x")
+        ax.tick_params(labelsize=7)
     _save(fig, out)
     return True

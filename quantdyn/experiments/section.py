@@ -42,7 +42,7 @@ CAPTION = ("Each of the papers' findings measured in this study. Effect ± uncer
 
 def draw_figures(out: Path, found: list[dict], details: dict) -> dict[str, bool]:
     """The families' figures; returns which were drawn."""
-    drawn = {}
+    drawn = {"findings.png": figures.overview(found, out / "findings.png")}
     if details.get("peak_lr"):
         drawn["findings_peak_lr.png"] = figures.peak_lr(details["peak_lr"], out / "findings_peak_lr.png")
     if details.get("averaging"):
@@ -62,7 +62,7 @@ def table_rows(found: Sequence[dict]) -> list[dict]:
 
 def findings_section(found: Sequence[dict], spec: StudySpec) -> tuple[str, str, list[dict], str]:
     """(title, figure, table, caption) — the form of report/extra.py's sections."""
-    fig = next((f["figure"] for f in found if f.get("figure")), "")
+    fig = "findings.png" if found else ""
     title = "Findings: the papers' claims at this scale" + (f" — {spec.title}" if spec.title else "")
     return title, fig, table_rows(found), CAPTION + f" Quantization repeats R = {spec.sweep.quant_repeats}."
 
@@ -141,6 +141,19 @@ def write_report_with(store: str, report_dir: str | Path, section: tuple[str, st
     page = write_report(store, report_dir)
     attach_to_index(report_dir, block)
     return page
+
+
+def markdown_table(found: Sequence[dict]) -> str:
+    """The findings as a Markdown table (finding, quantizer, comparison, metric, effect ± uncertainty, parts,
+    verdict, figure), for docs written from a study's findings.json."""
+    head = ("finding", "quantizer", "comparison", "metric", "effect ± uncertainty", "uncertainty parts", "verdict",
+            "figure")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in table_rows(found):
+        cells = [str(r.get(h) if r.get(h) is not None else "–").replace("|", "\\|") for h in head]
+        cells[6] = f"**{cells[6]}**" if cells[6] != "not resolved at this scale" else cells[6]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def load_findings(report_dir: str | Path) -> dict:
