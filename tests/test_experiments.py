@@ -391,3 +391,37 @@ def test_averaging_and_sharpness_study_end_to_end_on_another_corpus(tmp_path):
     assert not any(line.startswith("[1/4] training") for line in lines)
     assert len(ResultStore(tmp_path / "store").rows()) == len(rows)
     assert [f["effect"] for f in again["findings"]] == [f["effect"] for f in out["findings"]]
+
+
+def test_a_diverged_run_is_recorded_and_not_trained_again(tmp_path, monkeypatch):
+    """Training that diverges (a peak LR too high) is recorded in REPORT/study.json and left out; a rerun does
+    not train it again; with every run diverged the study ends in one line that says what to do."""
+    import json
+
+    import quantdyn.experiments.pipeline as pipeline
+
+    calls = []
+
+    def diverging(cfg, run_dir, **kw):
+        calls.append(cfg.name)
+        raise QuantdynError("training diverged by step 3 (loss nan); lower optim.lr or check the data")
+
+    monkeypatch.setattr(pipeline, "train", diverging)
+    spec = spec_from_dict({"run": {"name": "d", "out_dir": str(tmp_path / "runs"), "train": {"steps": 8}},
+                           "vary": ["optim.lr=1,10"], "sweep": {"store": str(tmp_path / "store")},
+                           "report": str(tmp_path / "rep")})
+    lines: list[str] = []
+    with pytest.raises(QuantdynError, match="every run of the study diverged; lower the peak LR"):
+        pipeline.run_study(spec, progress=False, echo=lines.append)
+    assert calls == ["d-lr1", "d-lr10"] and any("left out of the study" in line for line in lines)
+    state = json.loads((tmp_path / "rep" / "study.json").read_text())
+    assert set(state["diverged"]) == {"d-lr1", "d-lr10"} and "step 3" in state["diverged"]["d-lr1"]
+    lines.clear()
+    with pytest.raises(QuantdynError, match="every run of the study diverged"):
+        pipeline.run_study(spec, progress=False, echo=lines.append)
+    assert calls == ["d-lr1", "d-lr10"] and sum("diverged before" in line for line in lines) == 2
+    # any other training error is the user's to fix, not a divergence
+    monkeypatch.setattr(pipeline, "train", lambda *a, **k: (_ for _ in ()).throw(QuantdynError("bad data path")))
+    with pytest.raises(QuantdynError, match="bad data path"):
+        pipeline.run_study(spec_from_dict({**{"run": {"name": "e", "out_dir": str(tmp_path / "runs")}},
+                                           "report": str(tmp_path / "rep2")}), progress=False, echo=lines.append)
