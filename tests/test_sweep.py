@@ -190,3 +190,24 @@ def test_sweep_slurm_writes_an_array_over_shards_of_one_resolved_spec(small_run,
     assert len(rows) == len({r["key"] for r in rows}) == 2 * len({r["checkpoint"] for r in rows})
     r = cli("sweep", "--run", small_run, "--store", store, "--slurm", "--shard", "0/2")
     assert r.returncode == 2 and "--shards" in r.stderr
+
+
+def test_a_bad_checkpoint_is_one_line_and_the_sweep_goes_on(small_run, tmp_path, cli):
+    """A truncated checkpoint among good ones: one line naming the file, no row for it, every other checkpoint
+    measured, and the command ends with exit 2 naming it."""
+    good = sorted((small_run / "checkpoints").iterdir())[:2]
+    bad = shutil.copytree(good[0], tmp_path / "bad")
+    w = bad / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:-64])
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump({"trajectory": {"checkpoints": [str(good[0]), str(bad), str(good[1])]},
+                                    "quantizers": ["rtn4"], "store": str(tmp_path / "store"),
+                                    "data": {"calib_samples": 4, "calib_seq_len": 32, "eval_windows": 8,
+                                             "eval_seq_len": 32}}))
+    r = cli("sweep", spec, "--quiet")
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert any("model.safetensors" in x and "truncated" in x for x in lines) and len(lines) == 2, r.stderr
+    assert "1 checkpoint(s) could not be measured" in lines[-1] and str(bad) in lines[-1]
+    rows = ResultStore(tmp_path / "store").rows()
+    assert {r["checkpoint"] for r in rows} == {str(good[0]), str(good[1])}
