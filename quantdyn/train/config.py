@@ -9,6 +9,7 @@ from quantdyn.data.prepare import DataConfig
 from quantdyn.errors import QuantdynError, unknown_name
 from quantdyn.models.gpt import ModelConfig
 from quantdyn.quantize.qat import QATConfig
+from quantdyn.train.loggers import LOGGERS
 from quantdyn.train.optimizers import OptimConfig
 from quantdyn.train.schedules import ScheduleConfig
 
@@ -107,7 +108,9 @@ class AveragingConfig:
 
 @dataclass(frozen=True)
 class MonitorConfig:
-    """In-training quantization monitor: Δ CE of chosen quantizers every N steps."""
+    """In-training quantization monitor (quantdyn.monitor.PTQMonitor): Δ CE, relative Δ CE, KL and top-1
+    agreement of chosen quantizers on the current weights every N steps. The commands that train
+    (`quantdyn train`, `cooldown`, `grid`) build it from this section with quantdyn.monitor.hooks_for."""
 
     every: int = 0
     """Steps between measurements (0 = off)."""
@@ -129,6 +132,41 @@ class MonitorConfig:
 
 
 @dataclass(frozen=True)
+class LogConfig:
+    """Where the run's metrics go and what the console shows.
+
+    Every destination gets the same metric names: train/loss, train/lr, train/grad_norm,
+    train/tokens_per_s, train/tokens, val/loss, ptq/<quantizer>/delta_ce, ... (quantdyn/train/loggers.py)."""
+
+    to: tuple[str, ...] = ("jsonl",)
+    """Destinations: jsonl (RUN_DIR/metrics.jsonl), csv (RUN_DIR/metrics.csv), tensorboard (event files in
+    RUN_DIR/tensorboard; extra ``quantdyn[tensorboard]``), wandb (Weights & Biases; extra ``quantdyn[wandb]``;
+    WANDB_MODE=offline works without an account). metrics.jsonl is the run's own record (resume, report and
+    grid read it): it is written whether or not jsonl is listed."""
+    print_every: int = 0
+    """Without a terminal (a log file, CI): one plain line every N steps with step, loss, LR and tokens/s
+    (0 = train.log_every). On a terminal a progress bar shows the same."""
+    wandb_project: str = "quantdyn"
+    """Weights & Biases project."""
+    wandb_entity: str = ""
+    """Weights & Biases entity (team or user; '' = the account's default)."""
+    wandb_mode: str = ""
+    """online | offline | disabled ('' = the WANDB_MODE environment variable, else wandb's default)."""
+
+    def __post_init__(self):
+        seen = set()
+        for name in self.to:
+            LOGGERS.get(name)  # an unknown destination: did-you-mean and the valid names
+            if name in seen:
+                raise QuantdynError(f"log.to names '{name}' twice; list each destination once")
+            seen.add(name)
+        if self.print_every < 0:
+            raise QuantdynError(f"log.print_every={self.print_every} must be >= 0 (0 = train.log_every)")
+        if self.wandb_mode not in ("", "online", "offline", "disabled"):
+            raise unknown_name("log.wandb_mode", self.wandb_mode, ("online", "offline", "disabled"))
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """A training run."""
 
@@ -145,6 +183,7 @@ class RunConfig:
     train: LoopConfig = field(default_factory=LoopConfig)
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    log: LogConfig = field(default_factory=LogConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     qat: QATConfig | None = None
     """Quantization-aware training (paper B: QuEST W4A4): fake-quantize every block linear's weights
