@@ -170,9 +170,15 @@ def test_in_training_monitor_logs_delta_ce(tmp_path, kjv_small):
     d = tiny_run_dict(tmp_path, data_cfg, steps=8, checkpoint_every=8)
     d["name"] = "mon"
     d["monitor"] = {"every": 4, "quantizers": ["rtn2", "rtn8"], "calib_samples": 4, "eval_windows": 8}
-    run = train(from_dict(RunConfig, d), progress=False)
+    from quantdyn.monitor import hooks_for
+
+    cfg = from_dict(RunConfig, d)
+    run = train(cfg, progress=False, hooks=hooks_for(cfg))
     rows = [r for r in read_metrics(run) if "dce_rtn2" in r]
     assert [r["step"] for r in rows] == [4, 8]
+    # the shared names sit beside the legacy keys, with the same values
+    assert all(r["ptq/rtn2/delta_ce"] == r["dce_rtn2"] and r["ptq/rtn2/delta_ce_se"] == r["dce_rtn2_se"] for r in rows)
+    assert all({"ptq/rtn2/kl", "ptq/rtn2/rel_delta_ce", "ptq/rtn2/top1_agree", "ptq/ce_fp"} <= set(r) for r in rows)
     # the logged value is what an independent measurement of the step-8 checkpoint gives
     import copy
 

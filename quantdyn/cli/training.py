@@ -21,7 +21,8 @@ def train(
     overwrite: bool = typer.Option(False, "--overwrite",
                                    help="Start again in a run directory that has checkpoints (deletes them)."),
     device: Optional[str] = typer.Option(None, "--device", help="auto | cpu | cuda | cuda:N (sets train.device)."),
-    quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+    quiet: bool = typer.Option(False, "--quiet", help="Print nothing while training (errors and the run directory only)."),
+    verbose: bool = typer.Option(False, "--verbose", help="Also print every logged row with all its metrics."),
 ):
     """Train a model: `quantdyn train CONFIG.yaml [key=value ...]` or `--resume RUN_DIR`.
 
@@ -30,10 +31,14 @@ def train(
     from dataclasses import replace
 
     from quantdyn.config import apply_overrides, from_dict, load_yaml
+    from quantdyn.monitor import hooks_for
     from quantdyn.train.branches import load_run_config
     from quantdyn.train.checkpoint import latest_resumable
     from quantdyn.train.config import RunConfig
+    from quantdyn.train.loggers import console_mode
     from quantdyn.train.trainer import train as run_train
+
+    mode = console_mode(quiet, verbose)
 
     if resume is not None:
         if config is not None:
@@ -59,8 +64,9 @@ def train(
         cfg = from_dict(RunConfig, data)
         run_dir = Path(cfg.out_dir) / cfg.name
         kwargs = dict(overwrite=overwrite)
+    hooks = hooks_for(cfg)  # the PTQ monitor of cfg.monitor (its quantizers are checked here)
     try:
-        out = run_train(cfg, run_dir, progress=not quiet, **kwargs)
+        out = run_train(cfg, run_dir, progress=mode != "quiet", verbose=mode == "verbose", hooks=hooks, **kwargs)
     except KeyboardInterrupt:
         last = latest_resumable(run_dir)
         if last is not None:
@@ -82,16 +88,24 @@ def cooldown(
     shape: str = typer.Option("linear", "--shape", help="linear | cosine | 1-sqrt"),
     control: bool = typer.Option(False, "--control", help="Also run constant-LR control twins."),
     device: Optional[str] = typer.Option(None, "--device", help="auto | cpu | cuda | cuda:N (default: the run's)."),
-    quiet: bool = typer.Option(False, "--quiet"),
+    quiet: bool = typer.Option(False, "--quiet", help="Print nothing while training."),
+    verbose: bool = typer.Option(False, "--verbose", help="Also print every logged row with all its metrics."),
 ):
     """Branch cooldowns (LR decay to lr_end) from a stable-phase checkpoint."""
+    from quantdyn.monitor import hooks_for
     from quantdyn.train.branches import cooldown as run_cooldown
+    from quantdyn.train.branches import load_run_config
+    from quantdyn.train.loggers import console_mode
+
+    mode = console_mode(quiet, verbose)
 
     try:
         ds = [int(x) for x in decay_steps.split(",") if x.strip()]
     except ValueError:
         raise QuantdynError(f"--decay-steps '{decay_steps}' must be integers separated by commas, e.g. 200,400") from None
-    for p in run_cooldown(run_dir, from_step, ds, shape, control, progress=not quiet, device=device):
+    hooks = hooks_for(load_run_config(run_dir))  # the parent's monitor section, for every branch
+    for p in run_cooldown(run_dir, from_step, ds, shape, control, progress=mode != "quiet", device=device,
+                          hooks=hooks, verbose=mode == "verbose"):
         typer.echo(f"branch: {p}")
 
 
@@ -158,15 +172,18 @@ def grid(
     setup: Optional[List[str]] = typer.Option(None, "--setup", help="Shell line run first in each task (repeatable)."),
     cluster: str = typer.Option("slurm", "--cluster", hidden=True, help="submitit cluster (local: run here, for tests)."),
     overrides: Optional[List[str]] = typer.Argument(None, help="key=value overrides of the base config"),
-    quiet: bool = typer.Option(False, "--quiet"),
+    quiet: bool = typer.Option(False, "--quiet", help="Print nothing while training (one line per run at the end)."),
+    verbose: bool = typer.Option(False, "--verbose", help="Also print every logged row with all its metrics."),
 ):
     """Expand a grid of runs (e.g. LR x weight decay x seeds) and run it, or write/submit a SLURM array."""
     import shutil
 
     from quantdyn.config import apply_overrides, load_yaml
+    from quantdyn.train.loggers import console_mode
     from quantdyn.study.grid import format_grid, grid_manifest, run_grid, submit_grid, write_grid, write_launch_scripts
     from quantdyn.study.slurm import SlurmConfig
 
+    mode = console_mode(quiet, verbose)
     if submit and not slurm:
         raise QuantdynError("--submit goes with --slurm (submit the grid's SLURM array through submitit)")
     sl = SlurmConfig(partition=partition, time=time_limit, account=account, qos=qos, gpus_per_node=gpus,
@@ -190,5 +207,5 @@ def grid(
         typer.echo(f"submitted {len(jobs)} runs" + (f" (job {jobs[0].job_id.split('_')[0]})" if jobs else
                                                      " (every run already finished)") + f"; logs in {gdir / 'submitit'}")
         return
-    for r in run_grid(gdir, progress=not quiet):
+    for r in run_grid(gdir, progress=mode != "quiet", verbose=mode == "verbose"):
         typer.echo(f"{r['name']}: {r['status']} ({r['dir']})")

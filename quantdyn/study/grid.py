@@ -337,15 +337,18 @@ def run_status(run: dict) -> str:
     return "partial" if latest_resumable(d) is not None else "new"
 
 
-def run_grid(grid_dir: str | Path, only: Sequence[str] | None = None, progress: bool = True) -> list[dict]:
+def run_grid(grid_dir: str | Path, only: Sequence[str] | None = None, progress: bool = True,
+             verbose: bool = False) -> list[dict]:
     """Train the grid's runs one after another in this process.
 
     Finished runs are skipped, partial ones resumed exactly from their last
     checkpoint, new ones started (a metrics.jsonl left by a run that crashed
     before its first checkpoint is discarded).  ``only``: run names to run.
+    A run whose config has ``monitor.every`` > 0 trains with its PTQ monitor.
     Returns [{name, dir, status}] with status skipped | resumed | trained.
     """
     from quantdyn.config import load_yaml
+    from quantdyn.monitor import hooks_for
     from quantdyn.train.checkpoint import latest_resumable
     from quantdyn.train.config import RunConfig
     from quantdyn.train.trainer import train
@@ -360,19 +363,20 @@ def run_grid(grid_dir: str | Path, only: Sequence[str] | None = None, progress: 
         runs = [r for r in runs if r["name"] in set(only)]
     # validate every config before the first run starts
     cfgs = [from_dict(RunConfig, load_yaml(r["config"])) for r in runs]
+    hooks = [hooks_for(cfg) for cfg in cfgs]  # monitor quantizers checked before the first run too
     out = []
-    for r, cfg in zip(runs, cfgs):
+    for r, cfg, hk in zip(runs, cfgs, hooks):
         d = Path(r["dir"])
         status = run_status(r)
         if status == "finished":
             out.append({"name": r["name"], "dir": str(d), "status": "skipped"})
             continue
         if status == "partial":
-            train(cfg, d, resume=latest_resumable(d), progress=progress)
+            train(cfg, d, resume=latest_resumable(d), progress=progress, hooks=hk, verbose=verbose)
             out.append({"name": r["name"], "dir": str(d), "status": "resumed"})
             continue
         (d / "metrics.jsonl").unlink(missing_ok=True)
-        train(cfg, d, progress=progress)
+        train(cfg, d, progress=progress, hooks=hk, verbose=verbose)
         out.append({"name": r["name"], "dir": str(d), "status": "trained"})
     return out
 

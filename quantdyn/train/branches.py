@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Sequence
 
 from quantdyn.config import from_dict, load_yaml
 from quantdyn.errors import QuantdynError
@@ -55,26 +56,31 @@ def branch_configs(parent: RunConfig, from_step: int, decay_steps: int, shape: s
     return cool, ctrl
 
 
-def run_branch(cfg: RunConfig, branch_dir: Path, source: CheckpointInfo, parent: dict, progress: bool = True) -> Path:
-    """Train one branch from ``source``; resume or skip if it already ran."""
+def run_branch(cfg: RunConfig, branch_dir: Path, source: CheckpointInfo, parent: dict, progress: bool = True,
+               hooks: Sequence = (), verbose: bool = False) -> Path:
+    """Train one branch from ``source``; resume or skip if it already ran. ``hooks``: the trainer's step
+    hooks (e.g. ``quantdyn.monitor.hooks_for(cfg)``)."""
     done = [c for c in list_checkpoints(branch_dir) if c.step >= cfg.train.steps]
     if done:
         return branch_dir
     from quantdyn.train.trainer import train
 
     partial = latest_resumable(branch_dir)
+    kw = dict(parent=parent, progress=progress, hooks=hooks, verbose=verbose)
     if partial is not None and partial.step > source.step:
-        return train(cfg, branch_dir, resume=partial, parent=parent, progress=progress)
-    return train(cfg, branch_dir, init_from=source, parent=parent, progress=progress)
+        return train(cfg, branch_dir, resume=partial, **kw)
+    return train(cfg, branch_dir, init_from=source, **kw)
 
 
 def cooldown(
     run_dir: Path, from_step: int, decay_steps: list[int], shape: str = "linear", control: bool = False,
-    progress: bool = True, device: str | None = None,
+    progress: bool = True, device: str | None = None, hooks: Sequence = (), verbose: bool = False,
 ) -> list[Path]:
     """Start cooldown branches (and control twins) from the run's checkpoint at ``from_step``.
 
     device: overrides the parent's train.device for the branches (e.g. 'cpu', 'cuda:1').
+    hooks:  the trainer's step hooks for every branch, e.g. the PTQ monitor of the parent's config:
+            ``hooks=quantdyn.monitor.hooks_for(load_run_config(run_dir))`` (the branches share its data).
     Half-written checkpoints that a killed cooldown left in a branch are removed first.
     """
     run_dir = Path(run_dir)
@@ -99,5 +105,5 @@ def cooldown(
             remove_stale_temporaries(bdir)
             parent = {"run_dir": "../..", "run": parent_cfg.name, "from_step": from_step, "kind": kind,
                       "decay_steps": d, "shape": shape if kind == "cooldown" else "constant"}
-            out.append(run_branch(cfg, bdir, source, parent, progress))
+            out.append(run_branch(cfg, bdir, source, parent, progress, hooks=hooks, verbose=verbose))
     return out

@@ -11,18 +11,31 @@ therefore resume with another number of processes as long as the global batch
 
 Everything a resume can get wrong (model shape, optimizer, data, global batch)
 is checked before anything in the run directory is written.
+
+Step hooks: ``train(cfg, hooks=[...])`` calls each hook whose ``due(step)`` is true after that optimizer
+step, on the main process, with the whole model (gathered under FSDP2), and logs the metrics it returns
+with the step's row.  The PTQ monitor (``quantdyn.monitor.PTQMonitor``; ``quantdyn.monitor.hooks_for(cfg)``
+builds it from ``cfg.monitor``) is one; the trainer knows only the protocol (:class:`StepHook`).
+
+Metrics go to the destinations of ``cfg.log.to`` (train/loggers.py: metrics.jsonl always, CSV,
+TensorBoard, W&B) under one set of names; the console shows a bar on a terminal and plain periodic
+lines elsewhere.
 """
 from __future__ import annotations
 
 import json
 import math
-import os
+import sys
 import time
+import uuid
+import warnings
 from dataclasses import replace
 from pathlib import Path
+from typing import Mapping, Protocol, Sequence
 
 import numpy as np
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from quantdyn.config import dump_yaml, to_dict
@@ -43,6 +56,21 @@ from quantdyn.train.checkpoint import (
     save_checkpoint,
 )
 from quantdyn.train.config import RunConfig
+from quantdyn.train.loggers import (
+    TRAIN_GRAD_NORM,
+    TRAIN_LOSS,
+    TRAIN_LR,
+    TRAIN_TOKENS,
+    TRAIN_TOKENS_PER_S,
+    VAL_LOSS,
+    Console,
+    RunLogContext,
+    build_loggers,
+    check_destinations,
+    clear_outputs,
+    close_all,
+    log_all,
+)
 from quantdyn.train.distributed import (
     dist_info,
     init_distributed,
@@ -84,27 +112,26 @@ def set_numpy_rng(d: dict) -> None:
 
 
 # ------------------------------------------------------------------ metrics
-def append_metrics(path: Path, row: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
-        f.flush()
-
-
-def truncate_metrics(path: Path, max_step: int) -> None:
-    """Drop rows logged after ``max_step`` (a crashed run logged past its last checkpoint)."""
-    if not path.is_file():
-        return
-    keep = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l).get("step", 0) <= max_step]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(l + "\n" for l in keep))
-    os.replace(tmp, path)
-
-
 def read_metrics(run_dir: Path) -> list[dict]:
+    """The rows of RUN_DIR/metrics.jsonl (train/loggers.py writes them)."""
     p = Path(run_dir) / "metrics.jsonl"
     if not p.is_file():
         return []
     return [json.loads(l) for l in p.read_text().splitlines() if l.strip()]
+
+
+class StepHook(Protocol):
+    """What :func:`train` calls after optimizer steps (``quantdyn.monitor.PTQMonitor`` is one).
+
+    ``due(step)`` is asked on every process (under FSDP2 the weights are gathered, collectively, when any
+    hook is due); ``step(model, step, lr, tokens)`` runs on the main process only, with the whole, unwrapped
+    model in evaluation mode (schedule-free optimizers: at their averaged point), and returns the metrics to
+    log with that step (shared names, e.g. ptq/rtn4/delta_ce). It must leave the weights as it found them."""
+
+    def due(self, step: int) -> bool: ...
+
+    def step(self, model: nn.Module, step: int, lr: float | None = None,
+             tokens: int | None = None) -> Mapping[str, float]: ...
 
 
 # --------------------------------------------------------------------- train
@@ -133,6 +160,8 @@ def train(
     progress: bool = True,
     stop_after: int | None = None,
     overwrite: bool = False,
+    hooks: Sequence[StepHook] = (),
+    verbose: bool = False,
 ) -> Path:
     """Train ``cfg``; return the run directory.
 
@@ -143,6 +172,9 @@ def train(
                 that simulate an interrupted run.
     overwrite:  a fresh start (no resume/init_from) in a run directory that already has
                 checkpoints deletes them; without it such a start is refused.
+    hooks:      step hooks (:class:`StepHook`), e.g. ``quantdyn.monitor.hooks_for(cfg)`` for the PTQ monitor
+                that ``cfg.monitor`` describes.
+    progress:   False prints nothing while training (--quiet); verbose: every logged row as a line too.
     """
     rank, world, local_rank = dist_info()
     device = resolve_device(cfg.train.device)
@@ -157,13 +189,15 @@ def train(
     source = resume or init_from
     tokens_per_step = cfg.tokens_per_step * world
     _check_start(cfg, run_dir, resume, init_from, overwrite, tokens_per_step, world)
+    check_destinations(cfg.log.to)  # a logger whose package is missing: one line, before anything runs
     if distributed:
         init_distributed(device)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
 
     # rank 0 tokenizes and caches the shards; the other processes wait, then open the cache
-    data = rank0_first(lambda: prepare_data(cfg.data, progress=progress and is_main),
+    tty = bool(getattr(sys.stderr, "isatty", lambda: False)())
+    data = rank0_first(lambda: prepare_data(cfg.data, progress=progress and is_main and tty),
                        timeout_min=cfg.dist.data_timeout_min, what="preparing the token shards")
     mcfg = resolve_model_config(cfg.model, data.vocab_size)
     if mcfg.vocab_size < data.vocab_size:
@@ -240,10 +274,11 @@ def train(
         raise QuantdynError(f"the run is already at step {start_step} >= train.steps={cfg.train.steps}; nothing to do")
 
     # everything is checked: from here on the run directory is written
-    metrics_path = run_dir / "metrics.jsonl"
+    loggers = []
     if is_main:
         if overwrite and resume is None and init_from is None:
             clear_run(run_dir)
+            clear_outputs(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(run_dir)
         write_text_atomic(run_dir / "config.yaml", dump_yaml(resolved))
@@ -263,11 +298,14 @@ def train(
         )
         if parent is not None:
             info["parent"] = parent
+        if "wandb" in cfg.log.to and (resume is None or not info.get("wandb_id")):
+            info["wandb_id"] = uuid.uuid4().hex[:12]  # a resume continues the same W&B run
         write_json_atomic(info_path, info)
-        if resume is not None:
-            truncate_metrics(metrics_path, start_step)
-        elif init_from is None:
-            metrics_path.unlink(missing_ok=True)  # rows of an attempt that crashed before its first checkpoint
+        # rows logged after the starting step (a run that crashed past its last checkpoint, or an attempt that
+        # crashed before its first one) are dropped: a resumed run logs them again, identically
+        loggers = build_loggers(cfg.log.to, RunLogContext(
+            run_dir, cfg.name, to_dict(resolved), truncate_after=start_step, wandb_id=info.get("wandb_id"),
+            wandb_project=cfg.log.wandb_project, wandb_entity=cfg.log.wandb_entity, wandb_mode=cfg.log.wandb_mode))
 
     autocast = strategy.autocast(amp)
     val_windows = data.eval_windows(cfg.train.seq_len, cfg.train.eval_windows)
@@ -295,112 +333,122 @@ def train(
             **extra,
         }
 
-    from tqdm import tqdm
-
-    bar = tqdm(total=cfg.train.steps, initial=start_step, desc=cfg.name, disable=not (progress and is_main), unit="step")
-    cuda = device.type == "cuda"
-    t_last, tok_since = time.perf_counter(), 0
-    model.train()
-    lr = lr_at(max(0, start_step - 1), cfg.optim.lr, cfg.schedule, cfg.train.steps)
-    for step in range(start_step, cfg.train.steps):
-        lr = lr_at(step, cfg.optim.lr, cfg.schedule, cfg.train.steps)
-        for g in optimizer.param_groups:
-            g["lr"] = lr * g.get("lr_scale", 1.0)
-        starts = batch_starts(len(train_tokens), T, cfg.seed, step, B * A * world)
-        loss_acc = torch.zeros((), device=device, dtype=torch.float64)
-        for micro in range(A):
-            sl = starts[(micro * world + rank) * B : (micro * world + rank + 1) * B]
-            x, y = get_batch(train_tokens, sl, T)
-            if cuda:  # pinned host memory: the copy overlaps with the GPU's work
-                x, y = x.pin_memory(), y.pin_memory()
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            with strategy.gradient_sync(train_model, last_micro=micro == A - 1):
-                with autocast:
-                    logits = train_model(x)
-                    loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1)) / A
-                loss.backward()
-            loss_acc += loss.detach().double()
-        gn = strategy.clip_grad_norm(model, cfg.train.grad_clip)
-        done = step + 1
-        log_due = done % cfg.train.log_every == 0 or done in ckpt_steps or done == cfg.train.steps
-        ckpt_due = done in ckpt_steps or (stop_after is not None and done == stop_after)
-        # the loss comes to the host (a GPU sync) every step on the CPU, on a GPU only when it is logged or
-        # checkpointed: a divergence is caught there at the latest, and never saved
-        if not cuda or log_due or ckpt_due:
-            loss_sum = float(loss_acc)
-            if not math.isfinite(loss_sum):
-                raise QuantdynError(
-                    f"training diverged by step {done} (loss {loss_sum}); lower optim.lr or check the data"
-                )
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        tok_since += tokens_per_step
-        if lawa is not None:
-            lawa.update(done, model)
-        if ema is not None:
-            ema.update(model)
-        bar.update(1)
-
-        row = None
-        if log_due:
-            if world > 1:
-                loss_sum = mean_over_ranks(loss_sum, device)
-            now = time.perf_counter()
-            row = {
-                "step": done,
-                "tokens": done * tokens_per_step,
-                "lr": lr,
-                "train_loss": loss_sum,
-                "grad_norm": float(gn),
-                "tokens_per_s": tok_since / max(now - t_last, 1e-9),
-            }
-            t_last, tok_since = now, 0
-        want_eval = (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done in ckpt_steps
-        want_ckpt = ckpt_due
-        want_monitor = bool(cfg.monitor.every and done % cfg.monitor.every == 0)
-        if want_eval or want_ckpt or want_monitor:
-            # schedule-free optimizers evaluate and save the averaged point, not the training point
-            optimizer_eval_mode(optimizer)
-        if want_eval:  # every process evaluates (under FSDP2 each forward gathers the weights)
-            val = mean_loss(model, val_windows, batch_size=max(1, min(32, B)), dtype=amp)
-            row = dict(row or {"step": done, "tokens": done * tokens_per_step, "lr": lr}, val_loss=val)
-            bar.set_postfix(val=f"{val:.3f}", lr=f"{lr:.2e}")
-        if want_monitor:
-            monitored = _whole_model(strategy, model, mcfg, device) if strategy.shards else model
-            if is_main:
-                from quantdyn.study.monitor import monitor_quantization
-
-                row = dict(row or {"step": done, "tokens": done * tokens_per_step, "lr": lr})
-                row.update(monitor_quantization(monitored, data, cfg.monitor, cfg.train.seq_len))
-            del monitored
-        if row is not None and is_main:
-            append_metrics(metrics_path, row)
-        if want_ckpt:
-            # gathering is collective under FSDP2: every process takes part, rank 0 writes
-            whole = _whole_model(strategy, model, mcfg, torch.device("cpu")) if strategy.shards else model
-            # weights and optimizer state are both saved in eval mode (consistent for schedule-free);
-            # a resumed run switches back to train mode after loading them
-            state = {"optimizer": strategy.optimizer_state(model, optimizer), "step": done,
-                     "torch_rng": torch.get_rng_state(), "numpy_rng": numpy_rng_state()}
+    mode = "quiet" if not (progress and is_main) else "verbose" if verbose else "normal"
+    console = Console(cfg.name, cfg.train.steps, start_step, mode, cfg.log.print_every or cfg.train.log_every)
+    if cfg.monitor.every and not hooks and is_main:
+        # the trainer cannot build the monitor itself (it lives in a layer above); a caller that forgot it is told
+        warnings.warn(f"{cfg.name}: monitor.every={cfg.monitor.every} is set but train() got no step hooks, so "
+                      "nothing is monitored; pass hooks=quantdyn.monitor.hooks_for(cfg)", stacklevel=2)
+    console.note(f"steps {start_step} -> {cfg.train.steps}, {tokens_per_step:,} tokens/step, {device}"
+                 + (f", {world} processes ({strategy.name})" if world > 1 else ""))
+    done = start_step
+    try:
+        cuda = device.type == "cuda"
+        t_last, tok_since = time.perf_counter(), 0
+        model.train()
+        lr = lr_at(max(0, start_step - 1), cfg.optim.lr, cfg.schedule, cfg.train.steps)
+        for step in range(start_step, cfg.train.steps):
+            lr = lr_at(step, cfg.optim.lr, cfg.schedule, cfg.train.steps)
+            for g in optimizer.param_groups:
+                g["lr"] = lr * g.get("lr_scale", 1.0)
+            starts = batch_starts(len(train_tokens), T, cfg.seed, step, B * A * world)
+            loss_acc = torch.zeros((), device=device, dtype=torch.float64)
+            for micro in range(A):
+                sl = starts[(micro * world + rank) * B : (micro * world + rank + 1) * B]
+                x, y = get_batch(train_tokens, sl, T)
+                if cuda:  # pinned host memory: the copy overlaps with the GPU's work
+                    x, y = x.pin_memory(), y.pin_memory()
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                with strategy.gradient_sync(train_model, last_micro=micro == A - 1):
+                    with autocast:
+                        logits = train_model(x)
+                        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1)) / A
+                    loss.backward()
+                loss_acc += loss.detach().double()
+            gn = strategy.clip_grad_norm(model, cfg.train.grad_clip)
+            done = step + 1
+            log_due = done % cfg.train.log_every == 0 or done in ckpt_steps or done == cfg.train.steps
+            ckpt_due = done in ckpt_steps or (stop_after is not None and done == stop_after)
+            # the loss comes to the host (a GPU sync) every step on the CPU, on a GPU only when it is logged or
+            # checkpointed: a divergence is caught there at the latest, and never saved
+            if not cuda or log_due or ckpt_due:
+                loss_sum = float(loss_acc)
+                if not math.isfinite(loss_sum):
+                    raise QuantdynError(
+                        f"training diverged by step {done} (loss {loss_sum}); lower optim.lr or check the data"
+                    )
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            tok_since += tokens_per_step
             if lawa is not None:
-                state["lawa"] = {"steps": lawa.steps(), "states": [strategy.gather(sd, model) for sd in lawa.state_dict()["states"]]}
+                lawa.update(done, model)
             if ema is not None:
-                state["ema"] = {**ema.state_dict(), "acc": strategy.gather(ema.state_dict()["acc"], model)}
-            averages = _online_averages(strategy, model, lawa, ema)
-            if is_main:
-                extra = {"val_loss": row.get("val_loss")} if row else {}
-                save_checkpoint(checkpoint_dir(run_dir, done), whole, meta_for(done, lr, **extra), data.tokenizer, state)
-                _save_online_averages(run_dir, done, mcfg, averages, lawa, ema, meta_for, lr, data)
-            del whole, state, averages
-            if world > 1:
-                import torch.distributed as dist
+                ema.update(model)
+            console.advance()
 
-                dist.barrier()
-        if want_eval or want_ckpt or want_monitor:
-            optimizer_train_mode(optimizer)
-        if stop_after is not None and done >= stop_after:
-            break
-    bar.close()
+            row = None
+            if log_due:
+                if world > 1:
+                    loss_sum = mean_over_ranks(loss_sum, device)
+                now = time.perf_counter()
+                row = {
+                    TRAIN_TOKENS: done * tokens_per_step,
+                    TRAIN_LR: lr,
+                    TRAIN_LOSS: loss_sum,
+                    TRAIN_GRAD_NORM: float(gn),
+                    TRAIN_TOKENS_PER_S: tok_since / max(now - t_last, 1e-9),
+                }
+                t_last, tok_since = now, 0
+            want_eval = (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done in ckpt_steps
+            want_ckpt = ckpt_due
+            due_hooks = [h for h in hooks if h.due(done)]  # asked on every process: all take part in gathering
+            want_monitor = bool(due_hooks)
+            if want_eval or want_ckpt or want_monitor:
+                # schedule-free optimizers evaluate and save the averaged point, not the training point
+                optimizer_eval_mode(optimizer)
+            if want_eval:  # every process evaluates (under FSDP2 each forward gathers the weights)
+                val = mean_loss(model, val_windows, batch_size=max(1, min(32, B)), dtype=amp)
+                row = {**(row or {TRAIN_TOKENS: done * tokens_per_step, TRAIN_LR: lr}), VAL_LOSS: val}
+            if want_monitor:
+                # FSDP2: the whole model is gathered on rank 0 (collective); the hooks run there
+                monitored = _whole_model(strategy, model, mcfg, device) if strategy.shards else model
+                if is_main:
+                    row = dict(row or {TRAIN_TOKENS: done * tokens_per_step, TRAIN_LR: lr})
+                    for hook in due_hooks:
+                        row.update(hook.step(monitored, done, lr=lr, tokens=done * tokens_per_step))
+                del monitored
+            if row is not None and is_main:
+                log_all(loggers, row, done)
+                console.logged(done, row)
+            if want_ckpt:
+                # gathering is collective under FSDP2: every process takes part, rank 0 writes
+                whole = _whole_model(strategy, model, mcfg, torch.device("cpu")) if strategy.shards else model
+                # weights and optimizer state are both saved in eval mode (consistent for schedule-free);
+                # a resumed run switches back to train mode after loading them
+                state = {"optimizer": strategy.optimizer_state(model, optimizer), "step": done,
+                         "torch_rng": torch.get_rng_state(), "numpy_rng": numpy_rng_state()}
+                if lawa is not None:
+                    state["lawa"] = {"steps": lawa.steps(), "states": [strategy.gather(sd, model) for sd in lawa.state_dict()["states"]]}
+                if ema is not None:
+                    state["ema"] = {**ema.state_dict(), "acc": strategy.gather(ema.state_dict()["acc"], model)}
+                averages = _online_averages(strategy, model, lawa, ema)
+                if is_main:
+                    extra = {"val_loss": row.get(VAL_LOSS)} if row else {}
+                    save_checkpoint(checkpoint_dir(run_dir, done), whole, meta_for(done, lr, **extra), data.tokenizer, state)
+                    _save_online_averages(run_dir, done, mcfg, averages, lawa, ema, meta_for, lr, data)
+                del whole, state, averages
+                if world > 1:
+                    import torch.distributed as dist
+
+                    dist.barrier()
+            if want_eval or want_ckpt or want_monitor:
+                optimizer_train_mode(optimizer)
+            if stop_after is not None and done >= stop_after:
+                break
+    finally:
+        close_all(loggers)
+        console.close()
+    console.close(final_step=done)
     return run_dir
 
 
