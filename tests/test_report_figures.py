@@ -234,3 +234,18 @@ def test_decayed_minus_control_z_uses_the_combined_uncertainty():
     note = uncertainty.note(list(table.values()))
     assert "gptq3 (R = 3): the run-to-run part is the larger at 1 of 1 points" in note
     assert "rtn4, rtn2: not repeated (R = 1)" in note
+
+
+def test_uncertainty_note_groups_quantizers_and_names_deterministic_repeats():
+    def pt(q, R, sd, dom):
+        return {"quantizer": q, "quant_repeats": R, "delta_ce_run_sd": sd, "uncertainty_dominant": dom}
+
+    table = [pt("rtn4", 2, 0.0, uncertainty.EVAL), pt("rtn3", 2, 0.0, uncertainty.EVAL),
+             pt("gptq3", 2, 0.01, uncertainty.RUN), pt("gptq3", 2, 0.001, uncertainty.EVAL),
+             pt("gptq4", 2, 0.02, uncertainty.RUN), pt("gptq4", 2, 0.002, uncertainty.EVAL),
+             pt("awq4", 1, None, uncertainty.EVAL)]
+    note = uncertainty.note(table)
+    assert "rtn4, rtn3 (R = 2): no run-to-run spread (the repeats agree exactly)" in note  # RTN: no calibration
+    assert "gptq3, gptq4 (R = 2): the run-to-run part is the larger at 1 of 2 points" in note
+    assert "awq4: not repeated (R = 1), evaluation SE only" in note
+    assert uncertainty.note([{"quantizer": "x", "delta_ce": 1.0}]) == ""  # a table without uncertainty columns

@@ -180,14 +180,20 @@ def test_trajectory_sections_of_public_runs_still_link_their_files(tmp_path):
 
 
 def test_sections_from_the_caller_come_first_with_their_csv(tmp_path):
-    """A study's findings table (a section without a figure) handed to write_report: shown first, CSV beside it."""
+    """A study's findings tables handed to write_report, without a figure or showing one of the report's own:
+    shown first, each with a CSV of its own table (never overwriting the figure's own CSV)."""
     ResultStore(tmp_path / "st").append(study_rows())
     table = [{"finding": "decay raises Δ CE", "quantizer": "gptq3", "effect": 0.05, "se": 0.01, "verdict": "reproduced"}]
     page = write_report(tmp_path / "st", tmp_path / "rep",
-                        extra_sections=[("Findings: the papers' claims at this scale", "", table, "Each finding.")]
+                        extra_sections=[("Findings: the papers' claims at this scale", "", table, "Each finding."),
+                                        ("Findings, decay", "rainbow_demo.png", table[:1] * 2, "The decay finding.")]
                         ).read_text()
-    first = sections_of(page)[0]
+    first, second = sections_of(page)[:2]
     assert first["img"] is None and first["title"] == "Findings: the papers&#x27; claims at this scale"
     assert first["links"] == ["findings_the_papers_claims_at_this_scale.csv"]
     cols, body = read_csv(tmp_path / "rep" / "findings_the_papers_claims_at_this_scale.csv")
     assert cols == list(table[0]) and body[0]["verdict"] == "reproduced"
+    assert second["img"] == "rainbow_demo.png"
+    assert second["links"] == ["rainbow_demo.png", "rainbow_demo.svg", "findings_decay.csv"]
+    assert len(read_csv(tmp_path / "rep" / "findings_decay.csv")[1]) == 2
+    assert "difference_se" in read_csv(tmp_path / "rep" / "rainbow_demo.csv")[0]  # the rainbow's own table

@@ -215,9 +215,9 @@ def _slug(title: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", title).strip("_").lower()[:48] or "table"
 
 
-def _section_html(k: int, s: Section, out: Path) -> str:
+def _section_html(k: int, s: Section, out: Path, used: set[str]) -> str:
     """A section's HTML; writes the CSV of its table beside its figure (named after the figure, or after the
-    title for a section without one)."""
+    title for a section without one or whose figure another section already named its CSV after)."""
     links = []
     if s.figure:
         stem = figure_stem(s.figure)
@@ -228,6 +228,10 @@ def _section_html(k: int, s: Section, out: Path) -> str:
             links.append(f"<a href='{html.escape(svg)}'>SVG</a>")
     else:
         png, csv_name = None, f"{_slug(s.title)}.csv"
+    if csv_name in used:
+        base = _slug(s.title)
+        csv_name = next(n for n in (f"{base}.csv", *(f"{base}_{i}.csv" for i in range(2, 1000))) if n not in used)
+    used.add(csv_name)
     write_csv(s.table, out / csv_name)
     links.append(f"<a href='{html.escape(csv_name)}' download>CSV</a> ({len(s.table)} rows, "
                  f"{len(table_columns(s.table))} columns)")
@@ -264,7 +268,12 @@ def write_report(store_or_run: str | Path, out_dir: str | Path, store: str | Pat
     sections += _sections(rows, out, run_dir, palette)
     prov = provenance.collect(rows, st.root if st is not None else None, run_dir)
     toc = "".join(f"<li><a href='#s{k}'>{html.escape(s.title)}</a></li>" for k, s in enumerate(sections))
-    parts = "".join(_section_html(k, s, out) for k, s in enumerate(sections))
+    used: set[str] = set()
+    # the report's own sections name their CSVs first; a caller's section that shows one of their figures
+    # gets a CSV named after its title
+    order = list(range(len(extra_sections), len(sections))) + list(range(len(extra_sections)))
+    html_of = {k: _section_html(k, sections[k], out, used) for k in order}
+    parts = "".join(html_of[k] for k in range(len(sections)))
     source = html.escape(str(st.root if st is not None else run_dir))
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>quantdyn report</title>
 <style>{CSS}</style></head><body>

@@ -130,21 +130,29 @@ def note(table: list[dict]) -> str:
     by_q: dict[str, list[dict]] = {}
     for t in pts:
         by_q.setdefault(str(t.get("quantizer") or "all points"), []).append(t)
-    repeated, single = [], []
+    repeated: dict[str, list[str]] = {}  # clause -> quantizers it describes
+    single = []
     for q, ts in by_q.items():
         rep = [t for t in ts if t.get("delta_ce_run_sd") is not None or t.get("difference_run_se") is not None]
         if not rep:
             single.append(q)
             continue
         rs = sorted({int(t.get("quant_repeats") or 1) for t in rep})
-        n_run = sum(1 for t in rep if (t.get("uncertainty_dominant") or t.get("dominant")) == RUN)
         r_txt = "R = " + "/".join(map(str, rs))
-        repeated.append(f"{q} ({r_txt}): the run-to-run part is the larger at {n_run} of {len(rep)} points")
+        spread = [t.get("delta_ce_run_sd") if t.get("delta_ce_run_sd") is not None else t.get("difference_run_se")
+                  for t in rep]
+        if all(v == 0 for v in spread):
+            clause = f"({r_txt}): no run-to-run spread (the repeats agree exactly)"
+        else:
+            n_run = sum(1 for t in rep if (t.get("uncertainty_dominant") or t.get("dominant")) == RUN)
+            clause = f"({r_txt}): the run-to-run part is the larger at {n_run} of {len(rep)} points"
+        repeated.setdefault(clause, []).append(q)
     if not repeated:
         return ("Uncertainty: no point repeats its quantization (R = 1), so error bars and z cover only the "
                 "evaluation windows (paired SE), not the run-to-run spread of the quantization itself "
                 "(calibration draw, float order), which can be larger; a sweep with quant_repeats R > 1 "
                 "(--repeats R) measures it.")
-    clauses = repeated + ([f"{', '.join(single)}: not repeated (R = 1), evaluation SE only"] if single else [])
+    clauses = [f"{', '.join(qs)} {clause}" for clause, qs in repeated.items()]
+    clauses += [f"{', '.join(single)}: not repeated (R = 1), evaluation SE only"] if single else []
     return ("Uncertainty: error bars and z use the combined SE = √(SE_eval² + SD_run²/R), evaluation windows and "
             "repeated quantizations; " + "; ".join(clauses) + ".")
