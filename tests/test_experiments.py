@@ -380,7 +380,9 @@ def test_averaging_and_sharpness_study_end_to_end_on_another_corpus(tmp_path):
     assert all(f["verdict"] in (fd.REPRODUCED, fd.OPPOSITE, fd.NOT_RESOLVED) for f in out["findings"])
     assert all(f["se_run"] is not None for f in avg)  # R = 2: the run-to-run part is measured
     assert "A(c) weight averaging matches or beats LR decay" in text and "R = 2" in text
-    page = (tmp_path / "rep" / "index.html").read_text()
+    import html
+
+    page = html.unescape((tmp_path / "rep" / "index.html").read_text())
     assert "Findings: the papers' claims at this scale" in page
     assert any(v in page for v in (fd.REPRODUCED, fd.OPPOSITE, fd.NOT_RESOLVED))
     assert (tmp_path / "rep" / "findings.json").is_file() and (tmp_path / "rep" / "findings.html").is_file()

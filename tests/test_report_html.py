@@ -127,7 +127,10 @@ def test_report_of_a_monitored_run_beside_its_sweep(tmp_path, kjv_small, cli, mo
     d = tiny_run_dict(tmp_path / "runs", kjv_small[0], steps=8, checkpoint_every=4, eval_every=4)
     d["name"] = "mon"
     d["monitor"] = {"every": 4, "quantizers": ["rtn2", "gptq3"], "calib_samples": 4, "eval_windows": 8}
-    run = train(from_dict(RunConfig, d), progress=False)
+    from quantdyn.monitor import hooks_for
+
+    cfg = from_dict(RunConfig, d)
+    run = train(cfg, progress=False, hooks=hooks_for(cfg))  # what `quantdyn train` does
     monkeypatch.chdir(tmp_path)  # the default store, results, does not exist here
     res = cli("report", run, "--out", tmp_path / "rep")
     assert res.returncode == 0, res.stderr
@@ -141,8 +144,13 @@ def test_report_of_a_monitored_run_beside_its_sweep(tmp_path, kjv_small, cli, mo
     assert [float(b["ce_fp"]) for b in body if b["quantizer"] == "FP"] == [r["val_loss"] for r in logged]
     mon_fig = drawn["monitored_mon"]
     ax = next(a for a in mon_fig.axes if a.get_ylabel().startswith("Δ CE"))
-    assert [a.get_ylabel() for a in mon_fig.axes].count("LR") == 1  # the LR overlaid (labelled once, right)
-    assert ax.get_xlabel() == "tokens" and any(c.get_xlabel() == "step" for a in mon_fig.axes for c in a.child_axes)
+    labels = [a.get_ylabel() for a in mon_fig.axes]
+    panels = [x for x in labels if x and x != "LR"]
+    assert "Δ CE (nats)" in panels and "FP loss (nats)" in panels
+    # the LR overlaid on every panel, labelled once per row of two panels (on the right)
+    assert labels.count("LR") == -(-len(panels) // 2)
+    assert any(a.get_xlabel() == "tokens" for a in mon_fig.axes)  # on the bottom row, with steps on a second axis
+    assert any(c.get_xlabel() == "step" for a in mon_fig.axes for c in a.child_axes)
     assert errorbar_halfwidths(ax, "rtn2") == pytest.approx([r["dce_rtn2_se"] for r in logged])
     # the sweep's rows of the same run: its figure first, the monitored one beside it, same colours
     sweep = [{**r, "checkpoint": str(run / "checkpoints" / f"step-{r['step']:07d}"), "run": "mon",
