@@ -149,8 +149,12 @@ def inverse_hessian_cholesky(
         H2 = H.clone()
         H2[idx, idx] += pct * mean_diag
         L, info = torch.linalg.cholesky_ex(H2)
+        del H2  # intermediates are dropped as soon as possible: each is a C x C matrix (64 MB at C = 4096)
         if int(info) == 0:
-            U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+            inv = torch.cholesky_inverse(L)
+            del L
+            U, info = torch.linalg.cholesky_ex(inv, upper=True)
+            del inv
             if int(info) == 0:
                 return U, pct
         if damp_auto_increment <= 0 or pct + damp_auto_increment >= 1:
