@@ -254,9 +254,16 @@ class WandbLogger:
         else:
             if dir is not None:
                 Path(dir).mkdir(parents=True, exist_ok=True)
-            self.run = wandb.init(project=project, entity=entity or None, name=name,
-                                  dir=str(dir) if dir is not None else None, config=dict(config or {}),
-                                  id=run_id, resume="allow" if run_id else None, mode=mode or None)
+            try:
+                self.run = wandb.init(project=project, entity=entity or None, name=name,
+                                      dir=str(dir) if dir is not None else None, config=dict(config or {}),
+                                      id=run_id, resume="allow" if run_id else None, mode=mode or None)
+            except Exception as e:  # wandb raises its own types (no API key, no network, bad entity)
+                raise QuantdynError(
+                    f"Weights & Biases could not start a run ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
+                    "log in with `wandb login`, or log offline without an account (WANDB_MODE=offline or "
+                    "log.wandb_mode=offline; `wandb sync` uploads later)"
+                ) from None
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         vals = {k: x for k, v in metrics.items() if (x := _number(v)) is not None}
