@@ -341,7 +341,7 @@ def _open_legacy(directory: Path, identity: str) -> TokenData | None:
 
 def _prepare(cfg: DataConfig, info, doc_factory, pretrained, key: str, legacy_key: str, directory: Path,
              progress: bool) -> None:
-    from tqdm import tqdm
+    from quantdyn.progress import Progress
 
     max_chars = cfg.max_tokens * 5 if (cfg.max_tokens and info.kind == "hf") else 0
 
@@ -359,7 +359,7 @@ def _prepare(cfg: DataConfig, info, doc_factory, pretrained, key: str, legacy_ke
         vocab = len(tok)
         dtype = np.uint16 if vocab <= 65535 else np.uint32
         encode = encoder_of(tok)
-        with tqdm(desc=f"tokenizing {cfg.source}", unit="tok", disable=not progress, unit_scale=True) as bar:
+        with Progress(f"tokenizing {cfg.source}", unit="tok", enabled=progress, unit_scale=True) as bar:
             writers = {s: _SplitWriter(tmp / f"{s}.bin", encode, dtype, eos, cfg.max_tokens if s == "train" else 0, bar)
                        for s in SPLITS}
             try:

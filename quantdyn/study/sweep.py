@@ -202,7 +202,7 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True,
     A checkpoint that cannot be read or measured (a QuantdynError: missing shard, truncated file, config
     that does not match the weights) is reported (``echo`` or the log) and skipped; the others go on. The
     caller decides what to do with ``failed`` (the CLI exits 2 after the sweep when it is not empty)."""
-    from tqdm import tqdm
+    from quantdyn.progress import progress as counted
 
     # fail on a bad quantizer before any work; rows carry the spec as the user wrote it
     qcfgs = {(q if isinstance(q, str) else parse_quantizer(q).name): parse_quantizer(q) for q in cfg.quantizers}
@@ -236,8 +236,7 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True,
     # offline, revisions that still need work must be cached: one line before any work (measured ones may be gone)
     require_available([p for p in mine if not p.is_local and not _point_done(ctx, p)])
     keep = points[0].ref  # the tokenizer's revision: never evicted
-    bar = tqdm(mine, desc=f"sweep {i}/{n}", disable=not progress, unit="ckpt")
-    for p in bar:
+    for p in counted(mine, desc=f"sweep {i}/{n}", enabled=progress, unit="ckpt"):
         t0 = time.perf_counter()
         try:
             w, s = _sweep_point(ctx, p)
