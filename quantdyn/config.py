@@ -168,6 +168,7 @@ def set_dotted(data: dict, path: list[str], value: Any) -> dict:
 
 
 def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
+    """``data`` with each ``key.sub=value`` override set (values parsed as YAML: numbers, lists, null)."""
     for o in overrides:
         path, value = parse_override(o)
         data = set_dotted(data, path, value)
@@ -175,11 +176,17 @@ def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
 
 
 def load_yaml(path: str | Path) -> dict:
+    """The mapping in the YAML file ``path`` ({} when empty); a missing, non-UTF-8, invalid or non-mapping
+    file is one QuantdynError saying what to fix."""
     p = Path(path)
     if not p.is_file():
         raise QuantdynError(f"config file '{p}' does not exist; pass the path of a YAML file (see configs/)")
     try:
-        data = yaml.safe_load(p.read_text())
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise QuantdynError(f"config file '{p}' is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark is not None else ""

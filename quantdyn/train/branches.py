@@ -28,6 +28,7 @@ from quantdyn.train.schedules import ScheduleConfig, _steps, lr_at
 
 
 def load_run_config(run_dir: Path) -> RunConfig:
+    """The typed config of the training run in ``run_dir`` (its config.yaml)."""
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise QuantdynError(f"'{run_dir}' is not a quantdyn run directory (no config.yaml); pass RUN_DIR of a training run")
