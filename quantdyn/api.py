@@ -1,0 +1,58 @@
+"""quantdyn's public Python API: what scripts, notebooks and other tools import.
+
+``import quantdyn.api as qd``.  These names keep their meaning across versions; everything else under
+``quantdyn.*`` is internal and may move.  (They are not attributes of the ``quantdyn`` package itself:
+``quantdyn.measure`` and ``quantdyn.train`` are subpackages.)
+
+Quantize and measure
+    parse_quantizer("gptq3")      -> QuantConfig (labels such as gptq4g128, rtn3, awq4, or a dict)
+    measure(ckpt, {"gptq3": "gptq3"}, eval_windows, calib_ids) -> Measurement (.metrics[label]: Δ CE ± SE,
+                                     KL, agreement), streamed one decoder block at a time (MeasureConfig)
+    quantize_model(model, cfg, calib_ids) -> the quantized layers, the model changed in place
+    load_causal_lm(ref) / load_gpt(dir) / save_hf(model, dir)
+Train and monitor
+    RunConfig, load_run_config(dir), train(cfg, hooks=hooks_for(cfg))
+    PTQMonitor(quantizers=[...], eval_tokens=..., calib_tokens=..., every=N).step(model, step, lr)
+Sweep, study, results, report
+    SweepConfig, run_sweep(cfg); StudySpec, load_study_spec(path), run_study(spec)
+    ResultStore(path).rows(); load_results(store) -> pandas.DataFrame; to_parquet(store, path)
+    write_report(store_or_run_dir, out_dir)
+Configs
+    load_yaml(path), apply_overrides(dict, ["a.b=1"]), from_dict(cls, dict)
+Errors
+    QuantdynError: every user error (one line saying what to fix)
+
+Example::
+
+    import quantdyn.api as qd
+    m = qd.measure("runs/tiny/checkpoints/step-0000400", {"gptq3": "gptq3", "rtn4": "rtn4"},
+                   eval_windows, calib_ids)
+    for label, x in m.metrics.items():
+        print(label, x["delta_ce"], x["delta_ce_se"])
+"""
+from __future__ import annotations
+
+from quantdyn.config import apply_overrides, from_dict, load_yaml
+from quantdyn.errors import QuantdynError
+from quantdyn.experiments.pipeline import run_study
+from quantdyn.experiments.spec import StudySpec, load_study_spec
+from quantdyn.measure.engine import MeasureConfig, Measurement, measure
+from quantdyn.models.hf_io import load_causal_lm, load_gpt, save_hf
+from quantdyn.monitor import PTQMonitor, hooks_for
+from quantdyn.quantize.apply import quantize_model
+from quantdyn.quantize.config import QuantConfig, parse_quantizer
+from quantdyn.report.html import write_report
+from quantdyn.results.store import ResultStore
+from quantdyn.results.tables import load as load_results
+from quantdyn.results.tables import to_parquet
+from quantdyn.study.sweep import SweepConfig, run_sweep
+from quantdyn.train.branches import load_run_config
+from quantdyn.train.config import RunConfig
+from quantdyn.train.trainer import train
+
+__all__ = [
+    "MeasureConfig", "Measurement", "PTQMonitor", "QuantConfig", "QuantdynError", "ResultStore", "RunConfig",
+    "StudySpec", "SweepConfig", "apply_overrides", "from_dict", "hooks_for", "load_causal_lm", "load_gpt",
+    "load_results", "load_run_config", "load_study_spec", "load_yaml", "measure", "parse_quantizer",
+    "quantize_model", "run_study", "run_sweep", "save_hf", "to_parquet", "train", "write_report",
+]
