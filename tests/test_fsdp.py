@@ -34,7 +34,8 @@ from conftest import tiny_run_dict
 from quantdyn.config import from_dict
 from quantdyn.errors import QuantdynError
 from quantdyn.train.config import RunConfig
-from quantdyn.train.trainer import read_metrics, train
+from quantdyn.train.checkpoint import read_metrics
+from quantdyn.train.trainer import train
 
 LOSS_RTOL = 1e-5
 STEPS = 16

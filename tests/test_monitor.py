@@ -24,7 +24,8 @@ from quantdyn.monitor import PTQMonitor, causal_lm_of, hooks_for
 from quantdyn.quantize.config import parse_quantizer
 from quantdyn.train.config import RunConfig
 from quantdyn.train.loggers import Console, CSVLogger, JsonlLogger, TensorBoardLogger
-from quantdyn.train.trainer import read_metrics, train
+from quantdyn.train.checkpoint import read_metrics
+from quantdyn.train.trainer import train
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

@@ -18,7 +18,7 @@ from quantdyn.report.monitored import monitored_points
 from quantdyn.report.palette import quantizer_color
 from quantdyn.results.store import ResultStore
 from quantdyn.runtime import git_sha, hardware
-from quantdyn.train.trainer import read_metrics
+from quantdyn.train.checkpoint import read_metrics
 from test_report_figures import drawn, errorbar_halfwidths, line_colors, study_rows  # noqa: F401  (drawn: a fixture)
 
 

@@ -13,7 +13,8 @@ from quantdyn.models.hf_io import load_gpt
 from quantdyn.train.branches import cooldown
 from quantdyn.train.checkpoint import latest_resumable, list_checkpoints, read_meta
 from quantdyn.train.config import RunConfig
-from quantdyn.train.trainer import read_metrics, train
+from quantdyn.train.checkpoint import read_metrics
+from quantdyn.train.trainer import train
 
 
 def _cfg(tmp_path, data_cfg, name="t", **train_kw):
@@ -358,3 +359,21 @@ def test_ctrl_c_message_says_how_to_continue(tmp_path, kjv_small, monkeypatch, c
     monkeypatch.setattr(trainer, "train", early)
     r = cli("train", cfg_path, "name=fresh", "--quiet")
     assert r.returncode == 130 and "no checkpoint was written yet; rerun the same command" in r.stderr
+
+
+def test_run_dir_layout_and_its_readers(tmp_path):
+    """RunDir is the one place that names a run's parts; a torn metrics line is skipped, a broken run.json
+    is one line."""
+    from quantdyn.errors import QuantdynError
+    from quantdyn.train.checkpoint import RunDir, checkpoint_dir, step_name
+
+    rd = RunDir(tmp_path)
+    assert rd.checkpoint(400) == checkpoint_dir(tmp_path, 400) == tmp_path / "checkpoints" / "step-0000400"
+    assert rd.average("lawa-k4-p2", 12) == tmp_path / "averages" / "lawa-k4-p2" / step_name(12)
+    assert rd.branch("cd").checkpoint(1) == tmp_path / "branches" / "cd" / "checkpoints" / "step-0000001"
+    assert rd.read_info() == {} and read_metrics(tmp_path) == []
+    rd.metrics.write_bytes(b'{"step": 1, "train_loss": 2.5}\n[1]\n{"step": 2, "train_lo')  # killed mid-line
+    assert read_metrics(tmp_path) == [{"step": 1, "train_loss": 2.5}]
+    rd.info.write_text("{not json")
+    with pytest.raises(QuantdynError, match="run.json' is not valid JSON"):
+        rd.read_info()

@@ -1,7 +1,6 @@
 """Commands that train: train, cooldown, grid, average lawa|soup."""
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -33,7 +32,7 @@ def train(
     from quantdyn.config import apply_overrides, from_dict, load_yaml
     from quantdyn.monitor import hooks_for
     from quantdyn.train.branches import load_run_config
-    from quantdyn.train.checkpoint import latest_resumable
+    from quantdyn.train.checkpoint import RunDir, latest_resumable
     from quantdyn.train.config import RunConfig
     from quantdyn.train.loggers import console_mode
     from quantdyn.train.trainer import train as run_train
@@ -54,7 +53,7 @@ def train(
                 f"run '{resume}' has no resumable checkpoint yet; start it again with "
                 f"`quantdyn train {resume / 'config.yaml'}`"
             )
-        info = json.loads((resume / "run.json").read_text()) if (resume / "run.json").is_file() else {}
+        info = RunDir(resume).read_info()
         run_dir = Path(resume)
         kwargs = dict(resume=ckpt, parent=info.get("parent"))
     else:

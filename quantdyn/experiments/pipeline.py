@@ -37,10 +37,11 @@ from quantdyn.study.grid import expand_grid
 from quantdyn.study.sweep import run_sweep, sweep_data
 from quantdyn.study.trajectory import TrajectoryConfig
 from quantdyn.train.branches import cooldown
-from quantdyn.train.checkpoint import checkpoint_dir, latest_resumable, list_checkpoints
+from quantdyn.train.checkpoint import RunDir, checkpoint_dir, latest_resumable, list_checkpoints
 from quantdyn.train.config import RunConfig
 from quantdyn.train.offline_averaging import average_lawa, lawa_dir_name, make_soup
-from quantdyn.train.trainer import read_metrics, train
+from quantdyn.train.checkpoint import read_metrics
+from quantdyn.train.trainer import train
 
 Echo = Callable[[str], None]
 STATE = "study.json"
@@ -107,7 +108,7 @@ def lawa_at_step(run_dir: Path, window: int, every: int, step: int) -> Path:
 
     average_lawa writes every step of its grid; they are written to a temporary directory beside the run's
     averages and only ``step`` is moved into place (a sweep visits every stored average)."""
-    final = run_dir / "averages" / lawa_dir_name(window, every) / f"step-{step:07d}"
+    final = RunDir(run_dir).average(lawa_dir_name(window, every), step)
     if (final / "model.safetensors").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -126,7 +127,7 @@ def soup_of_cooldowns(spec: StudySpec, run_dir: Path) -> Path:
     RUN/averages/soup-cooldowns/step-N; an existing one is kept."""
     cd = spec.cooldowns
     end = cd.end_step
-    out = run_dir / "averages" / "soup-cooldowns" / f"step-{end:07d}"
+    out = RunDir(run_dir).average("soup-cooldowns", end)
     if (out / "model.safetensors").is_file():
         return out
     ingredients = [checkpoint_dir(run_dir / "branches" / cd.branch_name(s), end) for s in cd.from_steps]

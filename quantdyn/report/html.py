@@ -21,7 +21,8 @@ from pathlib import Path
 from quantdyn.errors import QuantdynError
 from quantdyn.files import write_json_atomic, write_text_atomic
 from quantdyn.report import figures, provenance, uncertainty
-from quantdyn.report.monitored import monitored_points, read_metrics
+from quantdyn.report.monitored import monitored_points
+from quantdyn.train.checkpoint import RunDir, read_metrics
 from quantdyn.report.output import figure_paths, figure_stem, table_columns, write_csv
 from quantdyn.report.palette import Palette
 from quantdyn.results.store import ResultStore
@@ -92,7 +93,7 @@ def _run_dir_of(rows: list[dict], run: str) -> Path | None:
     if not ck:
         return None
     rd = Path(ck).parent.parent
-    return rd if (rd / "metrics.jsonl").is_file() else None
+    return rd if RunDir(rd).metrics.is_file() else None
 
 
 TRAJECTORY_CAPTION = (

@@ -11,31 +11,14 @@ so a monitored run and a sweep over its checkpoints get the same figure.
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
 
+from quantdyn.train.checkpoint import read_metrics
+
 _PTQ = re.compile(r"^ptq/(.+)/([A-Za-z0-9_]+)$")
 _DCE = re.compile(r"^dce_(.+?)(_se)?$")
-
-
-def read_metrics(run_dir: str | Path) -> list[dict]:
-    """The rows of ``run_dir``/metrics.jsonl ([] when there is none); a torn last line is skipped."""
-    p = Path(run_dir) / "metrics.jsonl"
-    if not p.is_file():
-        return []
-    out = []
-    for line in p.read_text().splitlines():
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict):
-            out.append(row)
-    return out
 
 
 def canonical(spec: str) -> str:

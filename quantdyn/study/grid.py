@@ -46,6 +46,7 @@ import yaml
 from quantdyn.config import from_dict, parse_override, set_dotted, to_dict
 from quantdyn.errors import QuantdynError, did_you_mean
 from quantdyn.study.slurm import SlurmConfig, job_name, run_command, sbatch_header, submit
+from quantdyn.train.checkpoint import RunDir, step_name
 
 MANIFEST = "grid.json"
 
@@ -375,7 +376,7 @@ def run_grid(grid_dir: str | Path, only: Sequence[str] | None = None, progress: 
             train(cfg, d, resume=latest_resumable(d), progress=progress, hooks=hk, verbose=verbose)
             out.append({"name": r["name"], "dir": str(d), "status": "resumed"})
             continue
-        (d / "metrics.jsonl").unlink(missing_ok=True)
+        RunDir(d).metrics.unlink(missing_ok=True)
         train(cfg, d, progress=progress, hooks=hk, verbose=verbose)
         out.append({"name": r["name"], "dir": str(d), "status": "trained"})
     return out
@@ -423,7 +424,7 @@ def slurm_script(
     gpus = slurm.nproc_per_node if gpus_per_node is None and not slurm.gpus_per_node else slurm.gpus_per_node
     sb = sbatch_header(slurm, job_name(Path(manifest["grid_dir"]).name or "grid"), len(runs), grid_dir / "logs", gpus)
     names = "\n".join(f"  {shlex.quote(r['name'])}" for r in runs)
-    finals = "\n".join(f"  step-{int(r['steps']):07d}" for r in runs)
+    finals = "\n".join(f"  {step_name(int(r['steps']))}" for r in runs)
     tr = f"{torchrun} --standalone --nproc_per_node {slurm.nproc_per_node} -m quantdyn.cli train"
     body = f"""#!/bin/bash
 # Grid {grid_dir}: {len(runs)} runs, one array task each (written by quantdyn.study.grid).
@@ -491,7 +492,7 @@ def grid_task_command(grid_dir: str | Path, name: str, nproc_per_node: int = 1,
         "-m", "quantdyn.cli"]
     if status == "partial":
         return [*launcher, "train", "--resume", str(Path(run["dir"]).resolve()), "--quiet"]
-    (Path(run["dir"]) / "metrics.jsonl").unlink(missing_ok=True)
+    RunDir(run["dir"]).metrics.unlink(missing_ok=True)
     return [*launcher, "train", str(Path(run["config"]).resolve()), "--quiet"]
 
 

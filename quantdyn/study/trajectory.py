@@ -26,7 +26,6 @@ its rows are stored, so a long sweep needs the disk of one or two revisions.
 from __future__ import annotations
 
 import glob
-import json
 import logging
 import math
 import os
@@ -38,7 +37,7 @@ from pathlib import Path
 from quantdyn.errors import QuantdynError
 from quantdyn.models.hf_io import checkpoint_hash  # noqa: F401  (re-exported: sweeps key rows by it)
 from quantdyn.study.presets import Preset, get_preset, parse_count
-from quantdyn.train.checkpoint import list_checkpoints, read_meta
+from quantdyn.train.checkpoint import RunDir, list_checkpoints, read_meta
 from quantdyn.train.schedules import ScheduleConfig, is_decaying, lr_at
 
 log = logging.getLogger(__name__)
@@ -102,16 +101,17 @@ def _points_of_run_dir(run_dir: Path, run: str, branch: str, kind: str) -> list[
 
 def points_of_run(run_dir: Path) -> list[Point]:
     run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").is_file():
+    rd = RunDir(run_dir)
+    if not rd.config.is_file():
         raise QuantdynError(f"'{run_dir}' is not a quantdyn run directory (no config.yaml)")
-    info = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else {}
+    info = rd.read_info()
     run = info.get("name", run_dir.name)
     pts = _points_of_run_dir(run_dir, run, "main", "checkpoint")
-    bdir = run_dir / "branches"
+    bdir = rd.branches
     if bdir.is_dir():
         for b in sorted(bdir.iterdir()):
-            if (b / "config.yaml").is_file():
-                binfo = json.loads((b / "run.json").read_text()) if (b / "run.json").is_file() else {}
+            if RunDir(b).config.is_file():
+                binfo = RunDir(b).read_info()
                 kind = binfo.get("parent", {}).get("kind", "branch")
                 pts += _points_of_run_dir(b, run, b.name, kind)
     adir = run_dir / "averages"

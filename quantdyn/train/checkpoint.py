@@ -42,8 +42,88 @@ class CheckpointInfo:
     meta: dict
 
 
+def step_name(step: int) -> str:
+    """The directory name of the checkpoint at ``step`` (``step-0000400``)."""
+    return f"step-{step:07d}"
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Where each part of a run directory lives (the layout in this module's docstring): the one place
+    that knows the names."""
+
+    path: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+
+    @property
+    def config(self) -> Path:
+        return self.path / "config.yaml"
+
+    @property
+    def info(self) -> Path:
+        return self.path / "run.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def averages(self) -> Path:
+        return self.path / "averages"
+
+    @property
+    def branches(self) -> Path:
+        return self.path / "branches"
+
+    def checkpoint(self, step: int) -> Path:
+        return self.checkpoints / step_name(step)
+
+    def average(self, name: str, step: int) -> Path:
+        return self.averages / name / step_name(step)
+
+    def branch(self, name: str) -> "RunDir":
+        return RunDir(self.branches / name)
+
+    def read_info(self) -> dict:
+        """run.json ({} when the run has none yet); an unreadable one is one line."""
+        if not self.info.is_file():
+            return {}
+        try:
+            info = json.loads(self.info.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise QuantdynError(f"'{self.info}' is not valid JSON; restore it or remove the run directory") from None
+        if not isinstance(info, dict):
+            raise QuantdynError(f"'{self.info}' must hold a JSON object; restore it or remove the run directory")
+        return info
+
+
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
-    return Path(run_dir) / "checkpoints" / f"step-{step:07d}"
+    return RunDir(run_dir).checkpoint(step)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The rows of RUN_DIR/metrics.jsonl ([] when there is none; train/loggers.py writes them).  A line that
+    is not a JSON object — the torn last line of a killed run — is skipped."""
+    p = RunDir(run_dir).metrics
+    if not p.is_file():
+        return []
+    out = []
+    for line in p.read_bytes().decode("utf-8", errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            out.append(row)
+    return out
 
 
 def save_checkpoint(
@@ -91,7 +171,7 @@ def load_training_state(ckpt: Path) -> dict:
 
 def list_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
     """The run's own checkpoints (not its branches), sorted by step."""
-    root = Path(run_dir) / "checkpoints"
+    root = RunDir(run_dir).checkpoints
     out = []
     if root.is_dir():
         for d in sorted(root.iterdir()):
@@ -110,7 +190,7 @@ def latest_resumable(run_dir: Path) -> CheckpointInfo | None:
 
 def has_checkpoints(run_dir: Path) -> list[int]:
     """Steps of the checkpoints a run directory holds (any ``checkpoints/step-*`` directory)."""
-    root = Path(run_dir) / "checkpoints"
+    root = RunDir(run_dir).checkpoints
     if not root.is_dir():
         return []
     steps = []
@@ -133,9 +213,9 @@ def remove_stale_temporaries(run_dir: Path) -> list[Path]:
     Call only when no other process writes checkpoints of this run (at the start of training).
     Returns what was removed.
     """
-    run_dir = Path(run_dir)
-    found = _stale(run_dir / "checkpoints")
-    averages = run_dir / "averages"
+    rd = RunDir(run_dir)
+    found = _stale(rd.checkpoints)
+    averages = rd.averages
     if averages.is_dir():
         for d in sorted(averages.iterdir()):
             found += _stale(d)

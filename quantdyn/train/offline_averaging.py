@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from quantdyn.errors import QuantdynError
 from quantdyn.train.averaging import StateDict, interpolate, lawa_steps
-from quantdyn.train.checkpoint import META, STATE, list_checkpoints, read_meta, save_checkpoint
+from quantdyn.train.checkpoint import META, STATE, list_checkpoints, read_meta, save_checkpoint, step_name
 
 # config.json keys that decide whether two checkpoints' weights mean the same thing
 ARCH_KEYS = (
@@ -289,7 +289,7 @@ def average_lawa(run_dir: str | Path, window: int, every: int, out: str | Path |
             "lr": newest.lr,
             "ingredients": [_ingredient(stored[t].path, stored[t].meta, w) for t in steps],
         }
-        written.append(_save(template, acc.result(), out / f"step-{s:07d}", meta, newest.path))
+        written.append(_save(template, acc.result(), out / step_name(s), meta, newest.path))
     return written
 
 

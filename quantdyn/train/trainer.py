@@ -23,7 +23,6 @@ lines elsewhere.
 """
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -48,6 +47,7 @@ from quantdyn.runtime import git_sha, hardware, resolve_device, seed_everything
 from quantdyn.train.averaging import OnlineEMA, OnlineLAWA, local_state_dict
 from quantdyn.train.checkpoint import (
     CheckpointInfo,
+    RunDir,
     checkpoint_dir,
     clear_run,
     has_checkpoints,
@@ -109,15 +109,6 @@ def numpy_rng_state() -> dict:
 
 def set_numpy_rng(d: dict) -> None:
     np.random.set_state(("MT19937", d["keys"].numpy().astype(np.uint32), d["pos"], d["has_gauss"], d["gauss"]))
-
-
-# ------------------------------------------------------------------ metrics
-def read_metrics(run_dir: Path) -> list[dict]:
-    """The rows of RUN_DIR/metrics.jsonl (train/loggers.py writes them)."""
-    p = Path(run_dir) / "metrics.jsonl"
-    if not p.is_file():
-        return []
-    return [json.loads(l) for l in p.read_text().splitlines() if l.strip()]
 
 
 class StepHook(Protocol):
@@ -281,9 +272,10 @@ def train(
             clear_outputs(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(run_dir)
-        write_text_atomic(run_dir / "config.yaml", dump_yaml(resolved))
-        info_path = run_dir / "run.json"
-        info = json.loads(info_path.read_text()) if info_path.is_file() else {}
+        rd = RunDir(run_dir)
+        write_text_atomic(rd.config, dump_yaml(resolved))
+        info_path = rd.info
+        info = rd.read_info()
         info.update(
             {
                 "name": cfg.name,
@@ -532,7 +524,7 @@ def _save_online_averages(run_dir, step, mcfg, averages, lawa, ema, meta_for, lr
         avg.load_state_dict(averages["lawa"])
         ingredients = [{"step": s, "weight": 1.0 / len(lawa.steps())} for s in lawa.steps()]
         save_checkpoint(
-            Path(run_dir) / "averages" / f"lawa-k{lawa.window}-p{lawa.every}" / f"step-{step:07d}",
+            RunDir(run_dir).average(f"lawa-k{lawa.window}-p{lawa.every}", step),
             avg,
             meta_for(step, lr, kind="lawa", ingredients=ingredients, window=lawa.window, every=lawa.every),
             data.tokenizer,
@@ -541,7 +533,7 @@ def _save_online_averages(run_dir, step, mcfg, averages, lawa, ema, meta_for, lr
         avg = GPT(mcfg)
         avg.load_state_dict(averages["ema"])
         save_checkpoint(
-            Path(run_dir) / "averages" / f"ema-{ema.decay:.6g}" / f"step-{step:07d}",
+            RunDir(run_dir).average(f"ema-{ema.decay:.6g}", step),
             avg,
             meta_for(step, lr, kind="ema", decay=ema.decay, updates=ema.t),
             data.tokenizer,

@@ -66,7 +66,8 @@ def test_quantdyn_trainer_on_cuda_matches_cpu(tmp_path, no_tf32):
     from quantdyn.config import from_dict, to_dict
     from quantdyn.data.prepare import DataConfig
     from quantdyn.train.config import RunConfig
-    from quantdyn.train.trainer import read_metrics, train
+    from quantdyn.train.checkpoint import read_metrics
+    from quantdyn.train.trainer import train
 
     data = DataConfig(source="builtin:kjv", tokenizer="bpe:512", max_tokens=100_000, bpe_train_chars=300_000,
                       cache_dir=str(tmp_path / "cache"))
@@ -165,7 +166,7 @@ def test_fsdp2_bf16_on_gpus_trains_and_saves_a_transformers_checkpoint(tmp_path)
 
     from quantdyn.config import to_dict
     from quantdyn.data.prepare import DataConfig
-    from quantdyn.train.trainer import read_metrics
+    from quantdyn.train.checkpoint import read_metrics
 
     n = min(2, torch.cuda.device_count())
     data = DataConfig(source="builtin:kjv", tokenizer="bpe:512", max_tokens=200_000, bpe_train_chars=300_000,
