@@ -1,7 +1,7 @@
-"""Process-wide runtime settings, set in one place and logged.
+"""The process's runtime: device resolution, seeding, and the provenance every result row carries
+(git SHA, hardware, library versions).
 
-Nothing in quantdyn changes seeds, threads, TF32 or devices at import time;
-commands call :func:`setup_runtime` once and record what it returns.
+Nothing in quantdyn changes seeds, threads, TF32 or devices at import time.
 """
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import os
 import platform
 import random
 import subprocess
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -18,20 +17,6 @@ import numpy as np
 import torch
 
 log = logging.getLogger("quantdyn")
-
-
-@dataclass(frozen=True)
-class RuntimeConfig:
-    """Process-wide settings."""
-
-    seed: int = 0
-    """Seed for python, numpy and torch RNGs."""
-    threads: int = 0
-    """torch intra-op threads; 0 = all cores for training/eval (see quantize_threads for GPTQ)."""
-    device: str = "auto"
-    """'auto' (cuda if available else cpu), 'cpu', 'cuda', 'cuda:1', ..."""
-    tf32: bool = True
-    """Allow TF32 matmuls on Ampere+ GPUs."""
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -49,25 +34,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def setup_runtime(cfg: RuntimeConfig | None = None) -> dict:
-    """Apply seeds, threads and TF32; return (and log) what was set."""
-    cfg = cfg or RuntimeConfig()
-    seed_everything(cfg.seed)
-    if cfg.threads > 0:
-        torch.set_num_threads(cfg.threads)
-    if torch.cuda.is_available():
-        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
-        torch.backends.cudnn.allow_tf32 = cfg.tf32
-    info = {
-        "seed": cfg.seed,
-        "threads": torch.get_num_threads(),
-        "device": str(resolve_device(cfg.device)),
-        "tf32": cfg.tf32,
-    }
-    log.info("runtime: %s", info)
-    return info
 
 
 @lru_cache(maxsize=1)

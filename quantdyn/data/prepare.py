@@ -426,9 +426,3 @@ def _open(directory: Path) -> TokenData:
     return TokenData(directory=directory, manifest=manifest, tokenizer=tok)
 
 
-def open_token_data(directory: str | Path) -> TokenData:
-    """Open an existing shard directory (e.g. the one a run recorded)."""
-    d = Path(directory)
-    if not (d / "manifest.json").is_file():
-        raise QuantdynError(f"'{d}' is not a quantdyn token cache (no manifest.json); run prepare_data first")
-    return _open(d)

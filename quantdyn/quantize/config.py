@@ -331,15 +331,6 @@ def row_fields(label: str, qc: QuantConfig) -> dict:
             "group_size": qc.group_size, "quant_config": to_dict(qc), "quant_config_hash": config_hash(qc)}
 
 
-def replace(cfg: QuantConfig, **changes: Any) -> QuantConfig:
-    """dataclasses.replace with QuantdynError on unknown fields."""
-    names = {f.name for f in dataclasses.fields(QuantConfig)}
-    for k in changes:
-        if k not in names:
-            raise QuantdynError(f"unknown quantizer field '{k}'{did_you_mean(k, names)}")
-    return dataclasses.replace(cfg, **changes)
-
-
 def compute_dtype(W: torch.Tensor) -> torch.dtype:
     """float32 for half/bfloat16/float32 weights, float64 stays float64."""
     return torch.promote_types(W.dtype, torch.float32)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from quantdyn.config import from_dict
 from quantdyn.data.prepare import DataConfig
 from quantdyn.errors import QuantdynError, unknown_name
 from quantdyn.models.gpt import ModelConfig
@@ -201,5 +200,3 @@ class RunConfig:
         return self.train.batch_size * self.train.seq_len * self.train.grad_accum
 
 
-def run_config_from_dict(d: dict) -> RunConfig:
-    return from_dict(RunConfig, d)
