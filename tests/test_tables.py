@@ -83,3 +83,19 @@ def test_documented_duckdb_query_reads_the_store(tmp_path):
     got = dict(zip(rel.columns, zip(*rel.fetchall())))
     assert got["key"] == ("a", "b", "c")
     assert got["delta_ce"][0] == 0.05  # the first written row of 'a', as load() keeps it
+
+
+def test_results_command_writes_parquet(tmp_path, cli):
+    """`quantdyn results --parquet FILE` (issue 20) = `--out FILE.parquet`: every column, the --where rows only."""
+    pytest.importorskip("pyarrow")
+    _store(tmp_path)
+    st = tmp_path / "results"
+    res = cli("results", "--store", st, "--parquet", tmp_path / "all.parquet")
+    assert res.returncode == 0, res.stderr
+    assert list(pd.read_parquet(tmp_path / "all.parquet")["key"]) == ["a", "b", "c"]
+    res = cli("results", "--store", st, "--where", "kind = 'ptq'", "--out", tmp_path / "ptq.parquet")
+    assert res.returncode == 0, res.stderr
+    back = pd.read_parquet(tmp_path / "ptq.parquet")
+    assert sorted(back["key"]) == ["a", "c"] and "quant_config.bits" in back.columns
+    res = cli("results", "--store", st, "--parquet", tmp_path / "x.parquet", "--out", tmp_path / "y.csv")
+    assert res.returncode == 2 and "not both" in res.stderr and not (tmp_path / "x.parquet").exists()

@@ -20,7 +20,10 @@ from quantdyn.errors import QuantdynError
 def results(
     store: str = typer.Option("results", "--store", help="Results store directory."),
     where: Optional[str] = typer.Option(None, "--where", help="SQL condition, e.g. \"bits = 3 AND branch = 'main'\""),
-    out: Optional[Path] = typer.Option(None, "--out", help="Also write the rows to this file: .csv, .json or .jsonl."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Also write the rows to this file: .csv, .json, .jsonl "
+                                       "or .parquet (every column; nested fields as dotted columns)."),
+    parquet: Optional[Path] = typer.Option(None, "--parquet", help="Also write the rows (every column) to this "
+                                           "Parquet file; the same as --out FILE.parquet."),
     csv: Optional[Path] = typer.Option(None, "--csv", hidden=True, help="Old spelling of --out FILE.csv."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON array of rows."),
     all_columns: bool = typer.Option(False, "--all", help="Every column (default: the main ones)."),
@@ -35,13 +38,23 @@ def results(
     if check:
         typer.echo(st.check(repair=True).summary(st.root, repair=True))
         return
+    if parquet is not None:
+        if out is not None or csv is not None:
+            raise QuantdynError("give one output file: --parquet FILE or --out FILE, not both")
+        out = parquet if parquet.suffix else parquet.with_suffix(".parquet")
+        if out.suffix.lower() != ".parquet":
+            raise QuantdynError(f"--parquet '{parquet}': name a .parquet file")
     target, fmt = _output(out, csv)
     cols, rows = st.query(where)
     recs = sorted((dict(zip(cols, r)) for r in rows), key=lambda r: tuple(_sort_key(r.get(c)) for c in _ORDER))
     cols = [c for c in cols if c != "window_delta"] if (all_columns or as_json or target) else \
         [c for c in _MAIN_COLUMNS if c in cols]  # a store holds the columns its rows have
     recs = [{c: r[c] for c in cols} for r in recs]
-    if target is not None:
+    if target is not None and fmt == "parquet":
+        from quantdyn.results.tables import to_parquet  # pandas/pyarrow only for this output
+
+        to_parquet(st, target, keys=[r["key"] for r in recs] if where else None)
+    elif target is not None:
         write_text_atomic(target, _render(recs, cols, fmt))
     if as_json:
         typer.echo(json.dumps(recs, default=str))
@@ -60,7 +73,7 @@ def results(
     typer.echo(f"({len(recs)} rows)" + (f"; written to {target}" if target is not None else ""))
 
 
-_FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "jsonl"}
+_FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "jsonl", ".parquet": "parquet"}
 _MAIN_COLUMNS = ("run", "branch", "kind", "step", "tokens", "lr", "quantizer", "ce_fp", "ce_q", "delta_ce", "delta_ce_se",
                  "kl", "top1_agree")
 _ORDER = ("run", "branch", "tokens", "quantizer")
@@ -85,7 +98,7 @@ def _output(out: Optional[Path], csv: Optional[Path]) -> tuple[Optional[Path], s
         return None, ""
     fmt = _FORMATS.get(out.suffix.lower())
     if fmt is None:
-        raise QuantdynError(f"--out '{out}': name a .csv, .json or .jsonl file")
+        raise QuantdynError(f"--out '{out}': name a .csv, .json, .jsonl or .parquet file")
     if out.is_dir():
         raise QuantdynError(f"--out '{out}' is a directory; name a file, e.g. {out / ('rows' + out.suffix)}")
     return out, fmt

@@ -26,7 +26,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 from quantdyn.errors import QuantdynError
 from quantdyn.files import current_umask
@@ -79,15 +79,20 @@ def _parquet_safe(df: "pd.DataFrame") -> "pd.DataFrame":
     return df
 
 
-def to_parquet(store: ResultStore | str | Path, path: str | Path, *, flatten: bool = True) -> Path:
-    """Write :func:`load`'s table to a Parquet file atomically; return its path.
+def to_parquet(store: ResultStore | str | Path, path: str | Path, *, flatten: bool = True,
+               keys: Iterable[str] | None = None) -> Path:
+    """Write :func:`load`'s table (only the rows whose ``key`` is in ``keys``, when given) to a Parquet file
+    atomically; return its path.
 
     A column whose values Arrow cannot hold in one type (e.g. a field that is a number in some rows
     and text in others) is written as JSON text, so no row is dropped."""
     path = Path(path)
     if path.is_dir():
         raise QuantdynError(f"'{path}' is a directory; pass a file name for the Parquet table")
-    df = _parquet_safe(load(store, flatten=flatten))
+    df = load(store, flatten=flatten)
+    if keys is not None:
+        df = df[df["key"].isin(set(keys))] if "key" in df.columns else df.iloc[0:0]
+    df = _parquet_safe(df.reset_index(drop=True))
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     os.close(fd)
