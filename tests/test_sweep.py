@@ -1,3 +1,4 @@
+import json
 import os
 import shutil
 from pathlib import Path
@@ -211,3 +212,36 @@ def test_a_bad_checkpoint_is_one_line_and_the_sweep_goes_on(small_run, tmp_path,
     assert "1 checkpoint(s) could not be measured" in lines[-1] and str(bad) in lines[-1]
     rows = ResultStore(tmp_path / "store").rows()
     assert {r["checkpoint"] for r in rows} == {str(good[0]), str(good[1])}
+
+
+def test_sweep_verbose_engine_settings_and_plain_progress(small_run, tmp_path, cli, monkeypatch):
+    """--verbose adds a line per decoder block and per checkpoint; --spill-dir/--repeat-vary and the spec's
+    streams/logits_budget_mb reach the engine; off a terminal progress is plain lines, never a bar."""
+    import quantdyn.study.sweep as sweep_mod
+
+    seen = []
+    real = sweep_mod.measure
+
+    def spy(*a, **kw):
+        seen.append(kw["cfg"])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(sweep_mod, "measure", spy)
+    ck = sorted((small_run / "checkpoints").iterdir())[0]
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump({"trajectory": {"checkpoints": [str(ck)]}, "quantizers": ["gptq3"],
+                                    "streams": "disk", "logits_budget_mb": 2, "quant_repeats": 2,
+                                    "data": {"calib_samples": 4, "calib_seq_len": 32, "eval_windows": 8,
+                                             "eval_seq_len": 32}}))
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    r = cli("sweep", spec, "--store", tmp_path / "st", "--verbose", "--spill-dir", spill, "--repeat-vary", "order")
+    assert r.returncode == 0, r.stderr
+    assert (seen[0].streams, seen[0].logits_budget_mb, seen[0].spill_dir) == ("disk", 2, str(spill))
+    n_layer = json.loads((ck / "config.json").read_text())["num_hidden_layers"]
+    blocks = [x for x in r.stderr.splitlines() if f"{ck}: pass 1/1 block" in x]
+    assert len(blocks) == n_layer, r.stderr
+    # FP and one gptq3 row (its R = 2 repeats summarised)
+    assert any(x.startswith(f"{ck}: 2 rows written, 0 already stored") for x in r.stderr.splitlines()), r.stderr
+    assert "\r" not in r.stderr and "sweep 0/1: 1/1 ckpt (100%)" in r.stderr
+    assert {x["repeat_vary"] for x in ResultStore(tmp_path / "st").rows() if x["kind"] == "ptq"} == {"order"}

@@ -37,6 +37,7 @@ def quantize(
     repeats: int = typer.Option(1, "--repeats", help="Quantize R times with different calibration draws: mean, SD over repeats, combined uncertainty."),
     repeat_vary: str = typer.Option("draw", "--repeat-vary", help="What differs between repeats: draw | order | both."),
     as_json: bool = typer.Option(False, "--json", help="Print the result row as one JSON object."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress lines; the result table and errors only."),
 ):
     """Quantize one model and measure Δ CE, Δ PPL, KL and agreement on held-out text."""
     from quantdyn.study.single import quantize_one
@@ -47,7 +48,7 @@ def quantize(
     row = quantize_one(model, method=method, bits=bits, group_size=group_size, preset=preset, calib_data=calib_data,
                        calib_samples=calib_samples, calib_seq_len=calib_seq_len, eval_data=eval_data,
                        eval_tokens=eval_tokens, eval_seq_len=eval_seq_len, tokenizer=tokenizer, save=save,
-                       device=device, progress=not as_json, threads=threads, dtype=dtype, max_memory=max_memory,
+                       device=device, progress=not (as_json or quiet), threads=threads, dtype=dtype, max_memory=max_memory,
                        repeats=repeats, repeat_vary=repeat_vary, export=export, push_to_hub=push_to_hub)
     if as_json:
         echo_json({k: v for k, v in row.items() if k != "window_delta"})
@@ -82,6 +83,7 @@ def sweep(
     device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda | cuda:N | auto; blocks are onloaded one at a time."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Compute dtype: auto (the checkpoint's) | float32 | bfloat16 | float16."),
     max_memory: Optional[str] = typer.Option(None, "--max-memory", help="Memory for one block + activations, e.g. 8GB."),
+    spill_dir: Optional[str] = typer.Option(None, "--spill-dir", help="Where activations beyond --max-memory spill (default: the temporary directory)."),
     preset: Optional[str] = typer.Option(None, "--preset", help="Trajectory: a public-trajectory preset (quantdyn trajectories)."),
     every: int = typer.Option(0, "--every", help="Keep every N-th checkpoint (and the last)."),
     log_spaced: int = typer.Option(0, "--log-spaced", help="Keep about K checkpoints log-spaced in tokens."),
@@ -89,6 +91,7 @@ def sweep(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print each checkpoint's step, tokens, LR and phase; download nothing."),
     evict: bool = typer.Option(False, "--evict", help="Delete each hub revision from the HF cache once its rows are stored."),
     repeats: int = typer.Option(0, "--repeats", help="Quantize each checkpoint R times per quantizer (spec: quant_repeats)."),
+    repeat_vary: Optional[str] = typer.Option(None, "--repeat-vary", help="What differs between repeats: draw | order | both (spec: repeat_vary)."),
     slurm: bool = typer.Option(False, "--slurm", help="Write STORE/slurm/sweep.sbatch (one array task per shard) instead of running."),
     shards: int = typer.Option(1, "--shards", help="With --slurm: array tasks, each sweeping every n-th checkpoint into the store."),
     submit: bool = so.SUBMIT,
@@ -104,7 +107,8 @@ def sweep(
     sbatch_extra: Optional[List[str]] = so.SBATCH,
     setup: Optional[List[str]] = so.SETUP,
     cluster: str = so.CLUSTER,
-    quiet: bool = typer.Option(False, "--quiet"),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress; the summary line and errors only."),
+    verbose: bool = typer.Option(False, "--verbose", help="Also a line per decoder block and per checkpoint."),
 ):
     """Quantize every checkpoint of a trajectory with a grid of quantizers; rows go to the store."""
     from quantdyn.config import from_dict, load_yaml
@@ -132,9 +136,12 @@ def sweep(
         data["evict"] = True
     if repeats:
         data["quant_repeats"] = repeats
+    if repeat_vary:
+        data["repeat_vary"] = repeat_vary
     if quantizers:
         data["quantizers"] = [q for q in quantizers.split(",") if q]
-    for key, value in (("store", store), ("device", device), ("dtype", dtype), ("max_memory", max_memory)):
+    for key, value in (("store", store), ("device", device), ("dtype", dtype), ("max_memory", max_memory),
+                       ("spill_dir", spill_dir)):
         if value:
             data[key] = value
     if not spec and not traj:
@@ -149,7 +156,11 @@ def sweep(
             typer.echo(line)
         typer.echo(f"{len(plan.points)} checkpoints x {len(cfg.quantizers)} quantizers (dry run: nothing measured)")
         return
-    out = run_sweep(cfg, shard=shard, progress=not quiet, echo=lambda line: typer.echo(line, err=True))
+    from quantdyn.train.loggers import console_mode
+
+    mode = console_mode(quiet, verbose)
+    out = run_sweep(cfg, shard=shard, progress=mode != "quiet", echo=lambda line: typer.echo(line, err=True),
+                    verbose=mode == "verbose")
     typer.echo(f"sweep: {out['written']} rows written, {out['skipped']} already done, store {cfg.store}")
     if out["failed"]:
         names = ", ".join(ref for ref, _ in out["failed"][:5])
@@ -196,7 +207,7 @@ def analyze(
     seq_len: int = typer.Option(128, "--seq-len", help="Tokens per window."),
     device: str = typer.Option("auto", "--device", help="cpu | cuda | cuda:N | auto."),
     as_json: bool = typer.Option(False, "--json", help="Also print the rows as a JSON array."),
-    quiet: bool = typer.Option(False, "--quiet"),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress; the rows and errors only."),
 ):
     """Hessian trace / top eigenvalue, outlier metrics and error propagation -> result rows."""
     from quantdyn.study.analyze import analyze as run_analyze
@@ -259,13 +270,14 @@ def eval_cmd(
     store: Optional[str] = typer.Option("results", "--store", help="Append rows here ('' = don't store)."),
     device: str = typer.Option("auto", "--device", help="cpu | cuda | cuda:N | auto."),
     as_json: bool = typer.Option(False, "--json", help="Print the rows as a JSON array."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress; the table and errors only."),
 ):
     """Downstream accuracy of a model and its quantized twin (lm-evaluation-harness)."""
     from quantdyn.study.accuracy import evaluate_accuracy, format_accuracy_table
 
     qs = [q for q in ",".join(x for x in (quantizers, quantizer) if x).split(",") if q] or None
     rows = evaluate_accuracy(model, [t for t in tasks.split(",") if t], qs, num_fewshot=num_fewshot, limit=limit,
-                             seed=seed, metric=metric, backend=backend, progress=not as_json, device=device)
+                             seed=seed, metric=metric, backend=backend, progress=not (as_json or quiet), device=device)
     if store:
         from quantdyn.results.store import ResultStore
 

@@ -141,7 +141,7 @@ def study(spec: Path = typer.Argument(..., help="Study spec YAML (see configs/st
           out: Optional[Path] = typer.Option(None, "--out", help="Report directory (default: the spec's report)."),
           device: Optional[str] = typer.Option(None, "--device", help="Device for training and sweeps "
                                                "(auto, cpu, cuda, cuda:N; default: the spec's)."),
-          quiet: bool = typer.Option(False, "--quiet")):
+          quiet: bool = typer.Option(False, "--quiet", help="No progress; stage lines, the findings and errors only.")):
     """A study: train (seeds, grid), cooldowns + controls, averages, sweep, report, findings table with verdicts."""
     import quantdyn.experiments.pipeline as pipeline
     from quantdyn.experiments.spec import load_study_spec
@@ -157,7 +157,7 @@ def demo(overrides: Optional[List[str]] = typer.Argument(None, help="key=value o
          out: Optional[Path] = typer.Option(None, "--out", help="Report directory (default: report)."),
          device: Optional[str] = typer.Option(None, "--device", help="Device for training and sweeps "
                                               "(auto, cpu, cuda, cuda:N; default: auto)."),
-         quiet: bool = typer.Option(False, "--quiet")):
+         quiet: bool = typer.Option(False, "--quiet", help="No progress; stage lines, the findings and errors only.")):
     """The embedded default study: train, cooldowns + controls, sweep, report, summary and findings."""
     import quantdyn.experiments.pipeline as pipeline
     from quantdyn.experiments.spec import demo_spec

@@ -22,6 +22,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -102,6 +103,12 @@ class SweepConfig:
     max_memory: str = ""
     """Memory for one block's weights and the activation streams, e.g. 8GB ('' = half the free RAM or GPU
     memory); streams beyond it spill to a temporary directory."""
+    spill_dir: str = ""
+    """Where activation streams that do not fit max_memory spill ('' = the system temporary directory)."""
+    streams: str = "auto"
+    """Where activation streams live: auto (by max_memory) | memory | disk."""
+    logits_budget_mb: int = 16
+    """Largest logits tensor of one variant (MiB): the evaluation head works in slices of windows that fit it."""
     layer_diagnostics: bool = True
     """RTN also runs the calibration set, for per-layer loss diagnostics; false skips those passes."""
     analysis: tuple[str, ...] = ()
@@ -192,16 +199,18 @@ def measure_config(cfg: SweepConfig) -> MeasureConfig:
     """The engine settings of a sweep."""
     return MeasureConfig(batch_size=cfg.batch_size, calib_batch_size=cfg.calib_batch_size,
                          quantize_threads=cfg.quantize_threads, layer_diagnostics=cfg.layer_diagnostics,
-                         dtype=cfg.dtype, max_memory=cfg.max_memory)
+                         dtype=cfg.dtype, max_memory=cfg.max_memory, spill_dir=cfg.spill_dir, streams=cfg.streams,
+                         logits_budget_mb=cfg.logits_budget_mb)
 
 
 def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True,
-              echo=None) -> dict:
+              echo=None, verbose: bool = False) -> dict:
     """Run (or resume) a sweep; returns counts of rows written and skipped, and the checkpoints that failed.
 
     A checkpoint that cannot be read or measured (a QuantdynError: missing shard, truncated file, config
     that does not match the weights) is reported (``echo`` or the log) and skipped; the others go on. The
-    caller decides what to do with ``failed`` (the CLI exits 2 after the sweep when it is not empty)."""
+    caller decides what to do with ``failed`` (the CLI exits 2 after the sweep when it is not empty).
+    ``verbose``: also a line per decoder block and one per checkpoint with its time (through ``echo``)."""
     from quantdyn.progress import progress as counted
 
     # fail on a bad quantizer before any work; rows carry the spec as the user wrote it
@@ -228,6 +237,7 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True,
         eval_hash=data.token_hash("val", d.eval_seq_len, d.eval_windows),
         calib_hash=calib_identity(data.data_hash, d.calib_samples, d.calib_seq_len, d.calib_seed),
         done=store.keys(), acc_done=store.keys("sweep_acc_key") if cfg.eval_tasks else set(),
+        block_echo=say if verbose else None,
     )
     written = skipped = 0
     timings: list[float] = []
@@ -250,6 +260,8 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True,
         skipped += s
         if w:
             timings.append(time.perf_counter() - t0)
+        if verbose:
+            say(f"{p.ref}: {w} rows written, {s} already stored ({time.perf_counter() - t0:.1f}s)")
         if cfg.evict and p.kind in ("hub", "soup") and "@" in p.ref and not p.is_local and p.ref != keep:
             repo, _, rev = p.ref.partition("@")
             evict_revision(repo, rev)
@@ -271,6 +283,7 @@ class _SweepContext:
     calib_hash: str
     done: set
     acc_done: set
+    block_echo: Any = None
 
 
 def _point_done(ctx: _SweepContext, p: Point) -> bool:
@@ -336,7 +349,9 @@ def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
         collect = {label: {} for label in group if label in acc_keys and acc_keys[label] not in ctx.acc_done}
         on_layer = (lambda label, full, res, m: collect[label].__setitem__(full, m.weight.detach().cpu().clone())
                     if label in collect else None) if collect else None
-        m = measure(weights, variants, ctx.eval_ids, calib, device=ctx.device, cfg=ctx.mcfg, on_layer=on_layer)
+        m = measure(weights, variants, ctx.eval_ids, calib, device=ctx.device, cfg=ctx.mcfg, on_layer=on_layer,
+                    progress=(lambda line: ctx.block_echo(f"{p.ref}: pass {g + 1}/{len(groups)} {line}"))
+                    if ctx.block_echo else None)
         base["n_params"] = m.n_params
         rows = []
         if g == 0 and fp_pending:
