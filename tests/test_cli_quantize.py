@@ -98,3 +98,15 @@ def test_quantize_export_streams_a_deployable_checkpoint(hf_models, fmt, tmp_pat
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "two").exists()
     r = cli("quantize", hf_models["llama"], "--export", "gptq")
     assert r.returncode == 2 and "--out" in r.stderr
+    if fmt == "gptq":  # --export-option reaches the format: v2 zero points, read back to the same codes
+        r = cli(*args, "--export", fmt, "--export-option", "checkpoint_format=gptq_v2", "--out", tmp_path / "v2")
+        assert r.returncode == 0, r.stderr[-1500:]
+        qcfg = json.loads((tmp_path / "v2" / "config.json").read_text())["quantization_config"]
+        assert qcfg["checkpoint_format"] == "gptq_v2"
+        for name, layer in read_export(tmp_path / "v2").layers():
+            assert torch.equal(layer.codes, codes[f"{name}.codes"]), name
+    for bad, msg in ((["--export-option", "checkpoint_format"], "KEY=VALUE"),
+                     (["--export-option", "nonsense=1"], "nonsense")):
+        r = cli(*args, "--export", fmt, *bad, "--out", tmp_path / "bad")
+        assert r.returncode == 2 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert not (tmp_path / "bad").exists()

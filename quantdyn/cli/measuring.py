@@ -29,6 +29,8 @@ def quantize(
     out: Optional[Path] = typer.Option(None, "--out", help="Write the fake-quantized model + codes to this directory."),
     save: Optional[Path] = typer.Option(None, "--save", hidden=True, help="Old spelling of --out."),
     export: Optional[str] = typer.Option(None, "--export", help="Write --out as a deployable checkpoint: gptq | compressed-tensors."),
+    export_option: Optional[List[str]] = typer.Option(None, "--export-option", help="KEY=VALUE option of the export "
+                                                      "format (repeatable): checkpoint_format=gptq_v2, scale_dtype=float16."),
     push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", help="Upload the export to this hub repo (needs a token)."),
     device: str = typer.Option("auto", "--device", help="cpu | cuda | cuda:N | auto; blocks are onloaded one at a time."),
     dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (the checkpoint's) | float32 | bfloat16 | float16."),
@@ -45,11 +47,18 @@ def quantize(
     if out and save and out != save:
         raise QuantdynError("give the output directory once: --out (--save is its old spelling)")
     save = out or save
+    options = {}
+    for item in export_option or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise QuantdynError(f"--export-option '{item}' must look like KEY=VALUE, e.g. checkpoint_format=gptq_v2")
+        options[key.strip()] = value.strip()
     row = quantize_one(model, method=method, bits=bits, group_size=group_size, preset=preset, calib_data=calib_data,
                        calib_samples=calib_samples, calib_seq_len=calib_seq_len, eval_data=eval_data,
                        eval_tokens=eval_tokens, eval_seq_len=eval_seq_len, tokenizer=tokenizer, save=save,
                        device=device, progress=not (as_json or quiet), threads=threads, dtype=dtype, max_memory=max_memory,
-                       repeats=repeats, repeat_vary=repeat_vary, export=export, push_to_hub=push_to_hub)
+                       repeats=repeats, repeat_vary=repeat_vary, export=export, push_to_hub=push_to_hub,
+                       export_options=options)
     if as_json:
         echo_json({k: v for k, v in row.items() if k != "window_delta"})
         return

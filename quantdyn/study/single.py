@@ -20,13 +20,15 @@ def quantize_one(
     tokenizer: str | None = None, save: Path | None = None, device: str = "auto", progress: bool = True,
     threads: int = 1, dtype: str = "auto", max_memory: str = "", repeats: int = 1, repeat_vary: str = "draw",
     export: str | None = None, push_to_hub: str | None = None, echo=None,
+    export_options: dict | None = None,
 ) -> dict:
     """Quantize ``model_ref`` (checkpoint directory or hub ``ID[@REV]``) and measure Δ CE, KL and agreement on
     held-out text; with ``save`` also write the fake-quantized checkpoint and its codes there (streamed).
     ``repeats`` R > 1 quantizes R times (calibration draw r: see measure.rows.calibration_draws) and reports the
     mean, the SD over repeats and the combined uncertainty; ``save`` keeps repeat 0. With ``export`` ('gptq' or
     'compressed-tensors') ``save`` receives a deployable checkpoint in that format instead (streamed too; what the
-    format cannot hold is refused before any work), uploaded to ``push_to_hub`` (a repo id) when given."""
+    format cannot hold is refused before any work), uploaded to ``push_to_hub`` (a repo id) when given; ``export_options`` are the format's options
+    (GPTQ: checkpoint_format gptq | gptq_v2, scale_dtype; compressed-tensors: scale_dtype)."""
     from quantdyn.quantize.config import parse_quantizer, quant_preset
 
     base = {"method": method, "bits": bits, "group_size": group_size}
@@ -34,6 +36,8 @@ def quantize_one(
     dev = resolve_device(device)
     if (export or push_to_hub) and save is None:
         raise QuantdynError("--export and --push-to-hub need --out DIR for the exported checkpoint")
+    if export_options and not export:
+        raise QuantdynError("--export-option sets an option of an export: add --export gptq|compressed-tensors")
     if push_to_hub and not export:
         raise QuantdynError("--push-to-hub uploads an export: add --export gptq|compressed-tensors")
     if repeats < 1:
@@ -61,7 +65,7 @@ def quantize_one(
     if save is not None and export:
         from quantdyn.measure.save import ExportSink
 
-        writer = ExportSink(export, save, source, qc, qc.name)
+        writer = ExportSink(export, save, source, qc, qc.name, **(export_options or {}))
     elif save is not None:
         from quantdyn.measure.save import QuantizedCheckpointWriter
 
