@@ -8,10 +8,14 @@ Quantize and measure
     parse_quantizer("gptq3")      -> QuantConfig (labels such as gptq4g128, rtn3, awq4, or a dict)
     measure(ckpt, {"gptq3": "gptq3"}, eval_windows, calib_ids) -> Measurement (.metrics[label]: Δ CE ± SE,
                                      KL, agreement), streamed one decoder block at a time (MeasureConfig)
+    quantize_checkpoint(ref, method="gptq", bits=3, out=None, export=None) -> one row (Δ CE ± SE, KL...), the
+                                     `quantdyn quantize` command as a call; out/export write the model
     quantize_model(model, cfg, calib_ids) -> the quantized layers, the model changed in place
     load_causal_lm(ref) / load_gpt(dir) / save_hf(model, dir)
 Train and monitor
-    RunConfig, load_run_config(dir), train(cfg, hooks=hooks_for(cfg))
+    DataConfig, prepare_data(cfg) -> TokenData (token shards; .eval_windows(T, N), .calib_windows(...))
+    RunConfig, load_run_config(dir), train(cfg, hooks=hooks_for(cfg)) -> run dir
+    cooldown(run_dir, from_step, [decay_steps], control=True) -> branch dirs
     PTQMonitor(quantizers=[...], eval_tokens=..., calib_tokens=..., every=N).step(model, step, lr)
 Sweep, study, results, report
     SweepConfig, run_sweep(cfg); StudySpec, load_study_spec(path), run_study(spec)
@@ -33,6 +37,7 @@ Example::
 from __future__ import annotations
 
 from quantdyn.config import apply_overrides, from_dict, load_yaml
+from quantdyn.data.prepare import DataConfig, TokenData, prepare_data
 from quantdyn.errors import QuantdynError
 from quantdyn.experiments.pipeline import run_study
 from quantdyn.experiments.spec import StudySpec, load_study_spec
@@ -45,12 +50,14 @@ from quantdyn.report.html import write_report
 from quantdyn.results.store import ResultStore
 from quantdyn.results.tables import load as load_results
 from quantdyn.results.tables import to_parquet
+from quantdyn.study.single import quantize_one as quantize_checkpoint
 from quantdyn.study.sweep import SweepConfig, run_sweep
-from quantdyn.train.branches import load_run_config
+from quantdyn.train.branches import cooldown, load_run_config
 from quantdyn.train.config import RunConfig
 from quantdyn.train.trainer import train
 
 __all__ = [
+    "DataConfig", "TokenData", "cooldown", "prepare_data", "quantize_checkpoint",
     "MeasureConfig", "Measurement", "PTQMonitor", "QuantConfig", "QuantdynError", "ResultStore", "RunConfig",
     "StudySpec", "SweepConfig", "apply_overrides", "from_dict", "hooks_for", "load_causal_lm", "load_gpt",
     "load_results", "load_run_config", "load_study_spec", "load_yaml", "measure", "parse_quantizer",

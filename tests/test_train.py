@@ -374,6 +374,7 @@ def test_run_dir_layout_and_its_readers(tmp_path):
     assert rd.read_info() == {} and read_metrics(tmp_path) == []
     rd.metrics.write_bytes(b'{"step": 1, "train_loss": 2.5}\n[1]\n{"step": 2, "train_lo')  # killed mid-line
     assert read_metrics(tmp_path) == [{"step": 1, "train_loss": 2.5}]
+    assert rd.status(8) == "new"
     rd.info.write_text("{not json")
     with pytest.raises(QuantdynError, match="run.json' is not valid JSON"):
         rd.read_info()

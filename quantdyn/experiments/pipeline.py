@@ -37,7 +37,7 @@ from quantdyn.study.grid import expand_grid
 from quantdyn.study.sweep import run_sweep, sweep_data
 from quantdyn.study.trajectory import TrajectoryConfig
 from quantdyn.train.branches import cooldown
-from quantdyn.train.checkpoint import RunDir, checkpoint_dir, latest_resumable, list_checkpoints
+from quantdyn.train.checkpoint import RunDir, checkpoint_dir, latest_resumable
 from quantdyn.train.config import RunConfig
 from quantdyn.train.offline_averaging import average_lawa, lawa_dir_name, make_soup
 from quantdyn.train.checkpoint import read_metrics
@@ -74,7 +74,7 @@ def _load_state(path: Path) -> dict:
 
 
 def _finished(cfg: RunConfig, run_dir: Path) -> bool:
-    return any(c.step >= cfg.train.steps for c in list_checkpoints(run_dir))
+    return RunDir(run_dir).status(cfg.train.steps) == "finished"
 
 
 def _train(cfg: RunConfig, run_dir: Path, progress: bool, echo: Echo) -> str | None:

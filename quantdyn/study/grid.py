@@ -329,13 +329,8 @@ def format_grid(manifest: dict) -> str:
 
 # ------------------------------------------------------------------ run
 def run_status(run: dict) -> str:
-    """'finished', 'partial' (has a resumable checkpoint) or 'new'."""
-    from quantdyn.train.checkpoint import latest_resumable, list_checkpoints
-
-    d = Path(run["dir"])
-    if any(c.step >= int(run["steps"]) for c in list_checkpoints(d)):
-        return "finished"
-    return "partial" if latest_resumable(d) is not None else "new"
+    """'finished', 'partial' (has a resumable checkpoint) or 'new' (:meth:`RunDir.status`)."""
+    return RunDir(run["dir"]).status(int(run["steps"]))
 
 
 def run_grid(grid_dir: str | Path, only: Sequence[str] | None = None, progress: bool = True,

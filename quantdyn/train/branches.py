@@ -17,6 +17,7 @@ from quantdyn.config import from_dict, load_yaml
 from quantdyn.errors import QuantdynError
 from quantdyn.train.checkpoint import (
     CheckpointInfo,
+    RunDir,
     checkpoint_dir,
     latest_resumable,
     list_checkpoints,
@@ -61,8 +62,7 @@ def run_branch(cfg: RunConfig, branch_dir: Path, source: CheckpointInfo, parent:
                hooks: Sequence = (), verbose: bool = False) -> Path:
     """Train one branch from ``source``; resume or skip if it already ran. ``hooks``: the trainer's step
     hooks (e.g. ``quantdyn.monitor.hooks_for(cfg)``)."""
-    done = [c for c in list_checkpoints(branch_dir) if c.step >= cfg.train.steps]
-    if done:
+    if RunDir(branch_dir).status(cfg.train.steps) == "finished":
         return branch_dir
     from quantdyn.train.trainer import train
 

@@ -90,6 +90,13 @@ class RunDir:
     def branch(self, name: str) -> "RunDir":
         return RunDir(self.branches / name)
 
+    def status(self, steps: int) -> str:
+        """'finished' (a checkpoint at ``steps`` or later), 'partial' (a resumable checkpoint before it) or
+        'new' — what every "train, resume or skip" decision asks."""
+        if any(c.step >= steps for c in list_checkpoints(self.path)):
+            return "finished"
+        return "partial" if latest_resumable(self.path) is not None else "new"
+
     def read_info(self) -> dict:
         """run.json ({} when the run has none yet); an unreadable one is one line."""
         if not self.info.is_file():
