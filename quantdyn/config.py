@@ -200,3 +200,63 @@ def load_yaml(path: str | Path) -> dict:
 
 def dump_yaml(data: Any) -> str:
     return yaml.safe_dump(to_dict(data), sort_keys=False)
+
+
+# ------------------------------------------------------------------ dotted keys
+def _dataclass_of(tp: Any):
+    if dataclasses.is_dataclass(tp):
+        return tp
+    for a in typing.get_args(tp):
+        if dataclasses.is_dataclass(a):
+            return a
+    return None
+
+
+def _is_mapping(tp: Any) -> bool:
+    return tp is dict or typing.get_origin(tp) is dict
+
+
+def config_keys(cls, prefix: str = "") -> list[str]:
+    """Every dotted key of the config dataclass ``cls``, leaves and sections."""
+    out = []
+    for f, tp in typing.get_type_hints(cls).items():
+        if f not in {x.name for x in dataclasses.fields(cls) if x.init}:
+            continue
+        key = f"{prefix}{f}"
+        out.append(key)
+        sub = _dataclass_of(tp)
+        if sub is not None:
+            out += config_keys(sub, key + ".")
+    return out
+
+
+def check_config_key(cls, key: str, what: str = "override") -> None:
+    """Raise a QuantdynError with a did-you-mean if the dotted ``key`` names no value of ``cls`` (a section or
+    an unknown name); a free-form mapping (e.g. optim.extra) takes any sub-key.  ``what`` starts the message
+    (e.g. '--vary')."""
+    top = cls
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        hints = {f.name: typing.get_type_hints(cls)[f.name] for f in dataclasses.fields(cls) if f.init}
+        if part not in hints:
+            known = config_keys(top)
+            hint = did_you_mean(key, known)
+            if not hint:  # e.g. 'lr' for 'optim.lr': match the last component
+                same_leaf = [k for k in known if k.rsplit(".", 1)[-1] == parts[-1]]
+                hint = f" (did you mean '{same_leaf[0]}'?)" if same_leaf else did_you_mean(part, hints)
+            under = f" under '{'.'.join(parts[:i])}'" if i else ""
+            raise QuantdynError(
+                f"{what} {key}: unknown config key '{key}'{hint}; valid keys{under}: {', '.join(sorted(hints))}"
+            )
+        tp = hints[part]
+        if _is_mapping(tp):
+            return
+        sub = _dataclass_of(tp)
+        if sub is None:
+            if i < len(parts) - 1:
+                raise QuantdynError(f"{what} {key}: '{'.'.join(parts[: i + 1])}' is a value, not a section")
+            return
+        if i == len(parts) - 1:
+            first = dataclasses.fields(sub)[0].name
+            raise QuantdynError(f"{what} {key}: '{key}' is a section; give one of its keys, e.g. '{key}.{first}'")
+        cls = sub

@@ -30,23 +30,22 @@ On a SLURM cluster, :func:`write_launch_scripts` writes the array script and
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import re
 import shlex
 import sys
 import time
-import typing
 from pathlib import Path
 from typing import Any, Sequence
 
 import yaml
 
-from quantdyn.config import from_dict, parse_override, set_dotted, to_dict
+from quantdyn.config import check_config_key, from_dict, parse_override, set_dotted, to_dict
 from quantdyn.errors import QuantdynError, did_you_mean
 from quantdyn.study.slurm import SlurmConfig, job_name, run_command, sbatch_header, submit
 from quantdyn.train.checkpoint import RunDir, step_name
+from quantdyn.train.config import RunConfig
 
 MANIFEST = "grid.json"
 
@@ -82,68 +81,9 @@ ALIASES: dict[str, str] = {
 
 
 # ------------------------------------------------------------- key checks
-def _run_config_cls():
-    from quantdyn.train.config import RunConfig
-
-    return RunConfig
-
-
-def _dataclass_of(tp: Any):
-    if dataclasses.is_dataclass(tp):
-        return tp
-    for a in typing.get_args(tp):
-        if dataclasses.is_dataclass(a):
-            return a
-    return None
-
-
-def _is_mapping(tp: Any) -> bool:
-    return tp is dict or typing.get_origin(tp) is dict
-
-
-def config_keys(cls=None, prefix: str = "") -> list[str]:
-    """Every dotted key of a config dataclass (RunConfig by default), leaves and sections."""
-    cls = cls or _run_config_cls()
-    out = []
-    for f, tp in typing.get_type_hints(cls).items():
-        if f not in {x.name for x in dataclasses.fields(cls) if x.init}:
-            continue
-        key = f"{prefix}{f}"
-        out.append(key)
-        sub = _dataclass_of(tp)
-        if sub is not None:
-            out += config_keys(sub, key + ".")
-    return out
-
-
 def check_key(key: str) -> None:
-    """Raise a QuantdynError with a did-you-mean if ``key`` is not a RunConfig key."""
-    cls = _run_config_cls()
-    parts = key.split(".")
-    for i, part in enumerate(parts):
-        hints = {f.name: typing.get_type_hints(cls)[f.name] for f in dataclasses.fields(cls) if f.init}
-        if part not in hints:
-            known = config_keys()
-            hint = did_you_mean(key, known)
-            if not hint:  # e.g. 'lr' for 'optim.lr': match the last component
-                same_leaf = [k for k in known if k.rsplit(".", 1)[-1] == parts[-1]]
-                hint = f" (did you mean '{same_leaf[0]}'?)" if same_leaf else did_you_mean(part, hints)
-            under = f" under '{'.'.join(parts[:i])}'" if i else ""
-            raise QuantdynError(
-                f"--vary {key}: unknown config key '{key}'{hint}; valid keys{under}: {', '.join(sorted(hints))}"
-            )
-        tp = hints[part]
-        if _is_mapping(tp):
-            return  # a free-form mapping (e.g. optim.extra.*) takes any sub-key
-        sub = _dataclass_of(tp)
-        if sub is None:
-            if i < len(parts) - 1:
-                raise QuantdynError(f"--vary {key}: '{'.'.join(parts[: i + 1])}' is a value, not a section")
-            return
-        if i == len(parts) - 1:
-            first = dataclasses.fields(sub)[0].name
-            raise QuantdynError(f"--vary {key}: '{key}' is a section; vary one of its keys, e.g. '{key}.{first}'")
-        cls = sub
+    """Raise a QuantdynError with a did-you-mean if ``key`` is not a RunConfig key (config.check_config_key)."""
+    check_config_key(RunConfig, key, "--vary")
 
 
 # ------------------------------------------------------------- expansion
@@ -206,7 +146,6 @@ def expand_grid(base: dict, vary: Sequence[str], seeds: int = 0, grid_dir: str |
     before anything runs).  With ``grid_dir`` each run's out_dir is
     GRID_DIR/runs, so its directory is GRID_DIR/runs/NAME.
     """
-    from quantdyn.train.config import RunConfig
 
     if seeds < 0:
         raise QuantdynError(f"--seeds {seeds} must be >= 0")
@@ -247,7 +186,6 @@ def expand_grid(base: dict, vary: Sequence[str], seeds: int = 0, grid_dir: str |
 
 def grid_manifest(base: dict, vary: Sequence[str], seeds: int, grid_dir: str | Path) -> dict:
     """The manifest of a grid (validated; nothing written): base, varied keys, runs."""
-    from quantdyn.train.config import RunConfig
 
     grid_dir = Path(grid_dir)
     parsed = [parse_vary(v) for v in vary]
@@ -346,7 +284,6 @@ def run_grid(grid_dir: str | Path, only: Sequence[str] | None = None, progress: 
     from quantdyn.config import load_yaml
     from quantdyn.monitor import hooks_for
     from quantdyn.train.checkpoint import latest_resumable
-    from quantdyn.train.config import RunConfig
     from quantdyn.train.trainer import train
 
     manifest = read_grid(grid_dir)
