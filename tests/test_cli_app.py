@@ -111,7 +111,10 @@ def test_sigint_in_a_real_process_ends_in_one_line(tmp_path):
     """The real signal path: SIGINT while a command works -> one line, exit 130."""
     script = tmp_path / "slow.py"
     script.write_text(
-        "import sys, time\n"
+        "import signal, sys, time\n"
+        # a shell that runs the suite in the background (`make test &`) starts it with SIGINT ignored, and
+        # children inherit that; a user's terminal delivers it: Python's own handler, as in a foreground shell
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "import quantdyn.cli as cli\n"
         "import quantdyn.experiments.pipeline as demo\n"
         "def slow(*a, **k):\n"
@@ -180,7 +183,7 @@ def test_results_out_writes_the_rows(capsys, tmp_path, name, parse):
 def test_results_out_errors_and_old_csv_spelling(capsys, tmp_path):
     st = _store(tmp_path)
     code, _, err = run(capsys, "results", "--store", str(st.root), "--out", str(tmp_path / "rows.txt"))
-    assert ".csv, .json or .jsonl" in one_line_error(code, err)
+    assert ".csv, .json, .jsonl or .parquet" in one_line_error(code, err)
     code, _, err = run(capsys, "results", "--store", str(st.root), "--out", str(tmp_path / "a.csv"),
                        "--csv", str(tmp_path / "b.csv"))
     assert "not both" in one_line_error(code, err)
