@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from quantdyn.errors import QuantdynError
+
 log = logging.getLogger("quantdyn")
 
 
@@ -24,8 +26,6 @@ def resolve_device(name: str = "auto") -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        from quantdyn.errors import QuantdynError
-
         raise QuantdynError(f"device '{name}' was asked for but no CUDA GPU is visible; use device=cpu")
     return dev
 

@@ -40,6 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from quantdyn.errors import QuantdynError, unknown_name
+from quantdyn.models.gpt import logits_of
 
 Tensors = list[torch.Tensor]
 HVPFn = Callable[[Tensors], Tensors]
@@ -409,7 +410,6 @@ def hvp_from_loss(
 def next_token_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of ``ids`` (LongTensor [B, T]) under ``model``
     (quantdyn GPT or HF causal LM)."""
-    from quantdyn.models.gpt import logits_of
 
     logits = logits_of(model, ids)  # (B, T, V)
     if logits.dtype in (torch.float16, torch.bfloat16):

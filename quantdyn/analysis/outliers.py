@@ -35,6 +35,8 @@ import torch
 import torch.nn as nn
 
 from quantdyn.errors import QuantdynError
+from quantdyn.models.gpt import logits_of
+
 
 @dataclass(frozen=True)
 class OutlierConfig:
@@ -199,7 +201,6 @@ def outlier_metrics(
     needed when ``cfg.activations``.  See the module docstring for the exact
     definitions.  Returns :class:`OutlierMetrics` (rows, aggregates).
     """
-    from quantdyn.models.gpt import logits_of
 
     layers = linear_layers(model, cfg.include_head)
     if not layers:

@@ -41,6 +41,9 @@ import torch
 import torch.nn as nn
 
 from quantdyn.errors import QuantdynError
+from quantdyn.models.adapters import adapter_for
+from quantdyn.models.gpt import GPT
+from quantdyn.quantize.blockwise import capture_inputs, first_block_inputs
 
 BlockFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -185,7 +188,6 @@ def gpt_error_propagation(
     (equal unless the quantizer touched the embedding).  Blocks are
     ``model.gpt_neox.layers`` called as ``block(h, rope)``.
     """
-    from quantdyn.models.gpt import GPT
 
     for m, what in ((fp_model, "full-precision"), (q_model, "quantized")):
         if not isinstance(m, GPT):
@@ -220,8 +222,6 @@ def model_error_propagation(
     arguments from ``fp_model`` and are passed to the same block of both.  Chunks of ``batch_size``
     sequences, eval mode, ``torch.no_grad``; sums accumulated over all tokens.
     """
-    from quantdyn.models.adapters import adapter_for
-    from quantdyn.quantize.blockwise import capture_inputs, first_block_inputs
 
     if ids.dim() != 2 or ids.size(0) == 0:
         raise QuantdynError(f"error propagation: ids must be token ids shaped [N, T], got {tuple(ids.shape)}")

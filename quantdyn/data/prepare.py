@@ -47,6 +47,7 @@ from quantdyn.data.tokenizer import (
 )
 from quantdyn.errors import QuantdynError
 from quantdyn.files import atomic_dir, write_json_atomic
+from quantdyn.progress import Progress
 
 SPLITS = ("train", "val", "calib")
 
@@ -341,8 +342,6 @@ def _open_legacy(directory: Path, identity: str) -> TokenData | None:
 
 def _prepare(cfg: DataConfig, info, doc_factory, pretrained, key: str, legacy_key: str, directory: Path,
              progress: bool) -> None:
-    from quantdyn.progress import Progress
-
     max_chars = cfg.max_tokens * 5 if (cfg.max_tokens and info.kind == "hf") else 0
 
     def docs():

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from quantdyn.errors import QuantdynError
+from quantdyn.errors import QuantdynError, did_you_mean
 from quantdyn.evaluate.tasks import BUILTIN_TASKS, build_builtin_tasks, task_files_hash
+from quantdyn.models.hf_io import _auto_load, load_causal_lm, read_config_json
 
 METRIC_PREFERENCE = ("acc", "acc_norm", "exact_match")
 """The accuracy reported per task: the first of these that the task computes."""
@@ -37,7 +38,7 @@ def make_lm(model: nn.Module, tokenizer, **kwargs):
     """A :class:`~quantdyn.evaluate.lm_eval_adapter.QuantdynLM` for ``model`` (kwargs: batch_size, max_length,
     max_gen_toks, progress)."""
     require_lm_eval()
-    from quantdyn.evaluate.lm_eval_adapter import QuantdynLM  # the optional extra, checked just above
+    from quantdyn.evaluate.lm_eval_adapter import QuantdynLM  # imports lm-eval: the optional extra, checked above
 
     return QuantdynLM(model, tokenizer, **kwargs)
 
@@ -90,7 +91,6 @@ def load_tasks(names: Sequence[str], tm=None) -> dict[str, Any]:
     A task whose data cannot be loaded (offline, no cache, gated dataset) is
     reported with the dataset it needs instead of a ``datasets`` traceback.
     """
-    from quantdyn.errors import did_you_mean
 
     tm = tm or task_manager()
     out: dict[str, Any] = {}
@@ -231,10 +231,7 @@ def load_tokenizer(ref: str):
 
 def load_eval_model(ref: str, backend: str, dev: torch.device) -> nn.Module:
     if backend == "quantdyn":
-        from quantdyn.models.hf_io import load_causal_lm
-
         return load_causal_lm(ref, device=dev).eval()
-    from quantdyn.models.hf_io import _auto_load, read_config_json
 
     path = Path(ref)
     if path.is_dir():

@@ -49,7 +49,9 @@ from pathlib import Path
 
 import numpy as np
 
+from quantdyn.data.prepare import default_cache_dir
 from quantdyn.errors import QuantdynError
+from quantdyn.files import atomic_dir, write_json_atomic
 
 LASTWORD = "quantdyn_lastword"
 NEXTSENT = "quantdyn_nextsent"
@@ -214,7 +216,6 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 
 def default_task_dir(data, seed: int, n: int) -> Path:
     """``$QUANTDYN_CACHE/tasks/<data key>-s<seed>-n<n>`` (or .cache/quantdyn/...)."""
-    from quantdyn.data.prepare import default_cache_dir
 
     return default_cache_dir().parent / "tasks" / f"{data.data_hash}-s{seed}-n{n}"
 
@@ -236,7 +237,6 @@ def build_builtin_tasks(data, out_dir: str | Path | None = None, seed: int = 0, 
     directory built with the same parameters is reused.  Returns the directory
     (pass it as ``include_path`` to an lm-eval TaskManager).
     """
-    from quantdyn.files import atomic_dir, write_json_atomic
 
     if n < 1:
         raise QuantdynError(f"built-in tasks need n >= 1 examples, got {n}")

@@ -41,6 +41,7 @@ from quantdyn.export.formats import EXPORT_FORMATS, SCALE_DTYPES, ExportFormat
 from quantdyn.files import atomic_dir
 from quantdyn.quantize.config import QuantConfig, parse_quantizer
 from quantdyn.quantize.primitives import n_groups
+from quantdyn.runtime import git_sha
 
 PROVENANCE_FILE = "quantdyn_export.json"
 """Provenance file of an export (also how an existing export directory is recognised)."""
@@ -216,8 +217,6 @@ class ExportWriter:
         return self.out_dir
 
     def _finish(self, tmp: Path) -> None:
-        from quantdyn.runtime import git_sha
-
         if self._buffer or not self._shards:
             self._flush()
         n = len(self._shards)

@@ -30,12 +30,22 @@ from typing import Callable, Mapping
 import torch
 import torch.nn as nn
 
-from quantdyn.errors import QuantdynError
+from quantdyn.analysis.propagation import block_sums, finalize_propagation, input_sums
+from quantdyn.errors import QuantdynError, unknown_name
 from quantdyn.evaluate.quant_error import FPLogits, summarize, window_metrics
 from quantdyn.models.lazy import CheckpointWeights, open_checkpoint
-from quantdyn.models.streamed import BlockSource, InMemoryModel, LazyModel, compute_dtype_of
-from quantdyn.analysis.propagation import block_sums, finalize_propagation, input_sums
-from quantdyn.quantize.apply import BlockTransform, VariantQuantization, WalkConfig, walk
+from quantdyn.models.streamed import (
+    BlockSource,
+    InMemoryModel,
+    LazyModel,
+    compute_dtype_of,
+)
+from quantdyn.quantize.apply import (
+    BlockTransform,
+    VariantQuantization,
+    WalkConfig,
+    walk,
+)
 from quantdyn.quantize.blockwise import block_output
 from quantdyn.quantize.config import QuantConfig, parse_quantizer
 from quantdyn.quantize.primitives import QuantResult
@@ -83,8 +93,6 @@ class MeasureConfig:
         compute_dtype_of(self.dtype)
         parse_bytes(self.max_memory)
         if self.streams not in ("auto", "memory", "disk"):
-            from quantdyn.errors import unknown_name
-
             raise unknown_name("streams setting", self.streams, ("auto", "memory", "disk"))
 
 

@@ -19,6 +19,7 @@ import statistics
 import torch
 
 from quantdyn.config import config_hash
+from quantdyn.errors import unknown_name
 from quantdyn.measure.engine import MeasureConfig, Measurement
 from quantdyn.quantize.config import QuantConfig
 from quantdyn.quantize.config import row_fields as quantizer_fields
@@ -52,8 +53,6 @@ def calibration_draws(data, samples: int, seq_len: int, seed: int, repeats: int,
     windows in a permuted order (seeded by r: only the float summation order changes), ``both`` does both.
     Repeat 0 is always the plain draw with ``seed``, so R = 1 is exactly the unrepeated measurement."""
     if vary not in REPEAT_VARY:
-        from quantdyn.errors import unknown_name
-
         raise unknown_name("repeat variation", vary, REPEAT_VARY)
     base = data.calib_windows(samples, seq_len, seed)
     out = [base]

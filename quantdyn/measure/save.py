@@ -20,7 +20,9 @@ import torch.nn as nn
 from safetensors.torch import save_file
 
 from quantdyn.config import config_hash, to_dict
+from quantdyn.export import open_export
 from quantdyn.files import atomic_dir
+from quantdyn.models.adapters import model_type_of
 from quantdyn.models.streamed import LazyModel
 from quantdyn.quantize.config import QuantConfig
 from quantdyn.quantize.primitives import QuantResult
@@ -143,9 +145,6 @@ class ExportSink:
     from the source checkpoint at the end, the tokenizer files beside them."""
 
     def __init__(self, fmt: str, out: str | Path, source: LazyModel, qc: QuantConfig, label: str, **options):
-        from quantdyn.export import open_export
-        from quantdyn.models.adapters import model_type_of
-
         self.source, self.label = source, label
         self.writer = open_export(fmt, out, dict(source.weights.config), qc, model_type_of(source.model), **options)
         self.quantized: set[str] = set()

@@ -22,8 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from quantdyn.errors import QuantdynError
-
+from quantdyn.errors import QuantdynError, unknown_name
 
 _DEFAULTS: dict = dict(vocab_size=0, n_layer=4, d_model=128, n_head=4, d_ff=0, max_seq_len=2048, rotary_pct=0.25,
                        rotary_base=10000.0, parallel_residual=True, tie_embeddings=False, layer_norm_eps=1e-5,
@@ -121,8 +120,6 @@ def resolve_model_config(cfg: ModelConfig, vocab_size: int | None = None) -> Mod
     fields = dict(_DEFAULTS)
     if cfg.preset is not None:
         if cfg.preset not in PRESETS:
-            from quantdyn.errors import unknown_name
-
             raise unknown_name("model preset", cfg.preset, PRESETS)
         fields.update(PRESETS[cfg.preset])
     for k in _DEFAULTS:

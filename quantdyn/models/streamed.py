@@ -25,8 +25,10 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
-from quantdyn.errors import QuantdynError
+from quantdyn.errors import QuantdynError, unknown_name
 from quantdyn.models.adapters import FamilyAdapter, adapter_for
+from quantdyn.models.gpt import GPT
+from quantdyn.models.hf_io import model_config_from_hf
 from quantdyn.models.lazy import CheckpointWeights
 
 _COMPUTE_DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -36,8 +38,6 @@ _COMPUTE_DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32
 def compute_dtype_of(name: str) -> torch.dtype | None:
     """'auto' -> None (the checkpoint's own dtype), else the torch dtype; unknown names are an error."""
     if name not in _COMPUTE_DTYPES:
-        from quantdyn.errors import unknown_name
-
         raise unknown_name("dtype", name, [k for k in _COMPUTE_DTYPES if len(k) > 4])
     return _COMPUTE_DTYPES[name]
 
@@ -64,9 +64,6 @@ def build_skeleton(weights: CheckpointWeights) -> nn.Module:
     """The checkpoint's model with parameters on ``meta`` and real buffers, in eval mode."""
     d = weights.config
     if d.get("model_type") == "gpt_neox":
-        from quantdyn.models.gpt import GPT
-        from quantdyn.models.hf_io import model_config_from_hf
-
         try:
             cfg = model_config_from_hf(d)
         except (KeyError, TypeError, ValueError) as e:

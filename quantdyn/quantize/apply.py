@@ -43,7 +43,9 @@ import torch.nn as nn
 
 from quantdyn.config import config_hash, to_dict
 from quantdyn.errors import QuantdynError
+from quantdyn.files import atomic_dir
 from quantdyn.models.adapters import model_type_of
+from quantdyn.models.hf_io import save_hf_into
 from quantdyn.models.streamed import BlockSource, InMemoryModel
 from quantdyn.quantize.blockwise import (
     CapturedInputs,
@@ -61,6 +63,7 @@ from quantdyn.quantize.config import QUANTIZERS, QuantConfig, parse_quantizer
 from quantdyn.quantize.gptq import stats_update
 from quantdyn.quantize.primitives import QuantResult, num_threads
 from quantdyn.quantize.streams import Stream, StreamStore, trim_heap
+from quantdyn.runtime import git_sha
 
 log = logging.getLogger("quantdyn")
 
@@ -451,9 +454,6 @@ def save_quantized(model: nn.Module, result: ModelQuantization, cfg: QuantConfig
     and ``quant_config.json`` (the QuantConfig, its hash, per-layer rows, summary)."""
     from safetensors.torch import save_file
 
-    from quantdyn.files import atomic_dir
-    from quantdyn.models.hf_io import save_hf_into
-    from quantdyn.runtime import git_sha
 
     cfg = result.config if cfg is None else parse_quantizer(cfg)
     out = Path(out_dir)

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from quantdyn.report.accuracy import accuracy_vs_dce
+from quantdyn.report.optimizers import optimizer_figure, optimizer_table, scaling_figure
+from quantdyn.report.predictors import predictor_figure, predictor_rows
+
 
 def sections(rows: list[dict], out: Path) -> list[tuple[str, str, list[dict], str]]:
     found = []
     if any(r.get("kind") == "analysis" for r in rows):
-        from quantdyn.report.predictors import predictor_figure, predictor_rows
-
         corr = predictor_rows(rows)
         png = out / "predictors.png"
         if corr and predictor_figure(rows, corr, png):
@@ -20,8 +22,6 @@ def sections(rows: list[dict], out: Path) -> list[tuple[str, str, list[dict], st
                 "paper A links Δ CE to the Hessian trace and top eigenvalue."),
             ))
     if any(r.get("kind") == "accuracy" for r in rows):
-        from quantdyn.report.accuracy import accuracy_vs_dce
-
         png = out / "accuracy_vs_dce.png"
         table = accuracy_vs_dce(rows, png)
         if table:
@@ -29,8 +29,6 @@ def sections(rows: list[dict], out: Path) -> list[tuple[str, str, list[dict], st
                           ("Accuracy of the quantized model minus the full-precision one, per task, against Δ CE "
                           "across checkpoints (paper A, Figure 4).")))
     if len({r.get("optimizer") for r in rows if r.get("optimizer")}) > 1 or any(r.get("kind") == "qat" for r in rows):
-        from quantdyn.report.optimizers import optimizer_figure, optimizer_table
-
         table = optimizer_table(rows)
         png = out / "optimizers.png"
         if table and optimizer_figure(table, png):
@@ -38,8 +36,6 @@ def sections(rows: list[dict], out: Path) -> list[tuple[str, str, list[dict], st
                           ("Per run's final checkpoint: FP loss, PTQ Δ CE per quantizer, the deployed QAT loss, "
                           "outlier metrics (MMR, kurtosis) and the propagated error R_L (paper B).")))
     if any(r.get("kind") == "scaling" for r in rows):
-        from quantdyn.report.optimizers import scaling_figure
-
         png = out / "scaling.png"
         table = scaling_figure(rows, png)
         if table:

@@ -20,12 +20,13 @@ from pathlib import Path
 
 from quantdyn.errors import QuantdynError
 from quantdyn.files import write_json_atomic, write_text_atomic
-from quantdyn.report import figures, provenance, uncertainty
+from quantdyn.report import figures, provenance, trajectories, uncertainty
+from quantdyn.report.extra import sections
 from quantdyn.report.monitored import monitored_points
-from quantdyn.train.checkpoint import RunDir, read_metrics
 from quantdyn.report.output import figure_paths, figure_stem, table_columns, write_csv
 from quantdyn.report.palette import Palette
 from quantdyn.results.store import ResultStore
+from quantdyn.train.checkpoint import RunDir, read_metrics
 
 
 @dataclass
@@ -294,7 +295,5 @@ def write_report(store_or_run: str | Path, out_dir: str | Path, store: str | Pat
 def _extra_sections(rows: list[dict], out: Path, palette: Palette | None = None):
     """Sections contributed by other studies (predictors, accuracy, optimizers, public trajectories) when their
     rows exist."""
-    from quantdyn.report import trajectories
-    from quantdyn.report.extra import sections
 
     return sections(rows, out) + trajectories.sections(rows, out, palette)

@@ -15,6 +15,8 @@ import math
 import re
 from pathlib import Path
 
+from quantdyn.errors import QuantdynError
+from quantdyn.quantize.config import parse_quantizer
 from quantdyn.train.checkpoint import read_metrics
 
 _PTQ = re.compile(r"^ptq/(.+)/([A-Za-z0-9_]+)$")
@@ -24,8 +26,6 @@ _DCE = re.compile(r"^dce_(.+?)(_se)?$")
 def canonical(spec: str) -> str:
     """The canonical label of a monitor quantizer spec (so its colour matches the sweep's rows); the spec
     itself when it does not parse."""
-    from quantdyn.errors import QuantdynError
-    from quantdyn.quantize.config import parse_quantizer
 
     try:
         return parse_quantizer(spec).name

@@ -14,6 +14,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from quantdyn.runtime import git_sha, hardware
+
 ROW_FIELDS: tuple[tuple[str, str], ...] = (
     ("quant_config_hash", "quantizer config hashes"),
     ("eval_hash", "evaluation set hashes"),
@@ -81,7 +83,6 @@ def _distinct(rows: list[dict], field: str) -> list[dict]:
 def collect(rows: list[dict], store: str | Path | None = None, run_dir: str | Path | None = None) -> dict:
     """Provenance of a report over ``rows``: the writer (version, commit, machine, date) and the distinct
     values of :data:`ROW_FIELDS` among the rows."""
-    from quantdyn.runtime import git_sha, hardware
 
     kinds = Counter(str(r.get("kind")) for r in rows)
     times = sorted(str(r["time"]) for r in rows if r.get("time"))

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from quantdyn.data.prepare import DataConfig, prepare_data
 from quantdyn.errors import QuantdynError
 from quantdyn.evaluate.lm_eval_tasks import (
     hf_lm,
@@ -120,8 +121,6 @@ def evaluate_accuracy(
             model = load_eval_model(ref, backend, dev)
         tokenizer = tokenizer or load_tokenizer(ref)
     if data is None and ref is not None and (qcfgs or any(n in BUILTIN_TASKS for n in names)):
-        from quantdyn.data.prepare import DataConfig, prepare_data
-
         data = prepare_data(DataConfig(source="builtin:kjv", tokenizer=ref.split("@")[0]), progress=progress)
 
     ckpt_hash = checkpoint_hash or (_ref_hash(ref) if ref is not None else state_hash(model))

@@ -41,11 +41,28 @@ from typing import Any, Sequence
 
 import yaml
 
-from quantdyn.config import check_config_key, from_dict, parse_override, set_dotted, to_dict
+from quantdyn.config import (
+    check_config_key,
+    from_dict,
+    load_yaml,
+    parse_override,
+    set_dotted,
+    to_dict,
+)
 from quantdyn.errors import QuantdynError, did_you_mean
-from quantdyn.study.slurm import SlurmConfig, job_name, run_command, sbatch_header, submit
-from quantdyn.train.checkpoint import RunDir, step_name
+from quantdyn.files import write_json_atomic, write_text_atomic
+from quantdyn.monitor import hooks_for
+from quantdyn.runtime import git_sha
+from quantdyn.study.slurm import (
+    SlurmConfig,
+    job_name,
+    run_command,
+    sbatch_header,
+    submit,
+)
+from quantdyn.train.checkpoint import RunDir, latest_resumable, step_name
 from quantdyn.train.config import RunConfig
+from quantdyn.train.trainer import train
 
 MANIFEST = "grid.json"
 
@@ -216,7 +233,6 @@ def write_grid(base: dict, vary: Sequence[str], seeds: int, grid_dir: str | Path
     Writing the same grid again is a no-op (runs already started are kept); a
     different grid in the same directory is refused.
     """
-    from quantdyn.files import write_json_atomic, write_text_atomic
 
     grid_dir = Path(grid_dir)
     manifest = grid_manifest(base, vary, seeds, grid_dir)
@@ -230,7 +246,6 @@ def write_grid(base: dict, vary: Sequence[str], seeds: int, grid_dir: str | Path
                 f"'{grid_dir}' already holds a different grid ({existing}); choose another directory or delete it"
             )
         manifest["created"] = old.get("created")
-    from quantdyn.runtime import git_sha
 
     manifest["created"] = manifest.get("created") or time.strftime("%Y-%m-%dT%H:%M:%S%z")
     manifest["git_sha"] = git_sha()
@@ -281,10 +296,6 @@ def run_grid(grid_dir: str | Path, only: Sequence[str] | None = None, progress: 
     A run whose config has ``monitor.every`` > 0 trains with its PTQ monitor.
     Returns [{name, dir, status}] with status skipped | resumed | trained.
     """
-    from quantdyn.config import load_yaml
-    from quantdyn.monitor import hooks_for
-    from quantdyn.train.checkpoint import latest_resumable
-    from quantdyn.train.trainer import train
 
     manifest = read_grid(grid_dir)
     runs = manifest["runs"]
@@ -393,7 +404,6 @@ def write_launch_scripts(grid_dir: str | Path, nproc_per_node: int = 1, **slurm)
     cfg = slurm.get("slurm")
     if cfg is not None:
         nproc_per_node = cfg.nproc_per_node
-    from quantdyn.files import write_text_atomic
 
     sbatch = grid_dir / "grid.sbatch"
     write_text_atomic(sbatch, slurm_script(manifest, nproc_per_node=nproc_per_node, **slurm))

@@ -15,7 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
+from quantdyn.analysis.hessian import HessianConfig, hessian_metrics
+from quantdyn.analysis.outliers import outlier_metrics
 from quantdyn.errors import unknown_name
+from quantdyn.measure.engine import MeasureConfig, measure
+from quantdyn.models.hf_io import load_causal_lm
 
 ANALYSES = ("hessian", "outliers", "propagation")
 
@@ -41,8 +45,6 @@ def check_analysis_names(names) -> None:
 
 
 def hessian_row(model, eval_ids: torch.Tensor, cfg: AnalysisConfig) -> dict:
-    from quantdyn.analysis.hessian import HessianConfig, hessian_metrics
-
     ids = eval_ids[: cfg.windows]
     hc = HessianConfig(trace_max_probes=cfg.hessian_probes, trace_tol=cfg.hessian_tol, top_k=1,
                        eig_max_iter=cfg.hessian_eig_iters, eig_tol=cfg.hessian_tol)
@@ -54,15 +56,12 @@ def hessian_row(model, eval_ids: torch.Tensor, cfg: AnalysisConfig) -> dict:
 
 
 def outliers_row(model, calib_ids: torch.Tensor, cfg: AnalysisConfig) -> dict:
-    from quantdyn.analysis.outliers import outlier_metrics
-
     return dict(outlier_metrics(model, calib_ids[: cfg.windows]).aggregates)
 
 
 def propagation_row(weights, calib_ids: torch.Tensor, quantizers: dict, cfg: AnalysisConfig, device="cpu",
                     mcfg=None) -> dict:
     """Paper B's R_L, mean gain and summed new error per quantizer, from one streamed walk (measure.engine)."""
-    from quantdyn.measure.engine import MeasureConfig, measure
 
     m = measure(weights, quantizers, None, calib_ids, device=device, cfg=mcfg or MeasureConfig(),
                 propagation_ids=calib_ids[: cfg.windows])
@@ -83,7 +82,6 @@ def analysis_rows(name: str, weights, data, calib_ids, eval_ids, quantizers: dic
     check_analysis_names([name])
     if name == "propagation":
         return propagation_row(weights, calib_ids, quantizers, cfg, device, mcfg)
-    from quantdyn.models.hf_io import load_causal_lm
 
     model = load_causal_lm(getattr(weights, "path", weights), device=device)
     if name == "hessian":

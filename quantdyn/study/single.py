@@ -5,11 +5,14 @@ from pathlib import Path
 
 from quantdyn.data.prepare import DataConfig, prepare_data
 from quantdyn.errors import QuantdynError
+from quantdyn.export import push_to_hub as push
 from quantdyn.measure.engine import MeasureConfig, measure
 from quantdyn.measure.rows import calibration_draws, ptq_fields, repeat_labels
+from quantdyn.measure.save import ExportSink, QuantizedCheckpointWriter
 from quantdyn.models.hf_io import checkpoint_hash
 from quantdyn.models.lazy import open_checkpoint
 from quantdyn.models.streamed import LazyModel, compute_dtype_of
+from quantdyn.quantize.config import parse_quantizer, quant_preset
 from quantdyn.runtime import git_sha, provenance, resolve_device
 
 
@@ -29,7 +32,6 @@ def quantize_one(
     'compressed-tensors') ``save`` receives a deployable checkpoint in that format instead (streamed too; what the
     format cannot hold is refused before any work), uploaded to ``push_to_hub`` (a repo id) when given; ``export_options`` are the format's options
     (GPTQ: checkpoint_format gptq | gptq_v2, scale_dtype; compressed-tensors: scale_dtype)."""
-    from quantdyn.quantize.config import parse_quantizer, quant_preset
 
     base = {"method": method, "bits": bits, "group_size": group_size}
     qc = quant_preset(preset, **base) if preset else parse_quantizer(base)
@@ -63,12 +65,8 @@ def quantize_one(
     cfg = MeasureConfig(quantize_threads=threads, dtype=dtype, max_memory=max_memory)
     writer = None
     if save is not None and export:
-        from quantdyn.measure.save import ExportSink
-
         writer = ExportSink(export, save, source, qc, qc.name, **(export_options or {}))
     elif save is not None:
-        from quantdyn.measure.save import QuantizedCheckpointWriter
-
         writer = QuantizedCheckpointWriter(save, source, qc, qc.name, weights.config.get("model_type", "?"))
     try:
         m = measure(source, {label: qc for label in labels}, eval_ids, dict(zip(labels, draws)), device=dev, cfg=cfg,
@@ -92,8 +90,6 @@ def quantize_one(
     if writer is not None and export:
         row["export"] = {"format": export, "path": str(writer.close())}
         if push_to_hub:
-            from quantdyn.export import push_to_hub as push
-
             row["export"]["hub"] = push(save, push_to_hub)
     elif writer is not None:
         losses = [r["loss"] for r in v.rows if r.get("loss") is not None]

@@ -28,17 +28,31 @@ import torch
 
 from quantdyn.config import config_hash, from_dict, to_dict
 from quantdyn.data.prepare import DataConfig, TokenData, prepare_data
-from quantdyn.errors import QuantdynError
+from quantdyn.errors import QuantdynError, unknown_name
 from quantdyn.evaluate.quant_error import _se
 from quantdyn.measure.engine import MeasureConfig, measure
+from quantdyn.measure.rows import (
+    REPEAT_VARY,
+    calibration_draws,
+    ptq_fields,
+    ptq_what,
+    repeat_labels,
+    row_key,
+)
 from quantdyn.measure.rows import calib_hash as calib_identity
-from quantdyn.measure.rows import REPEAT_VARY, calibration_draws, ptq_fields, ptq_what, repeat_labels, row_key
+from quantdyn.models.hf_io import load_causal_lm
 from quantdyn.models.lazy import open_checkpoint
+from quantdyn.progress import progress as counted
 from quantdyn.quantize.config import parse_quantizer
 from quantdyn.quantize.qat import QATConfig, QATDeployed
 from quantdyn.results.store import ResultStore, StoreWriteError
 from quantdyn.runtime import provenance, resolve_device
-from quantdyn.study.metrics_rows import AnalysisConfig, analysis_rows, check_analysis_names
+from quantdyn.study.accuracy import accuracy_rows_for_point, quantized_twin
+from quantdyn.study.metrics_rows import (
+    AnalysisConfig,
+    analysis_rows,
+    check_analysis_names,
+)
 from quantdyn.study.trajectory import (
     Point,
     TrajectoryConfig,
@@ -48,6 +62,7 @@ from quantdyn.study.trajectory import (
     preset_row_fields,
     require_available,
 )
+from quantdyn.train.branches import load_run_config
 
 log = logging.getLogger("quantdyn")
 
@@ -142,8 +157,6 @@ class SweepConfig:
         if self.quant_repeats < 1:
             raise QuantdynError(f"sweep quant_repeats={self.quant_repeats} must be >= 1")
         if self.repeat_vary not in REPEAT_VARY:
-            from quantdyn.errors import unknown_name
-
             raise unknown_name("sweep repeat_vary", self.repeat_vary, REPEAT_VARY)
         if self.eval_group < 1:
             raise QuantdynError(f"sweep eval_group={self.eval_group} must be >= 1 (quantized copies held at once)")
@@ -171,8 +184,6 @@ def parse_shard(text: str | None) -> tuple[int, int]:
 def sweep_data(cfg: SweepConfig, points: list[Point], progress: bool = True) -> TokenData:
     d = cfg.data
     if cfg.trajectory.run:
-        from quantdyn.train.branches import load_run_config
-
         base = load_run_config(Path(cfg.trajectory.run)).data
         over = {k: v for k, v in (("source", d.source), ("tokenizer", d.tokenizer)) if v}
         dc = from_dict(DataConfig, {**to_dict(base), **over})
@@ -211,7 +222,6 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True,
     that does not match the weights) is reported (``echo`` or the log) and skipped; the others go on. The
     caller decides what to do with ``failed`` (the CLI exits 2 after the sweep when it is not empty).
     ``verbose``: also a line per decoder block and one per checkpoint with its time (through ``echo``)."""
-    from quantdyn.progress import progress as counted
 
     # fail on a bad quantizer before any work; rows carry the spec as the user wrote it
     qcfgs = {(q if isinstance(q, str) else parse_quantizer(q).name): parse_quantizer(q) for q in cfg.quantizers}
@@ -392,8 +402,6 @@ def _append_accuracy(ctx: _SweepContext, p: Point, label: str, weights_q: dict, 
 
     lm-eval runs whole models: the FP model is loaded in memory and its quantized twin is that model with
     the engine's quantized weights written in (the quantization itself ran once, in the measurement)."""
-    from quantdyn.models.hf_io import load_causal_lm
-    from quantdyn.study.accuracy import accuracy_rows_for_point, quantized_twin
 
     cfg = ctx.cfg
     model = load_causal_lm(p.ref, device=ctx.device)

@@ -26,6 +26,7 @@ from quantdyn.train.checkpoint import (
 )
 from quantdyn.train.config import RunConfig
 from quantdyn.train.schedules import ScheduleConfig, _steps, lr_at
+from quantdyn.train.trainer import train
 
 
 def load_run_config(run_dir: Path) -> RunConfig:
@@ -64,7 +65,6 @@ def run_branch(cfg: RunConfig, branch_dir: Path, source: CheckpointInfo, parent:
     hooks (e.g. ``quantdyn.monitor.hooks_for(cfg)``)."""
     if RunDir(branch_dir).status(cfg.train.steps) == "finished":
         return branch_dir
-    from quantdyn.train.trainer import train
 
     partial = latest_resumable(branch_dir)
     kw = dict(parent=parent, progress=progress, hooks=hooks, verbose=verbose)

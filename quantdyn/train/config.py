@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from quantdyn.data.prepare import DataConfig
 from quantdyn.errors import QuantdynError, unknown_name
 from quantdyn.models.gpt import ModelConfig
+from quantdyn.quantize.config import parse_quantizer
 from quantdyn.quantize.qat import QATConfig
 from quantdyn.train.loggers import LOGGERS
 from quantdyn.train.optimizers import OptimConfig
@@ -124,8 +125,6 @@ class MonitorConfig:
         if self.every < 0:
             raise QuantdynError("monitor.every must be >= 0")
         if self.every:
-            from quantdyn.quantize.config import parse_quantizer
-
             for q in self.quantizers:
                 parse_quantizer(q)  # an unknown quantizer fails before training starts
 

@@ -34,9 +34,20 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
+from quantdyn.config import from_dict
+from quantdyn.data.prepare import DataConfig, prepare_data
 from quantdyn.errors import QuantdynError
+from quantdyn.evaluate.loss import mean_loss
+from quantdyn.models.hf_io import load_causal_lm
 from quantdyn.train.averaging import StateDict, interpolate, lawa_steps
-from quantdyn.train.checkpoint import META, STATE, list_checkpoints, read_meta, save_checkpoint, step_name
+from quantdyn.train.checkpoint import (
+    META,
+    STATE,
+    list_checkpoints,
+    read_meta,
+    save_checkpoint,
+    step_name,
+)
 
 # config.json keys that decide whether two checkpoints' weights mean the same thing
 ARCH_KEYS = (
@@ -83,8 +94,6 @@ def check_same_architecture(ckpts: Sequence[str | Path]) -> None:
 
 
 def _load_model(path: Path) -> nn.Module:
-    from quantdyn.models.hf_io import load_causal_lm
-
     return load_causal_lm(path, device="cpu").eval()
 
 
@@ -178,8 +187,6 @@ def data_config_of(ckpt: str | Path):
     """The DataConfig a checkpoint was trained on (from quantdyn.json), or, for
     checkpoints without quantdyn metadata, builtin:kjv with the checkpoint's
     own tokenizer (what ``quantdyn sweep`` uses for local HF checkpoints)."""
-    from quantdyn.config import from_dict
-    from quantdyn.data.prepare import DataConfig
 
     ckpt = _as_ckpt(ckpt)
     data = (read_meta(ckpt).get("config") or {}).get("data")
@@ -189,8 +196,6 @@ def data_config_of(ckpt: str | Path):
 
 
 def _token_data(ckpt: Path, data, progress: bool):
-    from quantdyn.data.prepare import prepare_data
-
     td = prepare_data(data if data is not None else data_config_of(ckpt), progress=progress)
     vocab = _config_json(ckpt).get("vocab_size")
     if vocab is not None and td.vocab_size > int(vocab):
@@ -213,8 +218,6 @@ def held_out_windows(ckpt: str | Path, data=None, seq_len: int = 128, n_windows:
 
 
 def _loss(model: nn.Module, windows: torch.Tensor, batch_size: int) -> float:
-    from quantdyn.evaluate.loss import mean_loss
-
     return mean_loss(model, windows, batch_size=batch_size)
 
 

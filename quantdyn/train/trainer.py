@@ -41,8 +41,10 @@ from quantdyn.config import dump_yaml, to_dict
 from quantdyn.data.prepare import prepare_data
 from quantdyn.errors import QuantdynError
 from quantdyn.evaluate.loss import mean_loss
-from quantdyn.models.gpt import GPT, resolve_model_config
 from quantdyn.files import write_json_atomic, write_text_atomic
+from quantdyn.models.gpt import GPT, resolve_model_config
+from quantdyn.models.hf_io import load_gpt
+from quantdyn.quantize.qat import prepare_qat
 from quantdyn.runtime import git_sha, hardware, resolve_device, seed_everything
 from quantdyn.train.averaging import OnlineEMA, OnlineLAWA, local_state_dict
 from quantdyn.train.checkpoint import (
@@ -56,6 +58,14 @@ from quantdyn.train.checkpoint import (
     save_checkpoint,
 )
 from quantdyn.train.config import RunConfig
+from quantdyn.train.distributed import (
+    dist_info,
+    init_distributed,
+    launched_by_torchrun,
+    make_strategy,
+    mean_over_ranks,
+    rank0_first,
+)
 from quantdyn.train.loggers import (
     TRAIN_GRAD_NORM,
     TRAIN_LOSS,
@@ -71,15 +81,11 @@ from quantdyn.train.loggers import (
     close_all,
     log_all,
 )
-from quantdyn.train.distributed import (
-    dist_info,
-    init_distributed,
-    launched_by_torchrun,
-    make_strategy,
-    mean_over_ranks,
-    rank0_first,
+from quantdyn.train.optimizers import (
+    build_optimizer,
+    optimizer_eval_mode,
+    optimizer_train_mode,
 )
-from quantdyn.train.optimizers import build_optimizer, optimizer_eval_mode, optimizer_train_mode
 from quantdyn.train.schedules import lr_at
 
 
@@ -211,13 +217,9 @@ def train(
     if cfg.init_weights and resume is None and init_from is None:
         _load_weights(model, cfg.init_weights, device)
     if cfg.qat is not None:
-        from quantdyn.quantize.qat import prepare_qat
-
         prepare_qat(model, cfg.qat)  # same parameter names: checkpoints load into a plain GPT
     state = None
     if source is not None:
-        from quantdyn.models.hf_io import load_gpt
-
         src = load_gpt(source.path, device)
         if src.config.shape() != mcfg.shape():
             raise QuantdynError(
@@ -508,8 +510,6 @@ def _online_averages(strategy, model, lawa, ema) -> dict:
 
 
 def _load_weights(model: GPT, path: str, device) -> None:
-    from quantdyn.models.hf_io import load_gpt
-
     src = load_gpt(path, device)
     if src.config.shape() != model.config.shape():
         raise QuantdynError(
