@@ -202,7 +202,8 @@ def _gptq_tensors(name: str, q: dict[str, torch.Tensor], qcfg: QuantConfig, st: 
             raise QuantdynError(
                 f"layer '{name}' has zero points equal to 0 (a group with no negative weight), which GPTQ v1 "
                 f"(checkpoint_format 'gptq', zeros stored minus one) cannot store unambiguously; export with "
-                f"checkpoint_format='gptq_v2', as compressed-tensors, or with a symmetric quantizer"
+                f"checkpoint_format='gptq_v2' (`quantize --export gptq --export-option checkpoint_format=gptq_v2`), as "
+                f"compressed-tensors, or with a symmetric quantizer"
             )
         stored_zeros = zeros - 1
     else:
