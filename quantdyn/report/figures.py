@@ -29,17 +29,15 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter
 
 from quantdyn.report import uncertainty
-from quantdyn.report.output import PAGE_WIDTH, panel_grid, save_figure, tokens_axis
+from quantdyn.report.output import LR_STYLE, PAGE_WIDTH, overlay_lr, panel_grid, save_figure, tokens_axis
 from quantdyn.report.palette import (
     FP_COLOR,
-    LR_COLOR,
     Palette,
     control_of,
     is_control,
     ordered_colors,
 )
 
-LR_STYLE = {"color": LR_COLOR, "lw": 1.0, "ls": "-", "alpha": 0.8}
 MARKERS = "osD^v<>pP*hX"
 
 
@@ -54,24 +52,6 @@ def _qorder(rows) -> list[str]:
 def _style(ax) -> None:
     ax.grid(alpha=0.3)
     ax.tick_params(labelsize=7)
-
-
-def overlay_lr(ax, lr_curve, label: bool = True):
-    """The LR against the panel's x on a twin axis (grey); ticks labelled only when ``label``."""
-    if not lr_curve:
-        return None
-    ax2 = ax.twinx()
-    xs, ys = zip(*sorted(lr_curve))
-    ax2.plot(xs, ys, **LR_STYLE, label="LR")
-    ax2.set_ylim(bottom=0)
-    ax.set_zorder(ax2.get_zorder() + 1)  # the data in front of the LR
-    ax.patch.set_visible(False)
-    if label:
-        ax2.set_ylabel("LR", color="0.45", fontsize=7)
-        ax2.tick_params(axis="y", labelsize=6, colors="0.45")
-    else:
-        ax2.tick_params(axis="y", right=False, labelright=False)
-    return ax2
 
 
 # --------------------------------------------------------------------------- metric panels
@@ -200,7 +180,7 @@ def metric_panels(fp: list[dict], series: dict[str, list[dict]], lr_curve: list[
                 ax.yaxis.set_minor_formatter(FuncFormatter(_plain_2_5))
                 ax.tick_params(axis="y", which="minor", labelsize=6)
             ax.set_ylabel(panel.label + (" (log)" if ax.get_yscale() == "log" else ""), fontsize=8)
-        overlay_lr(ax, lr_curve, label=(k % cols == cols - 1) or k == len(panels) - 1)
+        overlay_lr(ax, [sorted(lr_curve)], label=(k % cols == cols - 1) or k == len(panels) - 1)
         _style(ax)
         if x_key == "tokens":
             tokens_axis(ax)

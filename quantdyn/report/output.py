@@ -19,6 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from quantdyn.files import current_umask
+from quantdyn.report.palette import LR_COLOR
 
 PAGE_WIDTH = 7.5
 """Inches: a US-letter or A4 page less its margins."""
@@ -65,6 +66,32 @@ def bottom_axes(axes: list, n_cols: int) -> list:
     for k, ax in enumerate(axes):
         low[k % n_cols] = ax
     return list(low.values())
+
+
+LR_STYLE = {"color": LR_COLOR, "lw": 1.0, "ls": "-", "alpha": 0.8}
+"""How every figure draws the LR (grey, behind the data)."""
+
+
+def overlay_lr(ax, curves, label: bool = True):
+    """The LR curves ([(x, lr), ...], the first solid, any others dashed) against the panel's x on one twin
+    axis, behind the data; its ticks labelled only when ``label``. Returns the twin axis (None without
+    curves)."""
+    curves = [c for c in curves if c]
+    if not curves:
+        return None
+    ax2 = ax.twinx()
+    for k, curve in enumerate(curves):
+        xs, ys = zip(*curve)
+        ax2.plot(xs, ys, **{**LR_STYLE, "ls": "-" if k == 0 else "--"}, label="LR" if k == 0 else None)
+    ax2.set_ylim(bottom=0)
+    ax.set_zorder(ax2.get_zorder() + 1)  # the data in front of the LR
+    ax.patch.set_visible(False)
+    if label:
+        ax2.set_ylabel("LR", color="0.45", fontsize=7)
+        ax2.tick_params(axis="y", labelsize=6, colors="0.45")
+    else:
+        ax2.tick_params(axis="y", right=False, labelright=False)
+    return ax2
 
 
 def tokens_label(v: float, _pos=None) -> str:

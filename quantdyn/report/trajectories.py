@@ -21,12 +21,11 @@ from pathlib import Path
 
 from quantdyn.errors import QuantdynError
 from quantdyn.report import uncertainty
-from quantdyn.report.output import panel_grid, save_figure, tokens_axis
-from quantdyn.report.palette import LR_COLOR, Palette, quantizer_color
+from quantdyn.report.output import overlay_lr, panel_grid, save_figure, tokens_axis
+from quantdyn.report.palette import Palette, quantizer_color
 from quantdyn.study.presets import Preset, get_preset, preset_for_repo
 from quantdyn.train.schedules import PhaseSchedule, schedule_curve
 
-LR_STYLE = {"color": LR_COLOR, "lw": 1.0, "ls": "-", "alpha": 0.8}
 PUBLIC_KINDS = ("hub", "soup")
 
 
@@ -125,23 +124,6 @@ def lr_curves(pre: Preset | None, rows: list[dict]) -> list[tuple[str, list[tupl
     return out
 
 
-def _overlay(ax, curves, label: bool = True) -> None:
-    if not curves:
-        return
-    ax2 = ax.twinx()
-    for k, (_, curve) in enumerate(curves):
-        xs, ys = zip(*curve)
-        ax2.plot(xs, ys, **{**LR_STYLE, "ls": "-" if k == 0 else "--"}, label="LR" if k == 0 else None)
-    ax2.set_ylim(bottom=0)
-    ax.set_zorder(ax2.get_zorder() + 1)  # the data in front of the LR
-    ax.patch.set_visible(False)
-    if label:
-        ax2.set_ylabel("LR", color="0.45", fontsize=7)
-        ax2.tick_params(axis="y", labelsize=6, colors="0.45")
-    else:
-        ax2.tick_params(axis="y", right=False, labelright=False)
-
-
 def _tokens_axis(ax) -> None:
     tokens_axis(ax)
 
@@ -237,7 +219,7 @@ def error_vs_tokens(rows: list[dict], run: str, out: Path, quantizers: list[str]
     fig.suptitle(f"{_label(run, pre)}: quantization error along training (filled = LR decaying)", fontsize=10)
     axes[0].legend(fontsize=7, loc="upper left")
     for k, ax in enumerate(axes):
-        _overlay(ax, curves, label=(k % cols == cols - 1) or k == len(axes) - 1)
+        overlay_lr(ax, [c for _, c in curves], label=(k % cols == cols - 1) or k == len(axes) - 1)
         ax.grid(alpha=0.3)
         ax.tick_params(labelsize=7)
     log = _log_x([r["tokens"] for r in pts])
@@ -279,7 +261,7 @@ def families_side_by_side(rows: list[dict], out: Path, runs: list[str] | None = 
                 table.append({"run": run, "preset": pre.name if pre else None, "quantizer": q,
                               "branch": r.get("branch") or "main", "tokens": r["tokens"], "lr": r.get("lr"),
                               "rel_delta_ce": rel_delta_ce(r), "delta_ce": r["delta_ce"]})
-        _overlay(ax, lr_curves(pre, pts)[:1], label=k % cols == cols - 1 or k == len(runs) - 1)
+        overlay_lr(ax, [c for _, c in lr_curves(pre, pts)[:1]], label=k % cols == cols - 1 or k == len(runs) - 1)
         ax.set_title(_label(run, pre), fontsize=9)
         ax.set_xlabel("tokens", fontsize=8)
         _tokens_axis(ax)
