@@ -14,7 +14,6 @@ evaluation SE alone.  :func:`parts` also says which of the two terms dominates.
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass
 
 EVAL = "evaluation windows"
