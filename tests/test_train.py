@@ -289,8 +289,8 @@ def test_resume_checks_the_edited_config_before_writing_anything(tmp_path, kjv_s
     def edited(change):
         d = yaml.safe_load(yaml.safe_dump(original))
         change(d)
+        d["train"]["steps"] = 8  # an extension, so that the edit is what stops the resume
         (run / "config.yaml").write_text(yaml.safe_dump(d))
-        d["train"]["steps"] = 8
         return {p: p.read_bytes() for p in (run / "config.yaml", run / "run.json", run / "metrics.jsonl")}
 
     cases = [
@@ -308,6 +308,57 @@ def test_resume_checks_the_edited_config_before_writing_anything(tmp_path, kjv_s
     (run / "config.yaml").write_text(yaml.safe_dump({**original, "train": {**original["train"], "steps": 6}}))
     assert cli("train", "--resume", run, "--quiet").returncode == 0  # extending the run is a valid edit
     assert [c.step for c in list_checkpoints(run)] == [2, 4, 6]
+
+
+def test_resume_of_a_finished_run_is_a_no_op_success(tmp_path, kjv_small, cli):
+    """A requeued job, or a kill after the last checkpoint was written: `--resume` says the run is finished,
+    exits 0 and touches nothing (what a SLURM requeue script needs)."""
+    data_cfg, _ = kjv_small
+    run = train(_cfg(tmp_path, data_cfg, "f", steps=4, checkpoint_every=2), progress=False)
+    files = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    r = cli("train", "--resume", run, "--quiet")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "already finished at step 4 (train.steps=4)" in r.stderr and "Traceback" not in r.stderr
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == files
+
+
+def test_kill_between_a_steps_averages_and_its_checkpoint_resumes_exactly(tmp_path, kjv_small, monkeypatch):
+    """The checkpoint commits a step: averages are written before it, so a run killed between the two
+    resumes from the previous checkpoint and ends with the same weights and averages as an unbroken run."""
+    from safetensors.torch import load_file
+
+    import quantdyn.train.trainer as trainer
+
+    data_cfg, _ = kjv_small
+
+    def cfg(name):
+        d = tiny_run_dict(tmp_path, data_cfg, steps=4, checkpoint_every=2)
+        d.update(name=name, averaging={"ema_decay": 0.9, "lawa_window": 2, "lawa_every": 1})
+        return from_dict(RunConfig, d)
+
+    ref = train(cfg("ref"), progress=False)
+    real = trainer.save_checkpoint
+
+    class Killed(Exception):
+        pass
+
+    def dies_at_the_last_commit(directory, *a, **k):
+        if directory.parent.name == "checkpoints" and directory.name == "step-0000004":
+            raise Killed
+        return real(directory, *a, **k)
+
+    monkeypatch.setattr(trainer, "save_checkpoint", dies_at_the_last_commit)
+    with pytest.raises(Killed):
+        train(cfg("k"), progress=False)
+    run = tmp_path / "k"
+    averages = sorted(p.relative_to(run) for p in (run / "averages").rglob("step-0000004"))
+    assert len(averages) == 2  # the averages of step 4 were written, its checkpoint was not
+    assert latest_resumable(run).step == 2
+    monkeypatch.setattr(trainer, "save_checkpoint", real)
+    train(cfg("k"), run, resume=latest_resumable(run), progress=False)
+    for rel in [*averages, "checkpoints/step-0000004"]:
+        a, b = load_file(ref / rel / "model.safetensors"), load_file(run / rel / "model.safetensors")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), rel
 
 
 def test_stale_checkpoint_temporaries_are_removed_at_start(tmp_path, kjv_small):

@@ -53,6 +53,11 @@ def train(
                 f"run '{resume}' has no resumable checkpoint yet; start it again with "
                 f"`quantdyn train {resume / 'config.yaml'}`"
             )
+        if ckpt.step >= cfg.train.steps:  # a requeued job, or a kill after the last checkpoint: nothing is lost
+            typer.echo(f"run '{resume}' is already finished at step {ckpt.step} (train.steps={cfg.train.steps}); "
+                       "nothing to do (raise train.steps in its config.yaml to train on)", err=True)
+            typer.echo(f"run directory: {resume}")
+            return
         info = RunDir(resume).read_info()
         run_dir = Path(resume)
         kwargs = dict(resume=ckpt, parent=info.get("parent"))

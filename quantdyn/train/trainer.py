@@ -428,8 +428,10 @@ def train(
                 averages = _online_averages(strategy, model, lawa, ema)
                 if is_main:
                     extra = {"val_loss": row.get(VAL_LOSS)} if row else {}
-                    save_checkpoint(checkpoint_dir(run_dir, done), whole, meta_for(done, lr, **extra), data.tokenizer, state)
+                    # the step's averages first, its checkpoint last: the checkpoint commits the step, so a kill
+                    # between the two resumes from the previous checkpoint and rewrites these averages
                     _save_online_averages(run_dir, done, mcfg, averages, lawa, ema, meta_for, lr, data)
+                    save_checkpoint(checkpoint_dir(run_dir, done), whole, meta_for(done, lr, **extra), data.tokenizer, state)
                 del whole, state, averages
                 if world > 1:
                     import torch.distributed as dist
