@@ -49,7 +49,7 @@ from quantdyn.quantize.apply import (
 from quantdyn.quantize.blockwise import block_output
 from quantdyn.quantize.config import QuantConfig, parse_quantizer
 from quantdyn.quantize.primitives import QuantResult
-from quantdyn.quantize.streams import fmt_bytes, parse_bytes
+from quantdyn.quantize.streams import fmt_bytes, parse_bytes, trim_heap
 
 log = logging.getLogger("quantdyn")
 
@@ -245,5 +245,7 @@ def _head_metrics(w, targets: torch.Tensor, batch_size: int, logits_budget: int,
                     lst.append(v)
                 del lq
             del fp
+            if device.type == "cpu":
+                trim_heap()  # each slice frees logits-sized tensors that glibc would otherwise keep (see trim_heap)
     fp = torch.cat(fp_ce) if fp_ce else torch.zeros(0, dtype=torch.float64)
     return fp, {label: [torch.cat(v) for v in a] for label, a in acc.items()}

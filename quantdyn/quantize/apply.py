@@ -308,6 +308,8 @@ def walk(
                     run_block(qblock, qs[label][name], probe_args[name])
                 probe_seconds += time.perf_counter() - t0
                 del qblock
+                if device.type == "cpu":
+                    trim_heap()  # before the next quantizer: this one's Hessians and temporaries are freed
             for label, tr in transforms.items():
                 t0 = time.perf_counter()
                 qblock = tr.block(copy.deepcopy(block))
