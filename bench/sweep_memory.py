@@ -123,7 +123,7 @@ def child(a) -> None:
 
         checkpoint_hash(a.ckpt)  # a sweep hashes the weights for its row keys
         m = measure(a.ckpt, qs, ev, None if a.no_calib else calib, device=dev,
-                    cfg=MeasureConfig(layer_diagnostics=not a.no_calib))
+                    cfg=MeasureConfig(layer_diagnostics=not a.no_calib, streams=a.streams))
         dce = {k: v["delta_ce"] for k, v in m.metrics.items()}
         extra = {"streams": m.streams, "dtype": m.dtype}
     else:
@@ -156,7 +156,7 @@ def child(a) -> None:
 
 def run_case(path: str, mode: str, quantizers: list[str], a, no_calib: bool = False) -> dict:
     cmd = [sys.executable, __file__, "--child", mode, "--ckpt", path, "--quantizers", ",".join(quantizers),
-           "--windows", str(a.windows), "--calib", str(a.calib), "--device", a.device]
+           "--windows", str(a.windows), "--calib", str(a.calib), "--device", a.device, "--streams", a.streams]
     if no_calib:
         cmd.append("--no-calib")
     t0 = time.perf_counter()
@@ -193,6 +193,8 @@ def main() -> None:
     ap.add_argument("--ckpt", default="")
     ap.add_argument("--quantizers", default="")
     ap.add_argument("--no-calib", action="store_true")
+    ap.add_argument("--streams", default="auto", choices=("auto", "memory", "disk"),
+                    help="where the engine keeps activation streams (MeasureConfig.streams)")
     a = ap.parse_args()
     if a.child:
         return child(a)
