@@ -15,6 +15,13 @@ class QuantdynError(Exception):
     """An error caused by input the user can fix; the message says how."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, a SLURM time limit or ``scancel``) raised as an interrupt, so that the cleanup every
+    Ctrl-C path does (spilled streams, temporary files, the "how to go on" line) runs for it too."""
+
+    exit_code = 143  # 128 + SIGTERM, what shells and schedulers expect
+
+
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """Return ' (did you mean 'x'?)' for the closest choice, or ''."""
     close = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1, cutoff=0.5)

@@ -131,6 +131,40 @@ def test_sigint_in_a_real_process_ends_in_one_line(tmp_path):
     assert p.returncode == 130 and err.strip() == interrupt_message(["demo"]), err
 
 
+def test_sigterm_cleans_up_like_ctrl_c_and_exits_143(tmp_path):
+    """SIGTERM (kill, a SLURM time limit) runs the same cleanup as Ctrl-C: streams spilled to disk by a real
+    StreamStore are removed, one line on stderr, exit 143."""
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    script = tmp_path / "slow.py"
+    script.write_text(
+        "import sys, time, torch\n"
+        "import quantdyn.cli as cli\n"
+        "import quantdyn.experiments.pipeline as demo\n"
+        "from quantdyn.quantize.streams import StreamStore\n"
+        "def slow(*a, **k):\n"
+        f"    with StreamStore(torch.device('cpu'), 1 << 20, spill_dir={str(spill)!r}, force='disk') as store:\n"
+        "        s = store.new('fp-eval')\n"
+        "        s.append(torch.ones(4, 8))\n"
+        "        print('working', flush=True)\n"
+        "        time.sleep(60)\n"
+        "demo.run_study = slow\n"
+        "cli.main(['demo', '--quiet'])\n"
+    )
+    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "working"
+    assert len(list(spill.iterdir())) == 1  # the store's spill directory, with one batch in it
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 143 and err.strip() == interrupt_message(["demo"]), err
+    assert list(spill.iterdir()) == []
+    # in-process callers get their SIGTERM handler back
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 @pytest.mark.parametrize("module", ["quantdyn", "quantdyn.cli"])
 def test_python_m_entry_points(module):
     r = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=120)

@@ -4,20 +4,23 @@ Every mistake a user can make ends as one line on stderr that says what to fix, 
 traceback: a :class:`QuantdynError` from the library, and every usage error of the command line
 (unknown command or option, a bad or missing value).  ``quantdyn --version`` prints the installed
 version; ``-h`` and ``--help`` work on every command; help text is plain (literal ``[...]``, real
-types).  Ctrl-C ends with one line (exit 130) that says how to go on, true for the command that ran.
+types).  Ctrl-C ends with one line (exit 130) that says how to go on, true for the command that ran;
+SIGTERM the same way (exit 143).
 """
 from __future__ import annotations
 
 import errno
 import json
 import logging
+import signal
 import sys
+import threading
 from importlib import metadata
 from typing import Sequence
 
 import typer
 
-from quantdyn.errors import QuantdynError, did_you_mean
+from quantdyn.errors import QuantdynError, Terminated, did_you_mean
 
 try:  # typer >= 0.22 carries its own copy of click
     from typer._click import exceptions as click_exceptions
@@ -160,10 +163,12 @@ def interrupt_message(args: Sequence[str]) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     """The console script: run the command line ``argv`` (default ``sys.argv[1:]``) and exit.
 
-    Exit status: 0 done, 2 a user or usage error (one line on stderr), 130 interrupted."""
+    Exit status: 0 done, 2 a user or usage error (one line on stderr), 130 interrupted (Ctrl-C), 143
+    terminated (SIGTERM: cleaned up like Ctrl-C)."""
     args = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     command = typer.main.get_command(app)
+    previous = _on_sigterm_raise()
     try:
         with command.make_context(PROG, args) as ctx:
             command.invoke(ctx)
@@ -178,9 +183,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(e.exit_code)
     except typer.Abort:  # end of input at a prompt
         _fail("aborted (no input)")
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         typer.echo(interrupt_message(args), err=True)
-        sys.exit(130)
+        sys.exit(getattr(e, "exit_code", 130))
     except click_exceptions.ClickException as e:
         _fail(_one_line(e.format_message()))
     except OSError as e:
@@ -192,3 +197,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             _fail(f"cannot write or read '{e.filename or '?'}' ({e.strerror}); check the path and its permissions")
         raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
+def _on_sigterm_raise():
+    """While a command runs, SIGTERM raises :class:`Terminated`; returns the handler to restore (None where
+    handlers cannot be set: not the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _raise_terminated)

@@ -71,7 +71,7 @@ def train(
     hooks = hooks_for(cfg)  # the PTQ monitor of cfg.monitor (its quantizers are checked here)
     try:
         out = run_train(cfg, run_dir, progress=mode != "quiet", verbose=mode == "verbose", hooks=hooks, **kwargs)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         last = latest_resumable(run_dir)
         if last is not None:
             hint = f"continue from step {last.step} with `quantdyn train --resume {run_dir}`"
@@ -80,7 +80,7 @@ def train(
         else:
             hint = f"rerun `quantdyn train --resume {run_dir}`"
         typer.echo(f"interrupted; {hint}", err=True)
-        sys.exit(130)
+        sys.exit(getattr(e, "exit_code", 130))
     typer.echo(f"run directory: {out}")
 
 
