@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -93,6 +94,44 @@ def trim_heap() -> None:
         _LIBC.malloc_trim(0)
 
 
+def _spill_prefix(pid: int) -> str:
+    """Spill directories are named for their host and process, so that a later walk can tell whose they are
+    (the parent may be a filesystem that several nodes share)."""
+    host = "".join(c if c.isalnum() or c in "-." else "_" for c in socket.gethostname()) or "host"
+    return f"quantdyn-streams-{host}-{pid}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove_orphaned_spills(parent: Path) -> list[Path]:
+    """Remove the spill directories in ``parent`` left by processes of this host that no longer run (a walk
+    killed with SIGKILL, e.g. by the OOM killer, cannot remove its own); returns them. Directories of other
+    hosts, of live processes and of older, unnamed layouts are left alone."""
+    host_prefix = _spill_prefix(0)[: -len("-0")] + "-"
+    removed = []
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return removed
+    for d in entries:
+        if not d.name.startswith(host_prefix) or not d.is_dir():
+            continue
+        pid_part = d.name[len(host_prefix):].split("-", 1)[0]
+        if not pid_part.isdigit() or int(pid_part) == os.getpid() or _pid_alive(int(pid_part)):
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
+
+
 def available_host_bytes() -> int:
     """MemAvailable from /proc/meminfo (Linux), else a conservative 4 GiB."""
     try:
@@ -165,7 +204,9 @@ class StreamStore:
     @property
     def spill_dir(self) -> Path:
         if self._tmp is None:
-            self._tmp = Path(tempfile.mkdtemp(prefix="quantdyn-streams-", dir=self._parent))
+            parent = Path(self._parent or tempfile.gettempdir())
+            remove_orphaned_spills(parent)
+            self._tmp = Path(tempfile.mkdtemp(prefix=f"{_spill_prefix(os.getpid())}-", dir=parent))
         return self._tmp
 
     def new(self, name: str) -> Stream:

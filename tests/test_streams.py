@@ -1,0 +1,44 @@
+"""Activation stream storage (quantize/streams.py): where spilled streams go and what is left behind."""
+import subprocess
+import sys
+
+import torch
+
+from quantdyn.quantize.streams import StreamStore, _spill_prefix, remove_orphaned_spills
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_spilled_streams_round_trip_and_are_removed(tmp_path):
+    with StreamStore(torch.device("cpu"), 1 << 20, spill_dir=str(tmp_path), force="disk") as store:
+        s = store.new("fp-eval")
+        x = torch.randn(3, 5)
+        s.append(x)
+        s[0] = x * 2
+        assert torch.equal(s[0], x * 2)
+        (spill,) = tmp_path.iterdir()
+        assert spill.name.startswith(_spill_prefix(__import__("os").getpid()) + "-")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_orphaned_spill_directories_of_dead_processes_are_removed(tmp_path):
+    """A walk killed with SIGKILL (the OOM killer) cannot remove its spill directory; the next walk that
+    spills there removes it — but never one of a live process, of another host or of an unknown layout."""
+    dead = tmp_path / f"{_spill_prefix(_dead_pid())}-abc"
+    live = tmp_path / f"{_spill_prefix(1)}-def"  # pid 1 always runs
+    other_host = tmp_path / f"quantdyn-streams-some.other-node-{_dead_pid()}-ghi"
+    old_layout = tmp_path / "quantdyn-streams-k2j3h4"
+    mine = tmp_path / "my-files"
+    for d in (dead, live, other_host, old_layout, mine):
+        d.mkdir()
+        (d / "fp-eval-0-000000.pt").write_bytes(b"x" * 100)
+    with StreamStore(torch.device("cpu"), 1 << 20, spill_dir=str(tmp_path), force="disk") as store:
+        store.new("fp-eval").append(torch.ones(2))
+        assert not dead.exists()
+        assert all(d.exists() for d in (live, other_host, old_layout, mine))
+    assert remove_orphaned_spills(tmp_path) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(d.name for d in (live, other_host, old_layout, mine))
