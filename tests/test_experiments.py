@@ -289,6 +289,9 @@ def test_sharpness_findings_trace_differences_and_correlation():
     assert trace["verdict"] == fd.REPRODUCED
     start = next(f for f in out if f["metric"] == "Hessian trace" and "start" in f["comparison"])
     assert start["effect"] == pytest.approx(17.0)
+    eig = next(f for f in out if f["metric"] == "top Hessian eigenvalue" and "control" in f["comparison"])
+    assert eig["effect"] == pytest.approx(1.6) and eig["se_windows"] is None  # power iteration: no SE, not 0
+    assert fd.format_parts(eig).startswith("windows n/a, seeds ")
     rho = next(f for f in out if f["metric"] == "Spearman ρ" and "trace" in f["comparison"])
     assert rho["effect"] > 0.9 and rho["verdict"] == fd.REPRODUCED and rho["n"] == 16
     assert len(detail["sharpness"]) == 16

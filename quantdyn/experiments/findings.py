@@ -618,8 +618,10 @@ def sharpness_findings(rows: list[dict], runs: Sequence[str], quantizers: Sequen
         row = finding_row("A(d) Hessian trace and top eigenvalue surge during the decay", "sharpness", None,
                           f"{fam}: decayed endpoint − {what}, {b}", labels[metric], eff, +1, z,
                           "findings_sharpness.png")
-        if metric == "hessian_top_eig" and eff.se_seeds is None:
-            row["verdict"] = NOT_RESOLVED  # one seed and no SE from power iteration: nothing to compare with
+        if metric == "hessian_top_eig":
+            row["se_windows"] = None  # power iteration gives no within-run SE: "n/a", not a measured 0
+            if eff.se_seeds is None:
+                row["verdict"] = NOT_RESOLVED  # one seed and no SE from power iteration: nothing to compare with
         out.append(row)
     for q in quantizers_of(rows, quantizers):
         table = []
@@ -758,7 +760,7 @@ def format_parts(f: Mapping) -> str:
     """The uncertainty's parts: windows, seeds, run-to-run (or the bootstrap's size)."""
     if f.get("se") is None:
         return f"bootstrap over {f['n']} points" if f.get("interval_lo") is not None and f.get("n") else ""
-    parts = [f"windows {_g(float(f['se_windows']))}"]
+    parts = [f"windows {_g(float(f['se_windows']))}" if f.get("se_windows") is not None else "windows n/a"]
     parts.append(f"seeds {_g(float(f['se_seeds']))} (k={f['n_seeds']})" if f.get("se_seeds") is not None
                  else f"seeds n/a (k={f.get('n_seeds', 1)})")
     parts.append(f"run-to-run {_g(float(f['se_run']))}" if f.get("se_run") is not None
