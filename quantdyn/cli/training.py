@@ -30,6 +30,7 @@ def train(
     from dataclasses import replace
 
     from quantdyn.config import apply_overrides, from_dict, load_yaml
+    from quantdyn.models.lazy import open_checkpoint
     from quantdyn.monitor import hooks_for
     from quantdyn.train.branches import load_run_config
     from quantdyn.train.checkpoint import RunDir, latest_resumable
@@ -54,6 +55,7 @@ def train(
                 f"`quantdyn train {resume / 'config.yaml'}`"
             )
         if ckpt.step >= cfg.train.steps:  # a requeued job, or a kill after the last checkpoint: nothing is lost
+            open_checkpoint(ckpt.path)  # ... unless the final checkpoint is damaged: that is one line, exit 2
             typer.echo(f"run '{resume}' is already finished at step {ckpt.step} (train.steps={cfg.train.steps}); "
                        "nothing to do (raise train.steps in its config.yaml to train on)", err=True)
             typer.echo(f"run directory: {resume}")
