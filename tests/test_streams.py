@@ -1,10 +1,12 @@
 """Activation stream storage (quantize/streams.py): where spilled streams go and what is left behind."""
+import os
 import subprocess
 import sys
+import time
 
 import torch
 
-from quantdyn.quantize.streams import StreamStore, _spill_prefix, remove_orphaned_spills
+from quantdyn.quantize.streams import ORPHAN_AGE_S, StreamStore, _spill_prefix, remove_orphaned_spills
 
 
 def _dead_pid() -> int:
@@ -27,18 +29,27 @@ def test_spilled_streams_round_trip_and_are_removed(tmp_path):
 
 def test_orphaned_spill_directories_of_dead_processes_are_removed(tmp_path):
     """A walk killed with SIGKILL (the OOM killer) cannot remove its spill directory; the next walk that
-    spills there removes it — but never one of a live process, of another host or of an unknown layout."""
+    spills there removes it — but never one of a live process, of another host, one changed within the last
+    hour (a live walk in another PID namespace) or one of an unknown layout."""
     dead = tmp_path / f"{_spill_prefix(_dead_pid())}-abc"
     live = tmp_path / f"{_spill_prefix(1)}-def"  # pid 1 always runs
     other_host = tmp_path / f"quantdyn-streams-some.other-node-{_dead_pid()}-ghi"
     old_layout = tmp_path / "quantdyn-streams-k2j3h4"
     mine = tmp_path / "my-files"
-    for d in (dead, live, other_host, old_layout, mine):
+    recent = tmp_path / f"{_spill_prefix(_dead_pid())}-jkl"  # dead pid, but written to a minute ago
+    old = time.time() - 2 * ORPHAN_AGE_S
+    for d in (dead, live, other_host, old_layout, mine, recent):
         d.mkdir()
-        (d / "fp-eval-0-000000.pt").write_bytes(b"x" * 100)
+        f = d / "fp-eval-0-000000.pt"
+        f.write_bytes(b"x" * 100)
+        if d is not recent:
+            os.utime(f, (old, old))
+            os.utime(d, (old, old))
+    os.utime(recent, (old, old))
+    os.utime(recent / "fp-eval-0-000000.pt", (time.time() - 60,) * 2)
     with StreamStore(torch.device("cpu"), 1 << 20, spill_dir=str(tmp_path), force="disk") as store:
         store.new("fp-eval").append(torch.ones(2))
         assert not dead.exists()
-        assert all(d.exists() for d in (live, other_host, old_layout, mine))
+        assert all(d.exists() for d in (live, other_host, old_layout, mine, recent))
     assert remove_orphaned_spills(tmp_path) == []
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(d.name for d in (live, other_host, old_layout, mine))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(d.name for d in (live, other_host, old_layout, mine, recent))

@@ -16,6 +16,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -111,11 +112,29 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_orphaned_spills(parent: Path) -> list[Path]:
+ORPHAN_AGE_S = 3600
+"""A spill directory counts as orphaned only if nothing in it changed for this long: a walk rewrites its streams
+every block, and the age check keeps a live walk safe where the pid test cannot see it (another PID namespace
+with the same host name and a shared temporary directory)."""
+
+
+def _last_change(d: Path) -> float:
+    times = [d.stat().st_mtime]
+    for f in d.iterdir():
+        try:
+            times.append(f.stat().st_mtime)
+        except OSError:  # removed meanwhile
+            pass
+    return max(times)
+
+
+def remove_orphaned_spills(parent: Path, min_age_s: float = ORPHAN_AGE_S) -> list[Path]:
     """Remove the spill directories in ``parent`` left by processes of this host that no longer run (a walk
-    killed with SIGKILL, e.g. by the OOM killer, cannot remove its own); returns them. Directories of other
-    hosts, of live processes and of older, unnamed layouts are left alone."""
+    killed with SIGKILL, e.g. by the OOM killer, cannot remove its own) and unchanged for ``min_age_s``;
+    returns them. Directories of other hosts, of live processes, recently changed ones and those of older,
+    unnamed layouts are left alone."""
     host_prefix = _spill_prefix(0)[: -len("-0")] + "-"
+    now = time.time()
     removed = []
     try:
         entries = list(parent.iterdir())
@@ -126,6 +145,11 @@ def remove_orphaned_spills(parent: Path) -> list[Path]:
             continue
         pid_part = d.name[len(host_prefix):].split("-", 1)[0]
         if not pid_part.isdigit() or int(pid_part) == os.getpid() or _pid_alive(int(pid_part)):
+            continue
+        try:
+            if now - _last_change(d) < min_age_s:
+                continue
+        except OSError:
             continue
         shutil.rmtree(d, ignore_errors=True)
         removed.append(d)
