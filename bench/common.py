@@ -100,9 +100,12 @@ def machine_slug(m: dict[str, Any]) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
-def results_path(root: Path = HERE / "results", m: dict[str, Any] | None = None, date: str | None = None) -> Path:
-    """``root/<machine>-<date>.json``; a second run on the same day gets ``-2``, ``-3``, ... (nothing is overwritten)."""
-    stem = f"{machine_slug(m or machine())}-{date or time.strftime('%Y-%m-%d')}"
+def results_path(root: Path = HERE / "results", m: dict[str, Any] | None = None, date: str | None = None,
+                 name: str = "", suffix: str = "") -> Path:
+    """``root/[<name>-]<machine>-<date>[-<suffix>].json``; a second run on the same day gets ``-2``, ``-3``, ...
+    (nothing is overwritten)."""
+    parts = (name, machine_slug(m or machine()), date or time.strftime("%Y-%m-%d"), suffix)
+    stem = "-".join(x for x in parts if x)
     p, k = root / f"{stem}.json", 2
     while p.exists():
         p, k = root / f"{stem}-{k}.json", k + 1
@@ -124,6 +127,16 @@ def _update(path: Path, bench: str, **fields: Any) -> None:
     data = json.loads(path.read_text())
     data["benches"].setdefault(bench, {}).update(fields)
     _write(path, data)
+
+
+def write_results(name: str, data: dict[str, Any], out: str | Path = "", suffix: str = "") -> Path:
+    """A benchmark's own results file, beside what :func:`record` keeps for `make bench`: ``{"machine": ...,
+    "date": ..., **data}`` written atomically to ``out``, else to
+    ``bench/results/<name>-<machine>-<date>[-<suffix>].json`` (never over an earlier run's file). Returns the path."""
+    m = machine()
+    path = Path(out) if out else results_path(m=m, name=name, suffix=suffix)
+    _write(path, {"machine": m, "date": time.strftime("%Y-%m-%d"), **data})
+    return path
 
 
 def record(bench: str, figures: dict[str, Any], args: Any = None) -> dict[str, Any]:

@@ -17,8 +17,6 @@ on a busy machine too (the absolute seconds do not). Quick mode: 200 steps.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import tempfile
 import time
@@ -29,7 +27,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import record
+from common import record, write_results
 
 from quantdyn.config import apply_overrides, from_dict, load_yaml
 from quantdyn.data.prepare import prepare_data
@@ -80,13 +78,7 @@ def main() -> None:
                                      "fraction": frac}
         print(f"| {name} | {n} | {m.seconds / max(1, n):.2f} | {frac:.2%} |")
     record("monitor_cost", figures, args)
-    out = Path(args.out) if args.out else (HERE / "results" / f"monitor_cost-{platform.node() or 'machine'}-"
-                                           f"{time.strftime('%Y-%m-%d')}.json")
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"machine": {"platform": platform.platform(), "cores": __import__("os").cpu_count(),
-                                           "torch": torch.__version__, "threads": torch.get_num_threads()},
-                               "date": time.strftime("%Y-%m-%d"), "config": args.config,
-                               "overrides": args.overrides, **figures}, indent=2))
+    out = write_results("monitor_cost", {"config": args.config, "overrides": args.overrides, **figures}, args.out)
     print(f"wrote {out}")
 
 

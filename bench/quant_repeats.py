@@ -17,8 +17,6 @@ SD over repeats, combined SE, which dominates.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import tempfile
 import time
@@ -27,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import record
+from common import record, write_results
 
 QUANTIZERS = ["rtn3", "gptq3", "gptq4", "awq4"]
 
@@ -123,9 +121,7 @@ def main() -> None:
     work = Path(a.workdir or tempfile.mkdtemp(prefix="qd-repeats-"))
     gpt, data_cfg = train_gpt(work, a.steps)
     llama = train_llama(work, data_cfg, a.steps)
-    res = {"machine": {"platform": platform.platform(), "cores": __import__("os").cpu_count(),
-                       "torch": torch.__version__}, "date": time.strftime("%Y-%m-%d"), "repeats": a.repeats,
-           "windows": a.windows, "steps": a.steps, "models": {}}
+    res = {"repeats": a.repeats, "windows": a.windows, "steps": a.steps, "models": {}}
     print(f"{'model':<12}{'vary':<7}{'quantizer':<10}{'mean dCE':>10}{'eval SE':>10}{'run SD':>10}{'total SE':>10}"
           f"{'SD/SE':>7}  dominant")
     for name, ck in (("demo-gpt", gpt), ("tiny-llama", llama)):
@@ -137,11 +133,8 @@ def main() -> None:
                 print(f"{name:<12}{vary:<7}{q:<10}{x['delta_ce']:>10.4f}{x['delta_ce_se']:>10.4f}"
                       f"{x['delta_ce_run_sd']:>10.4f}{x['delta_ce_total_se']:>10.4f}"
                       f"{x['delta_ce_run_sd'] / x['delta_ce_se']:>7.2f}  {x['uncertainty_dominant']}", flush=True)
-    out = Path(__file__).parent / "results" / f"quant_repeats-{platform.node() or 'machine'}-{res['date']}.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
     record("quant_repeats", res, a)
-    print(f"wrote {out}")
+    print(f"wrote {write_results('quant_repeats', res)}")
 
 
 if __name__ == "__main__":

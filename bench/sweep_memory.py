@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,9 @@ import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_results
 
 SIZES = {"14m": "pythia-14m", "70m": "pythia-70m", "160m": "pythia-160m", "410m": "pythia-410m", "1b": "pythia-1b"}
 PYTHIA_1B = {"n_layer": 16, "d_model": 2048, "n_head": 8, "max_seq_len": 2048, "vocab_size": 50304}
@@ -202,11 +204,7 @@ def main() -> None:
         a.sizes, a.counts, a.count_size, a.windows = "14m,70m", "1,3", "14m", 50
     work = Path(a.workdir or tempfile.mkdtemp(prefix="qd-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    results = {"machine": {"platform": platform.platform(), "cpu": platform.processor() or platform.machine(),
-                           "cores": os.cpu_count(), "torch": torch.__version__,
-                           "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
-               "date": time.strftime("%Y-%m-%d"), "device": a.device, "windows": a.windows, "calib": a.calib,
-               "sizes": [], "counts": [], "llama7b": None}
+    results = {"device": a.device, "windows": a.windows, "calib": a.calib, "sizes": [], "counts": [], "llama7b": None}
     print(f"{'case':<22}{'file':>10}{'engine RSS':>12}{'x file':>8}{'in-mem RSS':>12}{'x file':>8}"
           f"{'engine s':>10}{'in-mem s':>10}{'time ratio':>11}")
 
@@ -246,11 +244,7 @@ def main() -> None:
         a.no_reference = keep
     cases = "_".join([f"s{s}" for s in a.sizes.split(",") if s] + [f"n{a.count_size}x{c}" for c in counts]
                      + (["llama7b"] if a.llama7b else []))
-    out = Path(a.out) if a.out else (Path(__file__).parent / "results"
-                                     / f"sweep_memory-{platform.node() or 'machine'}-{results['date']}-{cases}.json")
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    print(f"wrote {write_results('sweep_memory', results, a.out, suffix=cases)}")
 
 
 if __name__ == "__main__":
