@@ -107,24 +107,35 @@ def test_ctrl_c_is_one_line_and_exit_130(capsys, monkeypatch):
     assert code == 130 and err.strip() == interrupt_message(["demo"]) and "resume" in err
 
 
-def test_sigint_in_a_real_process_ends_in_one_line(tmp_path):
-    """The real signal path: SIGINT while a command works -> one line, exit 130."""
+def _demo_at_work(tmp_path, work: str = "") -> subprocess.Popen:
+    """`quantdyn demo` in a real process, its study replaced by ``work`` (statements indented by 8 spaces that
+    may enter context managers into ``stack``, as the real code's cleanup does) and then a minute's sleep;
+    returned once it prints 'working'."""
     script = tmp_path / "slow.py"
     script.write_text(
-        "import signal, sys, time\n"
+        "import contextlib, signal, sys, time, torch\n"
         # a shell that runs the suite in the background (`make test &`) starts it with SIGINT ignored, and
         # children inherit that; a user's terminal delivers it: Python's own handler, as in a foreground shell
         "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "import quantdyn.cli as cli\n"
         "import quantdyn.experiments.pipeline as demo\n"
+        "from quantdyn.quantize.streams import StreamStore\n"
         "def slow(*a, **k):\n"
-        "    print('working', flush=True)\n"
-        "    time.sleep(60)\n"
+        "    with contextlib.ExitStack() as stack:\n"
+        f"{work}"
+        "        print('working', flush=True)\n"
+        "        time.sleep(60)\n"
         "demo.run_study = slow\n"
         "cli.main(['demo', '--quiet'])\n"
     )
     p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "working"
+    return p
+
+
+def test_sigint_in_a_real_process_ends_in_one_line(tmp_path):
+    """The real signal path: SIGINT while a command works -> one line, exit 130."""
+    p = _demo_at_work(tmp_path)
     time.sleep(0.2)
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=60)
@@ -136,23 +147,9 @@ def test_sigterm_cleans_up_like_ctrl_c_and_exits_143(tmp_path):
     StreamStore are removed, one line on stderr, exit 143."""
     spill = tmp_path / "spill"
     spill.mkdir()
-    script = tmp_path / "slow.py"
-    script.write_text(
-        "import sys, time, torch\n"
-        "import quantdyn.cli as cli\n"
-        "import quantdyn.experiments.pipeline as demo\n"
-        "from quantdyn.quantize.streams import StreamStore\n"
-        "def slow(*a, **k):\n"
-        f"    with StreamStore(torch.device('cpu'), 1 << 20, spill_dir={str(spill)!r}, force='disk') as store:\n"
-        "        s = store.new('fp-eval')\n"
-        "        s.append(torch.ones(4, 8))\n"
-        "        print('working', flush=True)\n"
-        "        time.sleep(60)\n"
-        "demo.run_study = slow\n"
-        "cli.main(['demo', '--quiet'])\n"
-    )
-    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert p.stdout.readline().strip() == "working"
+    p = _demo_at_work(tmp_path, "        store = stack.enter_context(StreamStore(torch.device('cpu'), 1 << 20, "
+                                f"spill_dir={str(spill)!r}, force='disk'))\n"
+                                "        store.new('fp-eval').append(torch.ones(4, 8))\n")
     assert len(list(spill.iterdir())) == 1  # the store's spill directory, with one batch in it
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=60)
