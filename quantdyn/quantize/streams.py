@@ -95,11 +95,15 @@ def trim_heap() -> None:
         _LIBC.malloc_trim(0)
 
 
-def _spill_prefix(pid: int) -> str:
-    """Spill directories are named for their host and process, so that a later walk can tell whose they are
-    (the parent may be a filesystem that several nodes share)."""
+def _host_prefix() -> str:
+    """Spill directories are named ``quantdyn-streams-HOST-PID-*``, so that a later walk can tell whose they are
+    (the parent may be a filesystem that several nodes share); this is the part up to the pid."""
     host = "".join(c if c.isalnum() or c in "-." else "_" for c in socket.gethostname()) or "host"
-    return f"quantdyn-streams-{host}-{pid}"
+    return f"quantdyn-streams-{host}-"
+
+
+def _spill_prefix(pid: int) -> str:
+    return f"{_host_prefix()}{pid}"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -133,7 +137,7 @@ def remove_orphaned_spills(parent: Path, min_age_s: float = ORPHAN_AGE_S) -> lis
     killed with SIGKILL, e.g. by the OOM killer, cannot remove its own) and unchanged for ``min_age_s``;
     returns them. Directories of other hosts, of live processes, recently changed ones and those of older,
     unnamed layouts are left alone."""
-    host_prefix = _spill_prefix(0)[: -len("-0")] + "-"
+    host_prefix = _host_prefix()
     now = time.time()
     removed = []
     try:
