@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -53,3 +54,49 @@ def test_orphaned_spill_directories_of_dead_processes_are_removed(tmp_path):
         assert all(d.exists() for d in (live, other_host, old_layout, mine, recent))
     assert remove_orphaned_spills(tmp_path) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(d.name for d in (live, other_host, old_layout, mine, recent))
+
+
+def test_auto_placement_on_cpu(tmp_path, monkeypatch):
+    """auto on CPU: small streams stay in memory; large ones (over AUTO_SPILL_BYTES) spill to a real disk but
+    not to tmpfs (where spilling saves nothing); an explicit budget or too little free RAM decides alone."""
+    import quantdyn.quantize.streams as st
+
+    cpu = torch.device("cpu")
+    big, small = st.AUTO_SPILL_BYTES + 1, st.AUTO_SPILL_BYTES
+    monkeypatch.setattr(st, "available_host_bytes", lambda: 64 * 2**30)
+    monkeypatch.setattr(st, "_mount_type", lambda path: "ext4")
+    assert StreamStore(cpu, small, spill_dir=str(tmp_path)).where == "device"
+    assert StreamStore(cpu, big, spill_dir=str(tmp_path)).where == "disk"
+    assert StreamStore(cpu, big, budget=2 * big, spill_dir=str(tmp_path)).where == "device"
+    assert StreamStore(cpu, small, budget=small - 1, spill_dir=str(tmp_path)).where == "disk"
+    assert StreamStore(cpu, big, spill_dir=str(tmp_path), force="device").where == "device"
+    monkeypatch.setattr(st, "_mount_type", lambda path: "tmpfs")
+    assert StreamStore(cpu, big, spill_dir=str(tmp_path)).where == "device"
+    monkeypatch.setattr(st, "available_host_bytes", lambda: small)
+    assert StreamStore(cpu, small, spill_dir=str(tmp_path)).where == "disk"  # over half the free RAM
+
+
+def test_mount_type_reads_the_longest_matching_mount(tmp_path, monkeypatch):
+    import builtins
+
+    import quantdyn.quantize.streams as st
+
+    mounts = ("rootfs / ext4 rw 0 0\n"
+              "tmpfs /dev/shm tmpfs rw 0 0\n"
+              "fast /scratch xfs rw 0 0\n"
+              "ram /scratch/ram\\040disk tmpfs rw 0 0\n")
+    real_open = builtins.open
+
+    def fake_open(path, *a, **k):
+        if path == "/proc/mounts":
+            import io
+            return io.StringIO(mounts)
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+    monkeypatch.setattr(st.os.path, "realpath", lambda p: str(p))
+    assert st._mount_type("/scratch/x") == "xfs"
+    assert st._mount_type("/scratch/ram disk/x") == "tmpfs"
+    assert st._mount_type("/scratchy") == "ext4"  # a name prefix is not a parent directory
+    assert st._mount_type("/dev/shm") == "tmpfs"
+    assert st.ram_backed(Path("/dev/shm/q")) and not st.ram_backed(Path("/home/q"))

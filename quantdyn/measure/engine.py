@@ -81,7 +81,8 @@ class MeasureConfig:
     window). The head holds about six tensors of that size at once (FP log-probabilities and probabilities; the
     variant's logits, log-probabilities, their difference and its product), so this bounds the head's memory."""
     streams: str = "auto"
-    """Where activation streams live: auto (by the memory budget) | memory | disk."""
+    """Where activation streams live: auto | memory | disk. auto: by the memory budget, and on CPU with the
+    automatic budget streams over 256 MiB spill unless the spill directory is on tmpfs/ramfs (StreamStore)."""
 
     def __post_init__(self):
         if self.batch_size < 1 or self.calib_batch_size < 1:

@@ -94,7 +94,8 @@ class WalkConfig:
     in_place: bool = False
     """Quantize the model's own blocks (one quantizer, no probes): quantize_model."""
     streams: str = "auto"
-    """Where activation streams live: auto (by max_memory) | memory | disk."""
+    """Where activation streams live: auto (by max_memory; on CPU large streams spill to a real disk: StreamStore)
+    | memory | disk."""
 
     def __post_init__(self):
         if self.calib_batch_size < 1 or self.probe_batch_size < 1:
