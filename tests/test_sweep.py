@@ -215,8 +215,8 @@ def test_a_bad_checkpoint_is_one_line_and_the_sweep_goes_on(small_run, tmp_path,
 
 
 def test_sweep_verbose_engine_settings_and_plain_progress(small_run, tmp_path, cli, monkeypatch):
-    """--verbose adds a line per decoder block and per checkpoint; --spill-dir/--repeat-vary and the spec's
-    streams/logits_budget_mb reach the engine; off a terminal progress is plain lines, never a bar."""
+    """--verbose adds a line per decoder block and per checkpoint; --spill-dir/--streams/--repeat-vary (over the
+    spec's streams) and the spec's logits_budget_mb reach the engine, a bad --streams is one line before any file; off a terminal progress is plain lines, never a bar."""
     import quantdyn.study.sweep as sweep_mod
 
     seen = []
@@ -230,12 +230,16 @@ def test_sweep_verbose_engine_settings_and_plain_progress(small_run, tmp_path, c
     ck = sorted((small_run / "checkpoints").iterdir())[0]
     spec = tmp_path / "spec.yaml"
     spec.write_text(yaml.safe_dump({"trajectory": {"checkpoints": [str(ck)]}, "quantizers": ["gptq3"],
-                                    "streams": "disk", "logits_budget_mb": 2, "quant_repeats": 2,
+                                    "streams": "memory", "logits_budget_mb": 2, "quant_repeats": 2,
                                     "data": {"calib_samples": 4, "calib_seq_len": 32, "eval_windows": 8,
                                              "eval_seq_len": 32}}))
     spill = tmp_path / "spill"
     spill.mkdir()
-    r = cli("sweep", spec, "--store", tmp_path / "st", "--verbose", "--spill-dir", spill, "--repeat-vary", "order")
+    bad = cli("sweep", spec, "--store", tmp_path / "st", "--streams", "fast")
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "fast" in bad.stderr, bad.stderr
+    assert not (tmp_path / "st").exists() and seen == []
+    r = cli("sweep", spec, "--store", tmp_path / "st", "--verbose", "--spill-dir", spill, "--repeat-vary", "order",
+            "--streams", "disk")
     assert r.returncode == 0, r.stderr
     assert (seen[0].streams, seen[0].logits_budget_mb, seen[0].spill_dir) == ("disk", 2, str(spill))
     n_layer = json.loads((ck / "config.json").read_text())["num_hidden_layers"]

@@ -93,6 +93,7 @@ def sweep(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Compute dtype: auto (the checkpoint's) | float32 | bfloat16 | float16."),
     max_memory: Optional[str] = typer.Option(None, "--max-memory", help="Memory for one block + activations, e.g. 8GB."),
     spill_dir: Optional[str] = typer.Option(None, "--spill-dir", help="Where activations beyond --max-memory spill (default: the temporary directory)."),
+    streams: Optional[str] = typer.Option(None, "--streams", help="Where activation streams live: auto (by --max-memory; on CPU over 256 MiB to disk) | memory | disk."),
     preset: Optional[str] = typer.Option(None, "--preset", help="Trajectory: a public-trajectory preset (quantdyn trajectories)."),
     every: int = typer.Option(0, "--every", help="Keep every N-th checkpoint (and the last)."),
     log_spaced: int = typer.Option(0, "--log-spaced", help="Keep about K checkpoints log-spaced in tokens."),
@@ -150,7 +151,7 @@ def sweep(
     if quantizers:
         data["quantizers"] = [q for q in quantizers.split(",") if q]
     for key, value in (("store", store), ("device", device), ("dtype", dtype), ("max_memory", max_memory),
-                       ("spill_dir", spill_dir)):
+                       ("spill_dir", spill_dir), ("streams", streams)):
         if value:
             data[key] = value
     if not spec and not traj:

@@ -121,7 +121,8 @@ class SweepConfig:
     spill_dir: str = ""
     """Where activation streams that do not fit max_memory spill ('' = the system temporary directory)."""
     streams: str = "auto"
-    """Where activation streams live: auto (by max_memory) | memory | disk."""
+    """Where activation streams live: auto (by max_memory; on CPU streams over 256 MiB spill unless the spill
+    directory is on tmpfs) | memory | disk."""
     logits_budget_mb: int = 16
     """Largest logits tensor of one variant (MiB): the evaluation head works in slices of windows that fit it."""
     layer_diagnostics: bool = True
