@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from quantdyn.data.prepare import DataConfig, prepare_data  # noqa: E402
-from quantdyn.quantize.apply import quantize_model  # noqa: E402
+from quantdyn.engine.walk import quantize_model  # noqa: E402
 
 
 def ce(model, windows: torch.Tensor, batch: int = 16) -> float:

@@ -41,10 +41,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from quantdyn.data.prepare import DataConfig, prepare_data  # noqa: E402
+from quantdyn.engine.walk import quantize_model  # noqa: E402
 from quantdyn.export import read_export  # noqa: E402
 from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config  # noqa: E402
 from quantdyn.models.hf_io import load_gpt, save_hf  # noqa: E402
-from quantdyn.quantize.apply import quantize_model  # noqa: E402
 
 CE_REL_TOL, CE_ABS_TOL, CODE_MATCH_MIN = 0.15, 0.005, 0.80
 

@@ -123,8 +123,8 @@ def bench_layers(args, ref) -> list[dict]:
 
 
 def bench_model(args) -> dict:
+    from quantdyn.engine.walk import quantize_model
     from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config
-    from quantdyn.quantize.apply import quantize_model
 
     torch.manual_seed(0)
     model = GPT(resolve_model_config(ModelConfig(preset="pythia-70m")))

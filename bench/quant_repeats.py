@@ -87,8 +87,8 @@ def train_llama(work: Path, data_cfg, steps: int) -> Path:
 
 def spread(ck: Path, data_cfg, repeats: int, vary: str, windows: int) -> dict:
     from quantdyn.data.prepare import prepare_data
-    from quantdyn.measure import MeasureConfig, measure
-    from quantdyn.measure.rows import calibration_draws, ptq_fields, repeat_labels
+    from quantdyn.engine.measure import MeasureConfig, measure
+    from quantdyn.engine.rows import calibration_draws, ptq_fields, repeat_labels
     from quantdyn.quantize.config import parse_quantizer
 
     data = prepare_data(data_cfg, progress=False)

@@ -6,7 +6,7 @@
 Every case runs in a fresh child process and reports its peak resident memory (``ru_maxrss`` of
 the child, which includes the interpreter and its imports) and wall time:
 
-* ``engine``    — what ``quantdyn sweep`` runs now: ``quantdyn.measure.measure`` over the checkpoint,
+* ``engine``    — what ``quantdyn sweep`` runs now: ``quantdyn.engine.measure.measure`` over the checkpoint,
                   read lazily one decoder block at a time in its own dtype, all quantizers in one
                   pass sharing the FP forward;
 * ``in-memory`` — the reference, measured in the same run: the path sweeps took before the engine
@@ -62,7 +62,7 @@ def write_llama7b(out: Path, shard_bytes: int = 2 * 10**9) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from quantdyn.models.streamed import params_on_meta
+    from quantdyn.engine.lazy_model import params_on_meta
 
     if (out / "model.safetensors.index.json").is_file():
         return out
@@ -120,7 +120,7 @@ def child(a) -> None:
     dev = torch.device(a.device)
     t0 = time.perf_counter()
     if a.child == "engine":
-        from quantdyn.measure import MeasureConfig, measure
+        from quantdyn.engine.measure import MeasureConfig, measure
         from quantdyn.models.hf_io import checkpoint_hash
 
         checkpoint_hash(a.ckpt)  # a sweep hashes the weights for its row keys
@@ -131,10 +131,10 @@ def child(a) -> None:
     else:
         import copy
 
+        from quantdyn.engine.walk import num_threads, quantize_model
         from quantdyn.evaluate.loss import window_losses
         from quantdyn.evaluate.quant_error import compare_many
         from quantdyn.models.hf_io import checkpoint_hash, load_causal_lm
-        from quantdyn.quantize.apply import num_threads, quantize_model
 
         checkpoint_hash(a.ckpt)
         model = load_causal_lm(a.ckpt, device=dev)

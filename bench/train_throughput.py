@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 from quantdyn.config import from_dict
 from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config
-from quantdyn.train.config import RunConfig
 from quantdyn.train.checkpoint import read_metrics
+from quantdyn.train.config import RunConfig
 from quantdyn.train.trainer import train
 
 # dense bf16 peak TFLOP/s (no sparsity) by device-name substring, from the vendors' data sheets

@@ -2,7 +2,7 @@
 
 ``import quantdyn.api as qd``.  These names keep their meaning across versions; everything else under
 ``quantdyn.*`` is internal and may move.  (They are not attributes of the ``quantdyn`` package itself:
-``quantdyn.measure`` and ``quantdyn.train`` are subpackages.)
+``quantdyn.engine.measure`` and ``quantdyn.train`` are subpackages.)
 
 Quantize and measure
     parse_quantizer("gptq3")      -> QuantConfig (labels such as gptq4g128, rtn3, awq4, or a dict)
@@ -38,20 +38,20 @@ from __future__ import annotations
 
 from quantdyn.config import apply_overrides, from_dict, load_yaml
 from quantdyn.data.prepare import DataConfig, TokenData, prepare_data
+from quantdyn.engine.measure import MeasureConfig, Measurement, measure
+from quantdyn.engine.walk import quantize_model
 from quantdyn.errors import QuantdynError
-from quantdyn.experiments.pipeline import run_study
-from quantdyn.experiments.spec import StudySpec, load_study_spec
-from quantdyn.measure.engine import MeasureConfig, Measurement, measure
 from quantdyn.models.hf_io import load_causal_lm, load_gpt, save_hf
 from quantdyn.monitor import PTQMonitor, hooks_for
-from quantdyn.quantize.apply import quantize_model
 from quantdyn.quantize.config import QuantConfig, parse_quantizer
 from quantdyn.report.html import write_report
 from quantdyn.results.store import ResultStore
 from quantdyn.results.tables import load as load_results
 from quantdyn.results.tables import to_parquet
-from quantdyn.study.single import quantize_one as quantize_checkpoint
-from quantdyn.study.sweep import SweepConfig, run_sweep
+from quantdyn.studies.pipeline import run_study
+from quantdyn.studies.spec import StudySpec, load_study_spec
+from quantdyn.sweep.quantize_one import quantize_one as quantize_checkpoint
+from quantdyn.sweep.sweep import SweepConfig, run_sweep
 from quantdyn.train.branches import cooldown, load_run_config
 from quantdyn.train.config import RunConfig
 from quantdyn.train.trainer import train

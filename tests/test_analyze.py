@@ -1,11 +1,11 @@
 import json
 
 import pytest
-
 from conftest import tiny_run_dict
+
 from quantdyn.config import from_dict
 from quantdyn.results.store import ResultStore
-from quantdyn.study.sweep import SweepConfig, run_sweep
+from quantdyn.sweep.sweep import SweepConfig, run_sweep
 from quantdyn.train.config import RunConfig
 from quantdyn.train.trainer import train
 

@@ -2,18 +2,18 @@
 and the online EMA against its closed form."""
 import pytest
 import torch
-
 from conftest import tiny_run_dict
+
 from quantdyn.config import from_dict
 from quantdyn.errors import QuantdynError
 from quantdyn.evaluate.loss import mean_loss
 from quantdyn.models.gpt import GPT, ModelConfig
 from quantdyn.models.hf_io import load_gpt
-from quantdyn.study.trajectory import points_of_run
+from quantdyn.sources.trajectory import points_of_run
+from quantdyn.sweep.interpolation import interpolate_checkpoints
 from quantdyn.train.averaging import OnlineEMA, ema_closed_form
 from quantdyn.train.checkpoint import checkpoint_dir, read_meta, save_checkpoint
 from quantdyn.train.config import RunConfig
-from quantdyn.study.interpolation import interpolate_checkpoints
 from quantdyn.train.offline_averaging import average_lawa, make_soup
 from quantdyn.train.trainer import train
 

@@ -97,7 +97,7 @@ def test_interrupt_messages_are_true_for_the_command():
 
 
 def test_ctrl_c_is_one_line_and_exit_130(capsys, monkeypatch):
-    import quantdyn.experiments.pipeline as demo
+    import quantdyn.studies.pipeline as demo
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
@@ -118,8 +118,8 @@ def _demo_at_work(tmp_path, work: str = "") -> subprocess.Popen:
         # children inherit that; a user's terminal delivers it: Python's own handler, as in a foreground shell
         "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "import quantdyn.cli as cli\n"
-        "import quantdyn.experiments.pipeline as demo\n"
-        "from quantdyn.quantize.streams import StreamStore\n"
+        "import quantdyn.studies.pipeline as demo\n"
+        "from quantdyn.engine.streams import StreamStore\n"
         "def slow(*a, **k):\n"
         "    with contextlib.ExitStack() as stack:\n"
         f"{work}"
@@ -225,7 +225,7 @@ def test_results_out_errors_and_old_csv_spelling(capsys, tmp_path):
 
 
 def test_scaling_takes_store_as_option_or_old_argument(capsys, tmp_path, monkeypatch):
-    import quantdyn.study.scaling_study as sc
+    import quantdyn.studies.scaling as sc
 
     seen = []
     monkeypatch.setattr(sc, "fit_scaling", lambda store, *a: seen.append(store) or [])
@@ -240,8 +240,8 @@ def test_scaling_takes_store_as_option_or_old_argument(capsys, tmp_path, monkeyp
 def test_study_and_demo_options_override_the_spec(capsys, tmp_path, monkeypatch):
     import yaml
 
-    import quantdyn.experiments.pipeline as demo
-    from quantdyn.experiments.spec import demo_spec, spec_from_dict
+    import quantdyn.studies.pipeline as demo
+    from quantdyn.studies.spec import demo_spec, spec_from_dict
 
     seen = []
     monkeypatch.setattr(demo, "run_study", lambda spec, progress=True, echo=print: seen.append(spec) or {})

@@ -2,12 +2,13 @@
 import json
 
 import yaml
-
 from conftest import tiny_run_dict
+
 from quantdyn.config import from_dict
 from quantdyn.results.store import ResultStore
 from quantdyn.train.config import RunConfig
 from quantdyn.train.trainer import train
+
 
 def test_grid_dry_run_and_bad_key(tmp_path, kjv_small, cli):
     data_cfg, _ = kjv_small

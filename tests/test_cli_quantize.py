@@ -4,11 +4,12 @@ import json
 
 import pytest
 import torch
-
 from conftest import tiny_run_dict
+
 from quantdyn.config import from_dict
 from quantdyn.train.config import RunConfig
 from quantdyn.train.trainer import train
+
 
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory, kjv_small):

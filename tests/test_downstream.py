@@ -15,11 +15,12 @@ import torch.nn.functional as F
 pytest.importorskip("lm_eval")
 
 from conftest import tiny_run_dict  # noqa: E402
+
 from quantdyn.errors import QuantdynError  # noqa: E402
 from quantdyn.evaluate.lm_eval_tasks import make_lm, prepare_tasks  # noqa: E402
 from quantdyn.evaluate.tasks import BUILTIN_TASKS, build_builtin_tasks  # noqa: E402
-from quantdyn.study.accuracy import accuracy_rows_for_point, evaluate_accuracy, format_accuracy_table  # noqa: E402
 from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config  # noqa: E402
+from quantdyn.sweep.accuracy import accuracy_rows_for_point, evaluate_accuracy, format_accuracy_table  # noqa: E402
 
 
 def _instances(kind, args_list):
@@ -301,6 +302,7 @@ def test_eval_cli_builtin_tasks_with_quantizer(tmp_path, kjv_small):
     import sys as _sys
 
     from conftest import tiny_run_dict
+
     from quantdyn.config import from_dict
     from quantdyn.results.store import ResultStore
     from quantdyn.train.config import RunConfig

@@ -1,4 +1,4 @@
-"""quantdyn.experiments: the typed study spec (unknown keys, bad values, overrides, scales), the findings and
+"""quantdyn.studies: the typed study spec (unknown keys, bad values, overrides, scales), the findings and
 their verdicts on synthetic rows (reproduced / opposite / not resolved, matched-loss interpolation, the
 combined uncertainty), and one lean end-to-end study on a corpus the test writes."""
 from __future__ import annotations
@@ -10,14 +10,9 @@ import pytest
 import yaml
 
 from quantdyn.errors import QuantdynError
-from quantdyn.experiments import findings as fd
-from quantdyn.experiments.scales import SCALES, apply_scale
-from quantdyn.experiments.spec import (
-    StudySpec,
-    demo_spec,
-    load_study_spec,
-    spec_from_dict,
-)
+from quantdyn.studies import findings as fd
+from quantdyn.studies.scales import SCALES, apply_scale
+from quantdyn.studies.spec import StudySpec, demo_spec, load_study_spec, spec_from_dict
 
 
 # ----------------------------------------------------------------------------------------------- the spec
@@ -353,8 +348,8 @@ def test_averaging_and_sharpness_study_end_to_end_on_another_corpus(tmp_path):
     """The averaging study file at the cpu-tiny scale on a local text: LAWA + soup + Hessian + findings + report."""
     from pathlib import Path
 
-    from quantdyn.experiments.pipeline import run_study
     from quantdyn.results.store import ResultStore
+    from quantdyn.studies.pipeline import run_study
 
     corpus = _corpus(tmp_path / "corpus.txt")
     cfg = Path(__file__).parents[1] / "configs" / "studies" / "averaging.yaml"
@@ -403,7 +398,7 @@ def test_a_diverged_run_is_recorded_and_not_trained_again(tmp_path, monkeypatch)
     not train it again; with every run diverged the study ends in one line that says what to do."""
     import json
 
-    import quantdyn.experiments.pipeline as pipeline
+    import quantdyn.studies.pipeline as pipeline
 
     calls = []
 

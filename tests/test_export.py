@@ -13,12 +13,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from quantdyn.engine.walk import quantize_model
+from quantdyn.engine.writer import export_model
 from quantdyn.errors import QuantdynError
-from quantdyn.export import check_exportable, export_model, open_export, push_to_hub, read_export
+from quantdyn.export import check_exportable, open_export, push_to_hub, read_export
 from quantdyn.export.packing import pack_rows, unpack_rows
 from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config
 from quantdyn.quantize import parse_quantizer
-from quantdyn.quantize.apply import quantize_model
 
 V = 128
 

@@ -23,18 +23,17 @@ import socket
 import subprocess
 import sys
 import time
-
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-
 from conftest import tiny_run_dict
+
 from quantdyn.config import from_dict
 from quantdyn.errors import QuantdynError
-from quantdyn.train.config import RunConfig
 from quantdyn.train.checkpoint import read_metrics
+from quantdyn.train.config import RunConfig
 from quantdyn.train.trainer import train
 
 LOSS_RTOL = 1e-5
@@ -124,10 +123,9 @@ def _assert_same_curve(a, b):
 
 @pytest.mark.slow
 def test_fsdp2_two_processes_kill_resume_match_one_process(tmp_path, kjv_small):
+    from quantdyn.config import apply_overrides, load_yaml
     from quantdyn.models.hf_io import load_gpt
     from quantdyn.train.checkpoint import list_checkpoints
-
-    from quantdyn.config import apply_overrides, load_yaml
 
     data_cfg, data = kjv_small
     ref_cfg = apply_overrides(load_yaml(TINY), _tiny_overrides(tmp_path, data_cfg, "ref", 4, "ddp"))

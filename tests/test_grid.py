@@ -1,4 +1,4 @@
-"""Run grids (quantdyn/study/grid.py): expansion, naming, manifest, launch scripts, local runs."""
+"""Run grids (quantdyn/launch/grid.py): expansion, naming, manifest, launch scripts, local runs."""
 import json
 import os
 import shutil
@@ -6,11 +6,11 @@ import subprocess
 
 import pytest
 import yaml
-
 from conftest import tiny_run_dict
+
 from quantdyn.config import from_dict, load_yaml
 from quantdyn.errors import QuantdynError
-from quantdyn.study.grid import (
+from quantdyn.launch.grid import (
     expand_grid,
     format_grid,
     read_grid,
@@ -173,7 +173,7 @@ def test_cli_slurm_script_has_every_resource(tmp_path):
 
 
 def test_slurm_config_and_time_limits():
-    from quantdyn.study.slurm import SlurmConfig, parse_slurm_time, sweep_commands
+    from quantdyn.launch.slurm import SlurmConfig, parse_slurm_time, sweep_commands
 
     assert [parse_slurm_time(t) for t in ["90", "30:30", "04:00:00", "1-00", "1-02:30", "2-00:00:01"]] == \
         [90, 31, 240, 1440, 1590, 2881]
@@ -191,7 +191,7 @@ def test_slurm_config_and_time_limits():
 
 
 def test_sweep_array_script_runs_each_shard(tmp_path):
-    from quantdyn.study.slurm import SlurmConfig, sweep_script
+    from quantdyn.launch.slurm import SlurmConfig, sweep_script
 
     text = sweep_script(["spec.yaml", "--store", "shared store"], 4,
                         SlurmConfig(partition="cpu", time="02:00:00", cpus_per_task=8, max_parallel=3), tmp_path,
@@ -210,9 +210,9 @@ def test_submitit_local_grid_and_sharded_sweep_into_one_store(tmp_path, kjv_smal
     """The submission path with submitit's local executor: a grid's runs as array tasks (finished runs are
     not resubmitted), then a sweep over one run in 2 shards whose rows land in one store."""
     pytest.importorskip("submitit")
+    from quantdyn.launch.grid import submit_grid
+    from quantdyn.launch.slurm import SlurmConfig, submit_sweep
     from quantdyn.results.store import ResultStore
-    from quantdyn.study.grid import submit_grid
-    from quantdyn.study.slurm import SlurmConfig, submit_sweep
 
     data_cfg, _ = kjv_small
     base = tiny_run_dict(tmp_path, data_cfg, steps=4, checkpoint_every=2)

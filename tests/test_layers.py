@@ -24,8 +24,8 @@ def test_the_contract_sees_the_real_imports(tmp_path):
     """The contract is not vacuous: the same contract with two layers swapped (results above report, whose
     figures read the store) is broken."""
     text = (ROOT / "pyproject.toml").read_text()
-    assert '  "report",\n' in text and '  "results",\n' in text
-    swapped = text.replace('  "report",\n', '  "@@",\n').replace('  "results",\n', '  "report",\n')
+    assert '  "report | launch",\n' in text and '  "results",\n' in text
+    swapped = text.replace('  "report | launch",\n', '  "@@",\n').replace('  "results",\n', '  "report | launch",\n')
     (tmp_path / "pyproject.toml").write_text(swapped.replace('  "@@",\n', '  "results",\n'))
     res = _lint(tmp_path / "pyproject.toml")
     assert res.returncode == 1 and "quantdyn.report" in res.stdout and "quantdyn.results" in res.stdout
@@ -50,3 +50,31 @@ def test_public_api_names_resolve_to_their_modules():
         assert obj.__module__.startswith("quantdyn."), name
         if name != "QuantdynError":
             assert obj.__doc__, f"{name} has no docstring"
+
+
+def _contract_layers() -> list[list[str]]:
+    import tomllib
+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        (contract,) = tomllib.load(f)["tool"]["importlinter"]["contracts"]
+    return [sorted(x.strip() for x in layer.split("|")) for layer in contract["layers"]]
+
+
+def test_the_package_docstring_draws_the_contract():
+    """The layer picture is written once, in quantdyn/__init__.py's docstring; each of its rows names one layer of the
+    contract, top to bottom, so the picture cannot drift from what lint-imports checks."""
+    import quantdyn
+
+    doc = quantdyn.__doc__
+    picture = doc[doc.index("    __main__"):].split("\n\n")[0]
+    rows = [line.strip().split("  ")[0] for line in picture.splitlines() if line.startswith("    ") and line[4] != " "]
+    drawn = [sorted(x.strip().rstrip("/") for x in row.replace(" ", "").split("|")) for row in rows]
+    assert drawn == _contract_layers()
+
+
+def test_every_package_is_in_the_contract():
+    """exhaustive = true in the contract; here the folder list itself: every package and top-level module of quantdyn
+    is a layer (a new folder cannot be left out of the picture)."""
+    names = {p.stem if p.suffix == ".py" else p.name for p in (ROOT / "quantdyn").iterdir()
+             if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").is_file()}
+    assert names == {n for layer in _contract_layers() for n in layer}

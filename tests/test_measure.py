@@ -17,18 +17,18 @@ import pytest
 import torch
 import torch.nn as nn
 
+from quantdyn.engine.blockwise import run_model
+from quantdyn.engine.lazy_model import LazyModel
+from quantdyn.engine.measure import MeasureConfig, measure
 from quantdyn.errors import QuantdynError
 from quantdyn.evaluate.loss import window_losses
 from quantdyn.evaluate.quant_error import compare_many
-from quantdyn.measure import MeasureConfig, measure
 from quantdyn.models.adapters import adapter_for, get_weight, set_weight
 from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config
 from quantdyn.models.hf_io import load_causal_lm, save_hf
-from quantdyn.models.lazy import open_checkpoint
-from quantdyn.models.streamed import LazyModel
-from quantdyn.quantize.blockwise import run_model
 from quantdyn.quantize.config import QUANTIZERS, parse_quantizer
 from quantdyn.quantize.gptq import stats_update
+from quantdyn.sources.hub import open_checkpoint
 
 V = 128
 
@@ -151,7 +151,7 @@ def test_engine_equals_reference_path(kind, tmp_path):
 def test_qat_deployed_form_and_in_memory_model(tmp_path):
     """QAT's W+A deployed form is a variant of the same walk; an in-memory model is measured untouched."""
     from quantdyn.evaluate.quant_error import compare_models
-    from quantdyn.quantize.qat import QATConfig, QATDeployed, fake_quant_forward
+    from quantdyn.train.qat import QATConfig, QATDeployed, fake_quant_forward
 
     model = tiny("quantdyn")
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -293,9 +293,9 @@ def test_repeats_vary_the_calibration_and_combine_the_uncertainty(tmp_path, kjv_
     while GPTQ's repeats differ; rows carry mean, SD over repeats and sqrt(SE² + SD²/R); R = 1 keys are
     unchanged, R > 1 rows are new measurements."""
     from quantdyn.config import from_dict
-    from quantdyn.measure.rows import calibration_draws
+    from quantdyn.engine.rows import calibration_draws
     from quantdyn.results.store import ResultStore
-    from quantdyn.study.sweep import SweepConfig, run_sweep
+    from quantdyn.sweep.sweep import SweepConfig, run_sweep
 
     _, data = kjv_small
     torch.manual_seed(0)

@@ -35,7 +35,7 @@ def test_logits_equal_transformers_gptneox(tmp_path, parallel, tie):
 def test_pythia_preset_shapes():
     """Parameter counts equal Pythia's published ones (Biderman et al. 2023, Table 1), for every Pythia preset:
     the models are built on the meta device, so even 1B costs no memory."""
-    from quantdyn.models.streamed import params_on_meta
+    from quantdyn.engine.lazy_model import params_on_meta
 
     published = {"pythia-14m": 14_067_712, "pythia-70m": 70_426_624, "pythia-160m": 162_322_944,
                  "pythia-410m": 405_334_016, "pythia-1b": 1_011_781_632}

@@ -14,17 +14,17 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import tiny_run_dict
+
 from quantdyn.config import from_dict
+from quantdyn.engine.measure import measure
 from quantdyn.errors import QuantdynError
-from quantdyn.measure import measure
 from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config
 from quantdyn.monitor import PTQMonitor, causal_lm_of, hooks_for
 from quantdyn.quantize.config import parse_quantizer
+from quantdyn.train.checkpoint import read_metrics
 from quantdyn.train.config import RunConfig
 from quantdyn.train.loggers import Console, CSVLogger, JsonlLogger, TensorBoardLogger
-from quantdyn.train.checkpoint import read_metrics
 from quantdyn.train.trainer import train
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

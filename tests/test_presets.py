@@ -14,19 +14,15 @@ import torch
 
 from quantdyn.config import from_dict
 from quantdyn.errors import QuantdynError
-from quantdyn.study.presets import get_preset, load_preset_text, load_presets, parse_count, preset_for_repo
-from quantdyn.study.trajectory import (
+from quantdyn.sources.hub import cached_refs, evict_revision, hub_refs, list_revisions, require_revision
+from quantdyn.sources.presets import get_preset, load_preset_text, load_presets, parse_count, preset_for_repo
+from quantdyn.sources.trajectory import (
     SelectConfig,
     TrajectoryConfig,
-    cached_refs,
     dry_run_lines,
-    evict_revision,
-    hub_refs,
-    list_revisions,
     plan_points,
     plan_trajectory,
     require_available,
-    require_revision,
 )
 
 PYTHIA_TPS = 2_097_152
@@ -193,7 +189,7 @@ def test_bad_trajectory_specs():
 
 
 def test_bad_preset_files_are_one_line():
-    good = (Path(__file__).parents[1] / "quantdyn/trajectories/pythia-70m.yaml").read_text()
+    good = (Path(__file__).parents[1] / "quantdyn/sources/presets/pythia-70m.yaml").read_text()
     with pytest.raises(QuantdynError, match=r"x.yaml: unknown config key 'tokens_per_stepp' \(did you mean"):
         load_preset_text(good.replace("tokens_per_step:", "tokens_per_stepp:"), "x.yaml")
     with pytest.raises(QuantdynError, match="unknown revision pattern group 'stp'"):
@@ -389,7 +385,7 @@ def test_evict_revision_frees_one_revision_through_huggingface_hub(hf_cache, mon
 
 def test_sweep_over_a_preset_offline_rows_carry_the_presets_step_tokens_lr(hf_cache, monkeypatch, tmp_path):
     from quantdyn.results.store import ResultStore
-    from quantdyn.study.sweep import SweepConfig, SweepDataConfig, run_sweep
+    from quantdyn.sweep.sweep import SweepConfig, SweepDataConfig, run_sweep
 
     point_hf_at(monkeypatch, hf_cache, offline=True)
     from quantdyn.data.sources import kjv_documents
@@ -487,7 +483,7 @@ def test_trajectories_command_lists_and_shows_presets(monkeypatch, capsys):
 # -- figures -----------------------------------------------------------------------------------------------------
 def _rows_of(preset: str, revisions: tuple[str, ...], with_fields: bool = True) -> list[dict]:
     """Result rows as a sweep writes them, with a made-up error that rises when the LR decays."""
-    from quantdyn.study.trajectory import preset_row_fields
+    from quantdyn.sources.trajectory import preset_row_fields
 
     rows = []
     for p in plan_points(TrajectoryConfig(preset=preset, revisions=revisions)):
@@ -503,7 +499,7 @@ def _rows_of(preset: str, revisions: tuple[str, ...], with_fields: bool = True) 
 
 
 def test_trajectory_figures_from_rows(tmp_path):
-    from quantdyn.report.trajectories import (
+    from quantdyn.report.public_trajectories import (
         error_vs_tokens,
         families_side_by_side,
         lr_curves,

@@ -5,8 +5,9 @@ import copy
 
 import pytest
 import torch
+from propagation_reference import gpt_error_propagation
 
-from quantdyn.analysis.propagation import error_propagation, gpt_error_propagation
+from quantdyn.analysis.propagation import error_propagation
 from quantdyn.errors import QuantdynError
 from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config
 
@@ -87,7 +88,7 @@ def test_gpt_wrapper_quantized_copy():
 
 
 def test_generic_wrapper_matches_gpt_wrapper_and_runs_on_hf_llama():
-    from quantdyn.analysis.propagation import model_error_propagation
+    from propagation_reference import model_error_propagation
 
     torch.manual_seed(0)
     fp = GPT(resolve_model_config(ModelConfig(vocab_size=64, n_layer=2, d_model=32, n_head=2, max_seq_len=32)))

@@ -1,4 +1,4 @@
-"""Quantization-aware training (quantdyn/quantize/qat.py)."""
+"""Quantization-aware training (quantdyn/train/qat.py)."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from quantdyn.errors import QuantdynError
 from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config
-from quantdyn.quantize.qat import (
+from quantdyn.train.qat import (
     GAUSSIAN_OPTIMAL_CLIP,
     QATConfig,
     QATLinear,

@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn as nn
 
+from quantdyn.engine.walk import quantize_model, save_quantized
 from quantdyn.errors import QuantdynError
 from quantdyn.models.adapters import ADAPTERS, adapter_for, get_weight
 from quantdyn.models.gpt import GPT, ModelConfig, logits_of, resolve_model_config
 from quantdyn.quantize import QuantConfig
-from quantdyn.quantize.apply import quantize_model, save_quantized
 from quantdyn.quantize.rtn import rtn
 
 pytestmark = pytest.mark.numerics  # rerun under other MKL code paths by `make test-isa`
@@ -178,8 +178,9 @@ def _block_outputs(model, ids):
 def test_per_layer_block_arguments_sliding_window():
     """Qwen2 passes its sliding-window layers another mask than its full layers: quantization and
     error propagation must call each block with its own arguments, not block 0's."""
-    from quantdyn.analysis.propagation import model_error_propagation
-    from quantdyn.quantize.blockwise import capture_inputs, same_value
+    from propagation_reference import model_error_propagation
+
+    from quantdyn.engine.blockwise import capture_inputs, same_value
 
     model, ids = _sliding_qwen2(), calib(4, 24)
     blocks = adapter_for(model).get_blocks(model)

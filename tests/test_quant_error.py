@@ -5,9 +5,9 @@ import math
 import torch
 import torch.nn.functional as F
 
+from quantdyn.engine.walk import quantize_model
 from quantdyn.evaluate.quant_error import compare_many, compare_models
 from quantdyn.models.gpt import GPT, ModelConfig, logits_of, resolve_model_config
-from quantdyn.quantize.apply import quantize_model
 
 V = 96
 

@@ -69,7 +69,7 @@ def drawn(monkeypatch):
         kept[output.figure_stem(out).name] = fig
         return real(fig, out, **kw)
 
-    for mod in ("quantdyn.report.figures", "quantdyn.report.accuracy", "quantdyn.report.trajectories"):
+    for mod in ("quantdyn.report.figures", "quantdyn.report.accuracy", "quantdyn.report.public_trajectories"):
         monkeypatch.setattr(f"{mod}.save_figure", keep)
     return kept
 

@@ -10,8 +10,9 @@ import xml.etree.ElementTree as ET
 from importlib import metadata
 
 import pytest
-
 from conftest import tiny_run_dict
+from test_report_figures import drawn, errorbar_halfwidths, line_colors, study_rows  # noqa: F401  (drawn: a fixture)
+
 from quantdyn.report import figures
 from quantdyn.report.html import write_report
 from quantdyn.report.monitored import monitored_points
@@ -19,7 +20,6 @@ from quantdyn.report.palette import quantizer_color
 from quantdyn.results.store import ResultStore
 from quantdyn.runtime import git_sha, hardware
 from quantdyn.train.checkpoint import read_metrics
-from test_report_figures import drawn, errorbar_halfwidths, line_colors, study_rows  # noqa: F401  (drawn: a fixture)
 
 
 def sections_of(page: str) -> list[dict]:
@@ -180,9 +180,9 @@ def test_trajectory_sections_of_public_runs_still_link_their_files(tmp_path):
     """A public-trajectory run whose name has a dot (pythia-1.4b): the PNG the section names is the one written."""
     rows = [{**r, "run": "EleutherAI/pythia-1.4b", "ckpt_kind": "hub", "checkpoint": f"EleutherAI/pythia-1.4b@step{r['step']}"}
             for r in study_rows() if r["kind"] == "ptq" and r["branch"] == "main"]
-    from quantdyn.report import trajectories
+    from quantdyn.report import public_trajectories
 
-    secs = trajectories.sections(rows, tmp_path)
+    secs = public_trajectories.sections(rows, tmp_path)
     assert secs and all((tmp_path / png).is_file() for _, png, _, _ in secs)
     assert math.isclose(figures.rel_delta_ce(rows[0]), rows[0]["delta_ce"] / rows[0]["ce_fp"])
 

@@ -4,13 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from quantdyn.analysis.scaling import (
-    ScalingFit,
-    ScalingFitConfig,
-    fit_by_optimizer,
-    fit_parameter_efficiency,
-    predict,
-)
+from quantdyn.analysis.scaling import ScalingFit, ScalingFitConfig, fit_by_optimizer, fit_parameter_efficiency, predict
 from quantdyn.errors import QuantdynError
 
 FAST = ScalingFitConfig(restarts=3)

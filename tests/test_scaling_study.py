@@ -3,7 +3,7 @@ import pytest
 from quantdyn.analysis.scaling import ScalingFit, predict
 from quantdyn.errors import QuantdynError
 from quantdyn.results.store import ResultStore
-from quantdyn.study.scaling_study import fit_scaling
+from quantdyn.studies.scaling import fit_scaling
 
 
 def _rows(opt, rho, law, qat=False):

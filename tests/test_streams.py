@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from quantdyn.quantize.streams import ORPHAN_AGE_S, StreamStore, _spill_prefix, remove_orphaned_spills
+from quantdyn.engine.streams import ORPHAN_AGE_S, StreamStore, _spill_prefix, remove_orphaned_spills
 
 
 def _dead_pid() -> int:
@@ -59,7 +59,7 @@ def test_orphaned_spill_directories_of_dead_processes_are_removed(tmp_path):
 def test_auto_placement_on_cpu(tmp_path, monkeypatch):
     """auto on CPU: small streams stay in memory; large ones (over AUTO_SPILL_BYTES) spill to a real disk but
     not to tmpfs (where spilling saves nothing); an explicit budget or too little free RAM decides alone."""
-    import quantdyn.quantize.streams as st
+    import quantdyn.engine.streams as st
 
     cpu = torch.device("cpu")
     big, small = st.AUTO_SPILL_BYTES + 1, st.AUTO_SPILL_BYTES
@@ -79,7 +79,7 @@ def test_auto_placement_on_cpu(tmp_path, monkeypatch):
 def test_mount_type_reads_the_longest_matching_mount(tmp_path, monkeypatch):
     import builtins
 
-    import quantdyn.quantize.streams as st
+    import quantdyn.engine.streams as st
 
     mounts = ("rootfs / ext4 rw 0 0\n"
               "tmpfs /dev/shm tmpfs rw 0 0\n"

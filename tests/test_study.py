@@ -3,14 +3,14 @@ import math
 
 import pytest
 import yaml
-
 from conftest import tiny_run_dict
+
 from quantdyn.errors import QuantdynError
 from quantdyn.report.figures import stable_jitter
 from quantdyn.results.store import ResultStore
-from quantdyn.experiments.findings import seed_summary
-from quantdyn.experiments.pipeline import run_study
-from quantdyn.experiments.spec import load_study_spec
+from quantdyn.studies.findings import seed_summary
+from quantdyn.studies.pipeline import run_study
+from quantdyn.studies.spec import load_study_spec
 
 
 def _spec(tmp_path, data_cfg):
@@ -130,9 +130,9 @@ def test_demo_and_study_commands_run_the_pipeline(tmp_path, monkeypatch):
     """`quantdyn demo` runs the embedded spec and `quantdyn study` a file's (with overrides), through run_study."""
     from typer.testing import CliRunner
 
-    import quantdyn.experiments.pipeline as pipeline
+    import quantdyn.studies.pipeline as pipeline
     from quantdyn.cli import app
-    from quantdyn.experiments.spec import StudySpec, demo_spec
+    from quantdyn.studies.spec import StudySpec, demo_spec
 
     seen = []
     monkeypatch.setattr(pipeline, "run_study", lambda spec, progress=True, echo=print: seen.append(spec) or {})

@@ -5,12 +5,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import tiny_run_dict
+
 from quantdyn.config import from_dict
 from quantdyn.errors import QuantdynError
 from quantdyn.results.store import ResultStore
-from quantdyn.study.sweep import SweepConfig, parse_shard, run_sweep
+from quantdyn.sweep.sweep import SweepConfig, parse_shard, run_sweep
 from quantdyn.train.branches import cooldown
 from quantdyn.train.config import RunConfig
 from quantdyn.train.trainer import train
@@ -217,7 +217,7 @@ def test_a_bad_checkpoint_is_one_line_and_the_sweep_goes_on(small_run, tmp_path,
 def test_sweep_verbose_engine_settings_and_plain_progress(small_run, tmp_path, cli, monkeypatch):
     """--verbose adds a line per decoder block and per checkpoint; --spill-dir/--streams/--repeat-vary (over the
     spec's streams) and the spec's logits_budget_mb reach the engine, a bad --streams is one line before any file; off a terminal progress is plain lines, never a bar."""
-    import quantdyn.study.sweep as sweep_mod
+    import quantdyn.sweep.sweep as sweep_mod
 
     seen = []
     real = sweep_mod.measure

@@ -5,15 +5,14 @@ import sys
 
 import pytest
 import torch
-
 from conftest import tiny_run_dict
+
 from quantdyn.config import from_dict
 from quantdyn.errors import QuantdynError
 from quantdyn.models.hf_io import load_gpt
 from quantdyn.train.branches import cooldown
-from quantdyn.train.checkpoint import latest_resumable, list_checkpoints, read_meta
+from quantdyn.train.checkpoint import latest_resumable, list_checkpoints, read_meta, read_metrics
 from quantdyn.train.config import RunConfig
-from quantdyn.train.checkpoint import read_metrics
 from quantdyn.train.trainer import train
 
 
@@ -184,8 +183,8 @@ def test_in_training_monitor_logs_delta_ce(tmp_path, kjv_small):
     import copy
 
     from quantdyn.data.prepare import prepare_data
+    from quantdyn.engine.walk import quantize_model
     from quantdyn.evaluate.quant_error import compare_models
-    from quantdyn.quantize.apply import quantize_model
     from quantdyn.quantize.config import parse_quantizer
 
     data = prepare_data(data_cfg, progress=False)
@@ -205,7 +204,7 @@ def test_qat_finetune_from_fp_and_sweep_qat_rows(tmp_path, kjv_small):
     """QAT fine-tuning from an FP checkpoint: trains, saves plain-loadable weights, and the sweep
     measures the deployed (W+A fake-quantized) model against its own FP weights."""
     from quantdyn.results.store import ResultStore
-    from quantdyn.study.sweep import SweepConfig, run_sweep
+    from quantdyn.sweep.sweep import SweepConfig, run_sweep
 
     data_cfg, _ = kjv_small
     fp_run = train(_cfg(tmp_path, data_cfg, "fp", steps=8, checkpoint_every=8), progress=False)

@@ -42,7 +42,7 @@ def quantize(
     quiet: bool = typer.Option(False, "--quiet", help="No progress lines; the result table and errors only."),
 ):
     """Quantize one model and measure Δ CE, Δ PPL, KL and agreement on held-out text."""
-    from quantdyn.study.single import quantize_one
+    from quantdyn.sweep.quantize_one import quantize_one
 
     if out and save and out != save:
         raise QuantdynError("give the output directory once: --out (--save is its old spelling)")
@@ -122,8 +122,8 @@ def sweep(
 ):
     """Quantize every checkpoint of a trajectory with a grid of quantizers; rows go to the store."""
     from quantdyn.config import from_dict, load_yaml
-    from quantdyn.study.sweep import SweepConfig, run_sweep
-    from quantdyn.study.trajectory import dry_run_lines, plan_trajectory
+    from quantdyn.sources.trajectory import dry_run_lines, plan_trajectory
+    from quantdyn.sweep.sweep import SweepConfig, run_sweep
 
     data = load_yaml(spec) if spec else {}
     traj = dict(data.get("trajectory", {}))
@@ -185,7 +185,7 @@ def _sweep_on_slurm(cfg, shard, shards: int, submit: bool, cluster: str, slurm_c
 
     from quantdyn.config import to_dict
     from quantdyn.files import write_text_atomic
-    from quantdyn.study.slurm import submit_sweep, sweep_script
+    from quantdyn.launch.slurm import submit_sweep, sweep_script
 
     if shard:
         raise QuantdynError("--slurm sets --shard itself (one shard per array task); drop --shard and give --shards")
@@ -220,7 +220,7 @@ def analyze(
     quiet: bool = typer.Option(False, "--quiet", help="No progress; the rows and errors only."),
 ):
     """Hessian trace / top eigenvalue, outlier metrics and error propagation -> result rows."""
-    from quantdyn.study.analyze import analyze as run_analyze
+    from quantdyn.sweep.analyze import analyze as run_analyze
 
     rows = run_analyze(checkpoints, [m for m in metrics.split(",") if m], [q for q in quantizers.split(",") if q],
                        store=store, budget={"windows": windows, "hessian_probes": probes},
@@ -252,7 +252,7 @@ def interpolate(
 ):
     """Linear interpolation between two checkpoints: FP loss and Δ CE at each alpha."""
     from quantdyn.results.store import ResultStore
-    from quantdyn.study.interpolation import interpolate_checkpoints
+    from quantdyn.sweep.interpolation import interpolate_checkpoints
 
     rows = interpolate_checkpoints(a, b, steps, quantizers=[q for q in quantizers.split(",") if q], out=out,
                                    eval_seq_len=seq_len, calib_seq_len=seq_len, n_eval_windows=eval_windows,
@@ -283,7 +283,7 @@ def eval_cmd(
     quiet: bool = typer.Option(False, "--quiet", help="No progress; the table and errors only."),
 ):
     """Downstream accuracy of a model and its quantized twin (lm-evaluation-harness)."""
-    from quantdyn.study.accuracy import evaluate_accuracy, format_accuracy_table
+    from quantdyn.sweep.accuracy import evaluate_accuracy, format_accuracy_table
 
     qs = [q for q in ",".join(x for x in (quantizers, quantizer) if x).split(",") if q] or None
     rows = evaluate_accuracy(model, [t for t in tasks.split(",") if t], qs, num_fewshot=num_fewshot, limit=limit,

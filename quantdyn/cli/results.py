@@ -143,8 +143,8 @@ def study(spec: Path = typer.Argument(..., help="Study spec YAML (see configs/st
                                                "(auto, cpu, cuda, cuda:N; default: the spec's)."),
           quiet: bool = typer.Option(False, "--quiet", help="No progress; stage lines, the findings and errors only.")):
     """A study: train (seeds, grid), cooldowns + controls, averages, sweep, report, findings table with verdicts."""
-    import quantdyn.experiments.pipeline as pipeline
-    from quantdyn.experiments.spec import load_study_spec
+    import quantdyn.studies.pipeline as pipeline
+    from quantdyn.studies.spec import load_study_spec
 
     spec_ = load_study_spec(spec, [*(overrides or []), *_option_overrides(store, out, device)])
     pipeline.run_study(spec_, progress=not quiet, echo=typer.echo)
@@ -159,8 +159,8 @@ def demo(overrides: Optional[List[str]] = typer.Argument(None, help="key=value o
                                               "(auto, cpu, cuda, cuda:N; default: auto)."),
          quiet: bool = typer.Option(False, "--quiet", help="No progress; stage lines, the findings and errors only.")):
     """The embedded default study: train, cooldowns + controls, sweep, report, summary and findings."""
-    import quantdyn.experiments.pipeline as pipeline
-    from quantdyn.experiments.spec import demo_spec
+    import quantdyn.studies.pipeline as pipeline
+    from quantdyn.studies.spec import demo_spec
 
     spec_ = demo_spec([*(overrides or []), *_option_overrides(store, out, device)])
     pipeline.run_study(spec_, progress=not quiet, echo=typer.echo)
@@ -189,7 +189,7 @@ def scaling(
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Fit L(N, D) = A(ρN)^-α + B·D^-β + E per group for FP and QAT runs; rows go to the store."""
-    from quantdyn.study.scaling_study import fit_scaling
+    from quantdyn.studies.scaling import fit_scaling
 
     if store_arg is not None and store_opt is not None and store_arg != store_opt:
         raise QuantdynError(f"two stores given ('{store_arg}' and --store '{store_opt}'); give only --store")

@@ -24,7 +24,7 @@ CLUSTER = typer.Option("slurm", "--cluster", hidden=True, help="submitit cluster
 def slurm_config(partition: str, time_limit: str, account: str, qos: str, gpus: int, cpus: int, mem_gb: int,
                  max_parallel: int, constraint: str, sbatch_extra: Optional[List[str]], setup: Optional[List[str]],
                  nproc_per_node: int = 1):
-    from quantdyn.study.slurm import SlurmConfig
+    from quantdyn.launch.slurm import SlurmConfig
 
     return SlurmConfig(partition=partition, time=time_limit, account=account, qos=qos, gpus_per_node=gpus,
                        cpus_per_task=cpus, mem_gb=mem_gb, nproc_per_node=nproc_per_node, max_parallel=max_parallel,

@@ -30,8 +30,8 @@ def train(
     from dataclasses import replace
 
     from quantdyn.config import apply_overrides, from_dict, load_yaml
-    from quantdyn.models.lazy import open_checkpoint
     from quantdyn.monitor import hooks_for
+    from quantdyn.sources.hub import open_checkpoint
     from quantdyn.train.branches import load_run_config
     from quantdyn.train.checkpoint import RunDir, latest_resumable
     from quantdyn.train.config import RunConfig
@@ -185,9 +185,9 @@ def grid(
     import shutil
 
     from quantdyn.config import apply_overrides, load_yaml
+    from quantdyn.launch.grid import format_grid, grid_manifest, run_grid, submit_grid, write_grid, write_launch_scripts
+    from quantdyn.launch.slurm import SlurmConfig
     from quantdyn.train.loggers import console_mode
-    from quantdyn.study.grid import format_grid, grid_manifest, run_grid, submit_grid, write_grid, write_launch_scripts
-    from quantdyn.study.slurm import SlurmConfig
 
     mode = console_mode(quiet, verbose)
     if submit and not slurm:

@@ -38,7 +38,7 @@ def trajectories(
 
     Sweep one with `quantdyn sweep --preset NAME [--every N | --log-spaced K | --tokens-range A:B] [--dry-run]`,
     or in a sweep spec: `trajectory: {preset: NAME, select: {log_spaced: 12}}`."""
-    from quantdyn.study.presets import get_preset, load_presets
+    from quantdyn.sources.presets import get_preset, load_presets
 
     if name:
         p = get_preset(name)

@@ -101,7 +101,7 @@ def compare_many(
     Each batch of windows goes through the FP model once and through every
     quantized model, so the FP forward is shared (the results equal separate
     :func:`compare_models` calls). Whole in-memory models: for checkpoints use the
-    streamed engine (``quantdyn.measure``), which computes the same numbers block by block."""
+    streamed engine (``quantdyn.engine.measure``), which computes the same numbers block by block."""
     fp_dev = model_device(fp_model)
     fp_model.eval()
     for q in q_models.values():

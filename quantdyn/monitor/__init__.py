@@ -1,7 +1,7 @@
 """Watch a model's post-training-quantization robustness while it trains, in any training loop.
 
 * :class:`PTQMonitor` — every N steps, Δ CE / relative Δ CE / KL / top-1 agreement of chosen quantizers on
-  the current weights, measured by the streamed engine (``quantdyn.measure``) without changing them;
+  the current weights, measured by the streamed engine (``quantdyn.engine.measure``) without changing them;
   ``.step(model, step, lr)`` from any loop.
 * :func:`hooks_for` — the monitor of a quantdyn run config, as step hooks for ``quantdyn.train.trainer.train``.
 * ``quantdyn.monitor.hf.PTQMonitorCallback`` — a ``transformers.TrainerCallback``.

@@ -7,7 +7,7 @@
         monitor.step(model, step, lr=sched.get_last_lr()[0])
 
 At each due step the current weights are quantized with every quantizer and compared with themselves in
-full precision by the streamed measurement engine (``quantdyn.measure``): the model is walked block by
+full precision by the streamed measurement engine (``quantdyn.engine.measure``): the model is walked block by
 block, one extra copy of one block at a time, and left bit-for-bit as it was (its training/eval mode and the
 torch RNG too, so a monitored run trains exactly like an unmonitored one). What comes back, and goes to the
 loggers, is per quantizer ``ptq/<q>/delta_ce`` (± ``delta_ce_se``, paired over windows),
@@ -27,8 +27,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from quantdyn.engine.measure import MeasureConfig, measure
 from quantdyn.errors import QuantdynError
-from quantdyn.measure.engine import MeasureConfig, measure
 from quantdyn.models.adapters import ADAPTERS
 from quantdyn.models.gpt import GPT
 from quantdyn.quantize.config import QUANTIZERS, QuantConfig, parse_quantizer
@@ -156,7 +156,7 @@ class PTQMonitor:
     loggers:      where :meth:`step` logs (quantdyn.train.loggers: JsonlLogger, CSVLogger, TensorBoardLogger,
                   WandbLogger, PrintLogger or anything with ``log(metrics, step)``).
     device:       where the blocks are quantized and evaluated (None: where the model's weights are).
-    measure_cfg:  the engine's batching and dtype (``quantdyn.measure.MeasureConfig``); by default torch's
+    measure_cfg:  the engine's batching and dtype (``quantdyn.engine.measure.MeasureConfig``); by default torch's
                   thread count is kept (``quantize_threads=0``).
     """
 

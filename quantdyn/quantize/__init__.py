@@ -4,10 +4,10 @@ model block by block.
 
 Importing this package registers every built-in quantizer in QUANTIZERS.
 """
+from quantdyn.quantize import awq as _awq  # noqa: F401  (registers 'awq')
+from quantdyn.quantize import gptq as _gptq  # noqa: F401  (registers 'gptq')
+from quantdyn.quantize import rtn as _rtn  # noqa: F401  (registers 'rtn')
 from quantdyn.quantize.config import PRESETS, QUANTIZERS, QuantConfig, parse_quantizer, quant_preset
 from quantdyn.quantize.primitives import QuantResult, num_threads
-from quantdyn.quantize import rtn as _rtn  # noqa: F401  (registers 'rtn')
-from quantdyn.quantize import gptq as _gptq  # noqa: F401  (registers 'gptq')
-from quantdyn.quantize import awq as _awq  # noqa: F401  (registers 'awq')
 
 __all__ = ["PRESETS", "QUANTIZERS", "QuantConfig", "QuantResult", "num_threads", "parse_quantizer", "quant_preset"]

@@ -49,6 +49,7 @@ from decimal import Decimal
 from typing import Any, Callable, NamedTuple
 
 import torch
+import torch.nn as nn
 
 from quantdyn.config import config_hash, from_dict, to_dict
 from quantdyn.errors import QuantdynError, did_you_mean, unknown_name
@@ -334,3 +335,19 @@ def row_fields(label: str, qc: QuantConfig) -> dict:
 def compute_dtype(W: torch.Tensor) -> torch.dtype:
     """float32 for half/bfloat16/float32 weights, float64 stays float64."""
     return torch.promote_types(W.dtype, torch.float32)
+
+
+class BlockTransform:
+    """A variant that is not a weight quantizer but a change of each block's forward (e.g. QAT's deployed
+    W+A fake-quantized form). It needs no calibration; the walk applies it to its copy of every block
+    (and of the head) and carries the probe sets through the result."""
+
+    name: str = "transform"
+
+    def block(self, block: nn.Module) -> nn.Module:
+        """The transformed block (may modify and return ``block``, which is the walk's own copy)."""
+        raise NotImplementedError
+
+    def head(self, head: nn.Module) -> nn.Module | None:
+        """The transformed head (``head`` is a copy), or None to keep the full-precision head."""
+        return None

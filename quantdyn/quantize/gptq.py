@@ -48,7 +48,6 @@ from quantdyn.quantize.primitives import (
     num_threads,
 )
 
-
 # ----------------------------------------------------------------------------- statistics
 
 

@@ -1,7 +1,7 @@
 """Downstream accuracy against quantization error (paper A, Fig. 4).
 
 ``accuracy_vs_dce`` joins accuracy rows (``kind: "accuracy"``, written by
-:func:`quantdyn.study.accuracy.evaluate_accuracy` or a sweep with
+:func:`quantdyn.sweep.accuracy.evaluate_accuracy` or a sweep with
 ``eval_tasks``) with PTQ rows (``kind: "ptq"``) of the same checkpoint and
 quantizer, and plots the accuracy drop (FP − quantized, percentage points,
 ± paired SE) against Δ CE, one marker per quantizer, one panel per task plus

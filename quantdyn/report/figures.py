@@ -30,13 +30,7 @@ from matplotlib.ticker import FuncFormatter
 
 from quantdyn.report import uncertainty
 from quantdyn.report.output import LR_STYLE, PAGE_WIDTH, overlay_lr, panel_grid, save_figure, tokens_axis
-from quantdyn.report.palette import (
-    FP_COLOR,
-    Palette,
-    control_of,
-    is_control,
-    ordered_colors,
-)
+from quantdyn.report.palette import FP_COLOR, Palette, control_of, is_control, ordered_colors
 
 MARKERS = "osD^v<>pP*hX"
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from quantdyn.errors import QuantdynError
 from quantdyn.files import write_json_atomic, write_text_atomic
-from quantdyn.report import figures, provenance, trajectories, uncertainty
+from quantdyn.report import figures, provenance, public_trajectories, uncertainty
 from quantdyn.report.extra import sections
 from quantdyn.report.monitored import monitored_points
 from quantdyn.report.output import figure_paths, figure_stem, table_columns, write_csv
@@ -296,4 +296,4 @@ def _extra_sections(rows: list[dict], out: Path, palette: Palette | None = None)
     """Sections contributed by other studies (predictors, accuracy, optimizers, public trajectories) when their
     rows exist."""
 
-    return sections(rows, out) + trajectories.sections(rows, out, palette)
+    return sections(rows, out) + public_trajectories.sections(rows, out, palette)

@@ -87,9 +87,7 @@ def is_control(branch: str) -> bool:
 
 
 def _rainbow(x: float) -> str:
-    from matplotlib import (
-        colormaps,  # matplotlib is the report's plotting library; imported on use
-    )
+    from matplotlib import colormaps  # matplotlib is the report's plotting library; imported on use
 
     return _hex(colormaps["rainbow"](x)[:3])
 
@@ -143,9 +141,7 @@ def ordered_colors(values: Iterable, cmap: str = "viridis") -> dict[str, str]:
         nums = sorted(vals, key=float)
     except ValueError:
         return {v: (QUALITATIVE[k] if k < len(QUALITATIVE) else hashed_color(v)) for k, v in enumerate(vals)}
-    from matplotlib import (
-        colormaps,  # matplotlib is the report's plotting library; imported on use
-    )
+    from matplotlib import colormaps  # matplotlib is the report's plotting library; imported on use
 
     cm = colormaps[cmap]
     n = len(nums)

@@ -8,9 +8,9 @@ from quantdyn.data.prepare import DataConfig
 from quantdyn.errors import QuantdynError, unknown_name
 from quantdyn.models.gpt import ModelConfig
 from quantdyn.quantize.config import parse_quantizer
-from quantdyn.quantize.qat import QATConfig
 from quantdyn.train.loggers import LOGGERS
 from quantdyn.train.optimizers import OptimConfig
+from quantdyn.train.qat import QATConfig
 from quantdyn.train.schedules import ScheduleConfig
 
 

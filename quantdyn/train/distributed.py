@@ -313,19 +313,13 @@ class FSDP2(Replicated):
         return total
 
     def full_state(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return sd if self.rank == 0 else None
 
     def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict | None:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_optimizer_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         full = get_optimizer_state_dict(
             model, optimizer_leaves(optimizer), options=StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -333,10 +327,7 @@ class FSDP2(Replicated):
         return optimizer_state_from_fqn(model, optimizer, full) if self.rank == 0 else None
 
     def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_optimizer_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         full = optimizer_state_to_fqn(model, optimizer, saved)
         set_optimizer_state_dict(model, optimizer_leaves(optimizer), full,

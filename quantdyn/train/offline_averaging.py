@@ -12,12 +12,12 @@ linear interpolation (paper A, Section on weight averaging).
   (ingredients sorted by held-out loss, each added only if the soup's
   held-out loss goes down).
 * :func:`write_interpolation` — θ(α) = (1-α)·θ_A + α·θ_B at one α, written as
-  a checkpoint (``quantdyn.study.interpolation`` measures FP loss and Δ CE on an α grid).
+  a checkpoint (``quantdyn.sweep.interpolation`` measures FP loss and Δ CE on an α grid).
 
 Every produced model is an HF checkpoint directory whose ``quantdyn.json``
 records its ingredients (paths, steps, weights) and ``kind`` (lawa, soup,
 interpolation), so sweeps pick it up like any other checkpoint (see
-``quantdyn/study/trajectory.py``: ``RUN_DIR/averages/NAME/*/``).
+``quantdyn/sources/trajectory.py``: ``RUN_DIR/averages/NAME/*/``).
 
 Checkpoints are loaded one at a time and summed into a float64 accumulator,
 so averaging K models needs memory for about three models, not K.
@@ -40,14 +40,7 @@ from quantdyn.errors import QuantdynError
 from quantdyn.evaluate.loss import mean_loss
 from quantdyn.models.hf_io import load_causal_lm
 from quantdyn.train.averaging import StateDict, interpolate, lawa_steps
-from quantdyn.train.checkpoint import (
-    META,
-    STATE,
-    list_checkpoints,
-    read_meta,
-    save_checkpoint,
-    step_name,
-)
+from quantdyn.train.checkpoint import META, STATE, list_checkpoints, read_meta, save_checkpoint, step_name
 
 # config.json keys that decide whether two checkpoints' weights mean the same thing
 ARCH_KEYS = (

@@ -44,7 +44,6 @@ from quantdyn.evaluate.loss import mean_loss
 from quantdyn.files import write_json_atomic, write_text_atomic
 from quantdyn.models.gpt import GPT, resolve_model_config
 from quantdyn.models.hf_io import load_gpt
-from quantdyn.quantize.qat import prepare_qat
 from quantdyn.runtime import git_sha, hardware, resolve_device, seed_everything
 from quantdyn.train.averaging import OnlineEMA, OnlineLAWA, local_state_dict
 from quantdyn.train.checkpoint import (
@@ -81,11 +80,8 @@ from quantdyn.train.loggers import (
     close_all,
     log_all,
 )
-from quantdyn.train.optimizers import (
-    build_optimizer,
-    optimizer_eval_mode,
-    optimizer_train_mode,
-)
+from quantdyn.train.optimizers import build_optimizer, optimizer_eval_mode, optimizer_train_mode
+from quantdyn.train.qat import prepare_qat
 from quantdyn.train.schedules import lr_at
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 PRELOAD = ["torch", "torch._dynamo", "transformers", "transformers.models.auto.modeling_auto",
            "transformers.models.auto.tokenization_auto", "transformers.models.gpt_neox.configuration_gpt_neox",
            "tokenizers", "safetensors.torch", "quantdyn.cli", "quantdyn.data.prepare", "quantdyn.models.hf_io",
-           "quantdyn.train.trainer", "quantdyn.train.branches", "quantdyn.study.sweep", "quantdyn.quantize",
+           "quantdyn.train.trainer", "quantdyn.train.branches", "quantdyn.sweep.sweep", "quantdyn.quantize",
            "quantdyn.evaluate.quant_error"]
 
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import tiny_run_dict
 
 TALLY: Counter = Counter()

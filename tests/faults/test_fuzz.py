@@ -165,7 +165,7 @@ def config_dicts(cls, depth=0):
 def _config_classes():
     from quantdyn.data.prepare import DataConfig
     from quantdyn.quantize.config import QuantConfig
-    from quantdyn.study.sweep import SweepConfig
+    from quantdyn.sweep.sweep import SweepConfig
     from quantdyn.train.config import RunConfig
 
     return [RunConfig, SweepConfig, DataConfig, QuantConfig]

@@ -8,8 +8,16 @@ import time
 
 import pytest
 
-from faults.conftest import (TALLY, assert_bit_exact, compare_rows, cooldown_argv, final_weights, n_trials,
-                             write_run_config, write_sweep_spec)
+from faults.conftest import (
+    TALLY,
+    assert_bit_exact,
+    compare_rows,
+    cooldown_argv,
+    final_weights,
+    n_trials,
+    write_run_config,
+    write_sweep_spec,
+)
 
 SEED = 18
 

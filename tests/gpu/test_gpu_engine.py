@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantdyn.measure import MeasureConfig, measure
+from quantdyn.engine.measure import MeasureConfig, measure
 from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config
 from quantdyn.models.hf_io import save_hf
 

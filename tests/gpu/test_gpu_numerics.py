@@ -65,8 +65,8 @@ def test_quantdyn_trainer_on_cuda_matches_cpu(tmp_path, no_tf32):
     (bf16 keeps 8 bits of mantissa: ~4e-3 relative per rounding)."""
     from quantdyn.config import from_dict, to_dict
     from quantdyn.data.prepare import DataConfig
-    from quantdyn.train.config import RunConfig
     from quantdyn.train.checkpoint import read_metrics
+    from quantdyn.train.config import RunConfig
     from quantdyn.train.trainer import train
 
     data = DataConfig(source="builtin:kjv", tokenizer="bpe:512", max_tokens=100_000, bpe_train_chars=300_000,

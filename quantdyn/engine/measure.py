@@ -1,0 +1,243 @@
+"""The measurement engine: quantize a checkpoint with several quantizers and compare each
+with full precision, streamed one decoder block at a time.
+
+    m = measure("runs/tiny/checkpoints/step-0001000", {"gptq3": "gptq3", "rtn4": "rtn4"},
+                eval_windows, calib_ids, device="cuda")
+    m.metrics["gptq3"]["delta_ce"], m.fp_window_ce
+
+This is the only place where "quantize, then compare with FP" happens: sweeps, `quantize`,
+`interpolate`, the monitor and `analyze` call it. The work is a block walk
+(``quantize/apply.py``: every quantizer's blocks and the shared full-precision blocks
+carry the evaluation windows through the model) followed by the head: the final norm and
+head turn each variant's last hidden states into logits one batch at a time, with the
+full-precision logits shared by all quantizers, and give per window the CE, KL(FP‖Q) and
+top-1 agreement (``evaluate/quant_error.py``). Logits of the variants are never held at
+once; a batch whose logits would exceed ``logits_budget`` is split by windows.
+
+The model is a checkpoint reference (local directory, sharded safetensors, hub
+``ID@REVISION``) read lazily in its own dtype, or a model already in memory (left
+untouched). On ``device="cuda"`` only one block at a time is onloaded; the model never
+has to fit on the GPU.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping
+
+import torch
+import torch.nn as nn
+
+from quantdyn.analysis.propagation import block_sums, finalize_propagation, input_sums
+from quantdyn.engine.blockwise import block_output
+from quantdyn.engine.lazy_model import BlockSource, InMemoryModel, LazyModel, compute_dtype_of
+from quantdyn.engine.streams import fmt_bytes, parse_bytes, trim_heap
+from quantdyn.engine.walk import BlockTransform, VariantQuantization, WalkConfig, walk
+from quantdyn.errors import QuantdynError, unknown_name
+from quantdyn.evaluate.quant_error import FPLogits, summarize, window_metrics
+from quantdyn.models.weights import CheckpointWeights
+from quantdyn.quantize.config import QuantConfig, parse_quantizer
+from quantdyn.quantize.primitives import QuantResult
+from quantdyn.sources.hub import open_checkpoint
+
+log = logging.getLogger("quantdyn")
+
+
+@dataclass(frozen=True)
+class MeasureConfig:
+    """How the engine batches, threads and budgets its work (numbers do not depend on it beyond
+    float rounding, except ``dtype``)."""
+
+    batch_size: int = 16
+    """Evaluation windows per forward."""
+    calib_batch_size: int = 8
+    """Calibration sequences per forward."""
+    quantize_threads: int = 1
+    """torch threads while calibrating and quantizing on CPU: 1 makes the codes independent of the machine's
+    core count (BLAS rounds differently with more threads); 0 = torch's setting (faster)."""
+    layer_diagnostics: bool = True
+    """Calibration-free quantizers (RTN) also run the calibration set for per-layer loss/output error;
+    false skips those passes (their rows then lack layer_loss_sum)."""
+    dtype: str = "auto"
+    """Compute dtype: auto (the checkpoint's own: bf16 stays bf16) | float32 | bfloat16 | float16."""
+    max_memory: str = ""
+    """Memory for weights and activation streams, e.g. 8GB ('' = automatic: half the free RAM/GPU memory).
+    Streams beyond it spill to disk; less than one block's needs is an error saying the minimum."""
+    spill_dir: str = ""
+    """Where spilled streams go ('' = the system temporary directory; removed afterwards)."""
+    logits_budget_mb: int = 16
+    """Largest logits tensor of one variant (MiB); bigger batches are evaluated in slices of windows (at least one
+    window). The head holds about six tensors of that size at once (FP log-probabilities and probabilities; the
+    variant's logits, log-probabilities, their difference and its product), so this bounds the head's memory."""
+    streams: str = "auto"
+    """Where activation streams live: auto | memory | disk. auto: by the memory budget, and on CPU with the
+    automatic budget streams over 256 MiB spill unless the spill directory is on tmpfs/ramfs (StreamStore)."""
+
+    def __post_init__(self):
+        if self.batch_size < 1 or self.calib_batch_size < 1:
+            raise QuantdynError(f"batch sizes must be >= 1 (got {self.batch_size} and {self.calib_batch_size})")
+        if self.quantize_threads < 0:
+            raise QuantdynError(f"quantize_threads={self.quantize_threads} must be >= 0 (0 = torch's setting)")
+        if self.logits_budget_mb < 1:
+            raise QuantdynError(f"logits_budget_mb={self.logits_budget_mb} must be >= 1")
+        compute_dtype_of(self.dtype)
+        parse_bytes(self.max_memory)
+        if self.streams not in ("auto", "memory", "disk"):
+            raise unknown_name("streams setting", self.streams, ("auto", "memory", "disk"))
+
+
+@dataclass
+class Measurement:
+    """What :func:`measure` found for one checkpoint."""
+
+    fp_window_ce: torch.Tensor
+    """Per-window full-precision CE (float64)."""
+    metrics: dict[str, dict] = field(default_factory=dict)
+    """Per quantizer label: ce_fp, ce_q, delta_ce (± SE), rel_delta_ce, delta_ppl, kl (± SE), top1_agree,
+    n_windows, window_delta."""
+    quantizations: dict[str, VariantQuantization] = field(default_factory=dict)
+    """Per quantizer label: layer rows, quantization seconds, calibration count."""
+    t_eval: float = 0.0
+    """Seconds spent carrying evaluation windows through the blocks and the head (all variants)."""
+    n_params: int = 0
+    """Non-embedding parameters."""
+    dtype: str = ""
+    """Compute dtype used."""
+    streams: str = ""
+    """Where the activation streams lived."""
+    propagation: dict[str, list[dict]] = field(default_factory=dict)
+    """Per quantizer label, with ``propagation_ids``: paper B's per-block R, A, B, C and gain
+    (analysis/propagation.py)."""
+
+    @property
+    def ce_fp(self) -> float:
+        return float(self.fp_window_ce.mean())
+
+
+def _source(model, dtype: torch.dtype | None) -> BlockSource:
+    if isinstance(model, BlockSource):
+        return model
+    if isinstance(model, nn.Module):
+        return InMemoryModel(model)
+    weights = model if isinstance(model, CheckpointWeights) else open_checkpoint(model)
+    return LazyModel(weights, dtype)
+
+
+def _check_budget(source: BlockSource, budget: int) -> int:
+    """Bytes left for streams under ``budget`` (0 = automatic); too small a budget is an error."""
+    if not budget:
+        return 0
+    weights = 2 * source.block_bytes() + source.edge_bytes()
+    if budget < weights * 1.25:
+        raise QuantdynError(f"--max-memory {fmt_bytes(budget)} is too small for this model: one block, its quantized "
+                            f"copy, the embedding and head need {fmt_bytes(weights)}; give at least "
+                            f"{fmt_bytes(weights * 1.25)}")
+    return budget - weights
+
+
+@torch.no_grad()
+def measure(
+    model: str | Path | nn.Module | CheckpointWeights | BlockSource,
+    quantizers: Mapping[str, QuantConfig | str | dict | BlockTransform],
+    eval_windows: torch.Tensor | None,
+    calib_ids: torch.Tensor | None = None,
+    *,
+    device: str | torch.device = "cpu",
+    cfg: MeasureConfig = MeasureConfig(),
+    propagation_ids: torch.Tensor | None = None,
+    on_layer: Callable[[str, str, QuantResult, nn.Module], None] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Measurement:
+    """Quantize ``model`` with each of ``quantizers`` ({label: spec or BlockTransform}) and measure every one
+    against full precision on ``eval_windows`` [N, T+1] (inputs = all but the last token, targets = all but
+    the first; None = no error metrics).
+
+    ``propagation_ids`` [N, T]: also run paper B's error-propagation analysis on these sequences (the four
+    passes per block of analysis/propagation.py, inside the same walk). The model is left untouched (an
+    in-memory model included). ``on_layer(label, layer, result, module)`` sees every quantized layer (to pack
+    or export codes); ``progress(line)`` gets a line per block."""
+    device = torch.device(device)
+    variants = {label: (q if isinstance(q, BlockTransform) else parse_quantizer(q)) for label, q in quantizers.items()}
+    probes: dict[str, torch.Tensor] = {}
+    if eval_windows is not None:
+        if not isinstance(eval_windows, torch.Tensor) or eval_windows.dim() != 2 or eval_windows.shape[1] < 2:
+            raise QuantdynError("evaluation windows must be token ids shaped [N, T+1] with T >= 1")
+        probes["eval"] = eval_windows[:, :-1]
+    if propagation_ids is not None:
+        probes["prop"] = propagation_ids
+    source = _source(model, compute_dtype_of(cfg.dtype))
+    stream_budget = _check_budget(source, parse_bytes(cfg.max_memory))
+    threads = cfg.quantize_threads if device.type == "cpu" else None
+    wcfg = WalkConfig(calib_batch_size=cfg.calib_batch_size, probe_batch_size=cfg.batch_size,
+                      calib_threads=threads if threads else None, calibrate_all=cfg.layer_diagnostics,
+                      max_memory=stream_budget, spill_dir=cfg.spill_dir or None, streams=cfg.streams)
+    t0 = time.perf_counter()
+    prop_sums: dict[str, list] = {}
+
+    def observer(label, b, block, qblock, fp_in, q_in, args_of) -> None:
+        # total[0]: sums of the block-0 inputs; total[b + 1]: block b (analysis/propagation.py)
+        total = prop_sums.setdefault(label, [])
+        for i in range(len(fp_in)):
+            h, hq = fp_in[i], q_in[i]
+            rest, kw = args_of(i)
+            sums, _, _ = block_sums(lambda x: block_output(block(x, *rest, **kw)),
+                                    lambda x: block_output(qblock(x, *rest, **kw)), h, hq)
+            entries = ([(0, input_sums(h, hq))] if b == 0 else []) + [(b + 1, sums)]
+            for k, v in entries:
+                if len(total) == k:
+                    total.append(dict(v))
+                else:
+                    total[k] = {key: total[k][key] + x for key, x in v.items()}
+
+    def block_done(b: int, n: int) -> None:
+        if progress is not None:
+            progress(f"block {b}/{n} ({time.perf_counter() - t0:.0f}s)")
+
+    with walk(source, variants, calib_ids, probes, device, wcfg, on_layer=on_layer,
+              observer=observer if propagation_ids is not None else None,
+              observe="prop" if propagation_ids is not None else None, progress=block_done) as w:
+        t_head = time.perf_counter()
+        fp_ce, per_q = (_head_metrics(w, eval_windows[:, 1:], cfg.batch_size, cfg.logits_budget_mb * 2**20, device)
+                        if eval_windows is not None else (torch.zeros(0, dtype=torch.float64), {}))
+        t_head = time.perf_counter() - t_head
+        streams = w.store.describe()
+        quantizations = w.variants
+        t_eval = w.probe_seconds + t_head
+    metrics = {label: summarize(fp_ce, *per_q[label]) for label in per_q}
+    propagation = {label: finalize_propagation(s) for label, s in prop_sums.items()}
+    return Measurement(fp_ce, metrics, quantizations, t_eval, source.n_params(), str(source.dtype).replace("torch.", ""),
+                       streams, propagation)
+
+
+def _head_metrics(w, targets: torch.Tensor, batch_size: int, logits_budget: int, device: torch.device):
+    """Per-window FP CE and, per quantizer, (CE, KL, agreement), from the walk's final hidden states."""
+    fp_stream = w.finals[None]["eval"]
+    labels = [k for k in w.finals if k is not None and "eval" in w.finals[k]]
+    fp_ce: list[torch.Tensor] = []
+    acc: dict[str, list[list[torch.Tensor]]] = {k: [[], [], []] for k in labels}
+    vocab = w.head.weight.shape[0]
+    start = 0
+    for i in range(len(fp_stream)):
+        h_fp = fp_stream[i]
+        B, T = h_fp.shape[0], h_fp.shape[1]
+        y_all = targets[start : start + B].to(device)
+        start += B
+        # windows per slice so that one variant's float32 logits stay within the budget (the FP side holds three
+        # tensors of that size: log-probabilities, probabilities and the logits until sliced away)
+        step = max(1, min(B, logits_budget // max(1, T * vocab * 4)))
+        hq_all = {label: w.finals[label]["eval"][i] for label in labels}
+        for a in range(0, B, step):
+            fp = FPLogits(w.head(w.norm(h_fp[a : a + step])).float(), y_all[a : a + step])
+            fp_ce.append(fp.window_ce)
+            for label in labels:
+                lq = w.head_of(label)(w.norm(hq_all[label][a : a + step])).float()
+                for lst, v in zip(acc[label], window_metrics(fp, lq)):
+                    lst.append(v)
+                del lq
+            del fp
+            if device.type == "cpu":
+                trim_heap()  # each slice frees logits-sized tensors that glibc would otherwise keep (see trim_heap)
+    fp = torch.cat(fp_ce) if fp_ce else torch.zeros(0, dtype=torch.float64)
+    return fp, {label: [torch.cat(v) for v in a] for label, a in acc.items()}

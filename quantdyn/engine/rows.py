@@ -1,0 +1,120 @@
+"""Result rows of measurements: idempotency keys, calibration identity, quantizer fields.
+
+Every command that stores measurements builds its rows here, so a row means the same thing
+whichever command wrote it, and a rerun finds the rows it already wrote:
+
+* ``row_key(checkpoint hash, what, eval hash)`` — the one hasher of row keys
+  (sha256, 24 hex digits); ``what`` names the measurement (``fp``, ``ptq:<config hash>:<calib
+  hash>``, ``interp:<alpha>|...``, ``analysis:...``);
+* ``calib_hash(data hash, samples, seq_len, seed)`` — the identity of a calibration set;
+* ``quantizer_fields`` / ``ptq_fields`` — what a PTQ row says about its quantizer, its error
+  and how it was computed (batch size and threads while calibrating, timings).
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import statistics
+
+import torch
+
+from quantdyn.config import config_hash
+from quantdyn.engine.measure import MeasureConfig, Measurement
+from quantdyn.errors import unknown_name
+from quantdyn.quantize.config import QuantConfig
+from quantdyn.quantize.config import row_fields as quantizer_fields
+
+
+def row_key(ckpt_hash: str, what: str, eval_hash: str) -> str:
+    """Idempotency key of a result row."""
+    return hashlib.sha256(f"{ckpt_hash}|{what}|{eval_hash}".encode()).hexdigest()[:24]
+
+
+def calib_hash(data_hash: str, samples: int, seq_len: int, seed: int) -> str:
+    """Identity of a calibration set drawn from a token cache (``TokenData.calib_windows``)."""
+    return hashlib.sha1(f"{data_hash}:{samples}:{seq_len}:{seed}".encode()).hexdigest()[:12]
+
+
+REPEAT_VARY = ("draw", "order", "both")
+
+
+def ptq_what(qc: QuantConfig, calib: str, repeats: int = 1, vary: str = "draw") -> str:
+    """The ``what`` of a PTQ row's key (repeated quantizations are another measurement than a single one)."""
+    return f"ptq:{config_hash(qc)}:{calib}" + (f":R{repeats}:{vary}" if repeats > 1 else "")
+
+
+def repeat_labels(label: str, repeats: int) -> list[str]:
+    """The engine labels of one quantizer's repeats (repeat 0 is the quantizer's own label)."""
+    return [label] + [f"{label}#r{r}" for r in range(1, repeats)]
+
+
+def calibration_draws(data, samples: int, seq_len: int, seed: int, repeats: int, vary: str = "draw") -> list:
+    """The calibration set of each repeat: ``draw`` takes windows with seed + r, ``order`` keeps repeat 0's
+    windows in a permuted order (seeded by r: only the float summation order changes), ``both`` does both.
+    Repeat 0 is always the plain draw with ``seed``, so R = 1 is exactly the unrepeated measurement."""
+    if vary not in REPEAT_VARY:
+        raise unknown_name("repeat variation", vary, REPEAT_VARY)
+    base = data.calib_windows(samples, seq_len, seed)
+    out = [base]
+    for r in range(1, repeats):
+        ids = data.calib_windows(samples, seq_len, seed + r) if vary in ("draw", "both") else base
+        if vary in ("order", "both"):
+            ids = ids[torch.randperm(len(ids), generator=torch.Generator().manual_seed(r))]
+        out.append(ids)
+    return out
+
+
+def _combine_repeats(ms: list[dict]) -> dict:
+    """One row's error fields from R repeats: means, the SD over repeats and the combined uncertainty."""
+    R = len(ms)
+    wd = torch.tensor([m["window_delta"] for m in ms], dtype=torch.float64).mean(0)
+    ce_fp = ms[0]["ce_fp"]
+    dce = [m["delta_ce"] for m in ms]
+    mean = statistics.fmean(dce)
+    run_sd = statistics.stdev(dce)
+    se = float(wd.std(unbiased=True) / math.sqrt(len(wd))) if len(wd) > 1 else float("nan")
+    ce_q = statistics.fmean(m["ce_q"] for m in ms)
+    return {
+        "ce_fp": ce_fp, "ce_q": ce_q, "delta_ce": mean, "delta_ce_se": se,
+        "rel_delta_ce": mean / ce_fp if ce_fp else None,
+        "delta_ppl": math.exp(ce_q) - math.exp(ce_fp),
+        "kl": statistics.fmean(m["kl"] for m in ms), "kl_se": statistics.fmean(m["kl_se"] for m in ms),
+        "top1_agree": statistics.fmean(m["top1_agree"] for m in ms), "n_windows": ms[0]["n_windows"],
+        "window_delta": [round(float(v), 7) for v in wd],
+        "delta_ce_repeats": dce, "delta_ce_run_sd": run_sd, "kl_run_sd": statistics.stdev(m["kl"] for m in ms),
+        "quant_repeats": R, "delta_ce_total_se": math.sqrt(se**2 + run_sd**2 / R),
+        "uncertainty_dominant": "evaluation windows" if se >= run_sd / math.sqrt(R) else "quantization run",
+    }
+
+
+def ptq_fields(label: str, qc: QuantConfig, m: Measurement, cfg: MeasureConfig, threads: int, repeats: int = 1,
+               vary: str = "draw") -> dict:
+    """Quantizer, error metrics, per-layer loss total and how it was computed, for one quantizer of a measurement.
+
+    With ``repeats`` R > 1 the measurement holds R variants of the quantizer (``repeat_labels``), each calibrated
+    on its own draw (``calibration_draws``): the row gives the means over repeats, ``delta_ce_se`` of the
+    per-window deltas averaged over repeats, ``delta_ce_run_sd`` (SD over repeats: what re-quantizing the
+    same checkpoint changes), ``delta_ce_total_se`` = sqrt(delta_ce_se² + delta_ce_run_sd² / R) (the
+    uncertainty of the reported mean) and which of the two dominates."""
+    labels = repeat_labels(label, repeats)
+    vs = [m.quantizations[x] for x in labels]
+    losses = [r.get("loss") for r in vs[0].rows if r.get("loss") is not None]
+    n_q = max(1, len(m.quantizations))
+    if repeats > 1:
+        errors = _combine_repeats([m.metrics[x] for x in labels])
+    else:
+        errors = {**m.metrics[label], "quant_repeats": 1, "delta_ce_run_sd": None,
+                  "delta_ce_total_se": m.metrics[label]["delta_ce_se"], "uncertainty_dominant": "evaluation windows"}
+    return {
+        **quantizer_fields(label, qc),
+        **errors,
+        "repeat_vary": vary if repeats > 1 else None,
+        "layer_loss_sum": float(sum(losses)) if losses else None,
+        "n_calibration": vs[0].n_calibration,
+        "t_quantize": sum(v.seconds for v in vs),
+        "t_eval": m.t_eval * len(labels) / n_q,
+        "eval_group": n_q,
+        "calib_batch_size": cfg.calib_batch_size,
+        "quantize_threads": threads,
+        "compute_dtype": m.dtype,
+    }

@@ -1,0 +1,458 @@
+"""Walk a model block by block: quantize it, and carry token sets through its full-precision
+and quantized blocks — the one pipeline behind every "quantize, then compare" in quantdyn.
+
+:func:`walk` takes a :class:`~quantdyn.engine.lazy_model.BlockSource` (a checkpoint read lazily
+one module at a time, or a model already in memory), any number of quantizers, calibration
+ids and named *probe* token sets (e.g. the evaluation windows), and runs (as the GPTQ
+reference's ``llama_sequential``, generalised to several quantizers at once):
+
+1. capture the inputs of every block for each token set: block 0's hidden states and the
+   other arguments each block receives (``blockwise.capture_inputs``; only the embedding
+   needs weights);
+2. for each block, loaded onto the compute device alone:
+   for each quantizer, on a copy of the block (one extra block in memory at any time):
+   collect its layers' input statistics from *that quantizer's own* calibration stream (the
+   outputs of its already quantized earlier blocks), quantize the layers
+   (``blockwise.quantize_block``, true-sequential groups when asked), then advance its
+   calibration stream and its probe streams through the quantized block;
+   then advance the full-precision probe streams through the block itself — computed once,
+   shared by all quantizers;
+3. at the end, the final norm and head are loaded; quantizers with ``quantize_head``
+   quantize a copy of the head from their calibration stream.
+
+The streams (lists of activation batches) live on the device, in host RAM or spilled to
+disk, as a memory budget decides (``quantize/streams.py``). Each quantizer's work equals
+what quantizing its own copy of the whole model would do, operation for operation, so codes
+and outputs are the same as with the in-memory pipeline; memory is one block plus the
+streams instead of one model copy per quantizer.
+
+:func:`quantize_model` is the walk with one quantizer applied to an in-memory model in place.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping
+
+import torch
+import torch.nn as nn
+
+from quantdyn.config import config_hash, to_dict
+from quantdyn.engine.blockwise import (
+    CapturedInputs,
+    capture_inputs,
+    check_calibration,
+    check_finite_weights,
+    first_block_inputs,
+    layer_row,
+    quantize_block,
+    quantize_layer,
+    run_block,
+    vocab_size_of,
+)
+from quantdyn.engine.lazy_model import BlockSource, InMemoryModel
+from quantdyn.engine.streams import Stream, StreamStore, trim_heap
+from quantdyn.errors import QuantdynError
+from quantdyn.files import atomic_dir
+from quantdyn.models.adapters import model_type_of
+from quantdyn.models.hf_io import save_hf_into
+from quantdyn.quantize.config import QUANTIZERS, BlockTransform, QuantConfig, parse_quantizer
+from quantdyn.quantize.gptq import stats_update
+from quantdyn.quantize.primitives import QuantResult, num_threads
+from quantdyn.runtime import git_sha
+
+log = logging.getLogger("quantdyn")
+
+__all__ = ["BlockTransform", "ModelQuantization", "Walk", "WalkConfig", "quantize_model", "save_quantized", "walk", "num_threads"]
+
+
+@dataclass(frozen=True)
+class WalkConfig:
+    """How a walk batches, threads and stores its work."""
+
+    calib_batch_size: int = 8
+    """Calibration sequences per block call (results do not depend on it beyond float rounding)."""
+    probe_batch_size: int = 16
+    """Probe (evaluation) sequences per block call."""
+    calib_threads: int | None = None
+    """torch threads while calibrating and quantizing a block (None = leave as set). 1 makes the codes
+    independent of the machine's core count (BLAS rounds differently with more threads)."""
+    layer_threads: int | None = None
+    """torch threads inside each layer's quantizer function only (None = leave as set)."""
+    calibrate_all: bool = True
+    """Collect calibration statistics for calibration-free quantizers too (RTN), for their per-layer
+    loss and output-error diagnostics; False skips their calibration passes."""
+    max_memory: int = 0
+    """Bytes the activation streams may take in memory (0 = half the free RAM / GPU memory); above it
+    they spill to disk."""
+    spill_dir: str | None = None
+    """Directory for spilled streams (default: the system temporary directory)."""
+    in_place: bool = False
+    """Quantize the model's own blocks (one quantizer, no probes): quantize_model."""
+    streams: str = "auto"
+    """Where activation streams live: auto (by max_memory; on CPU large streams spill to a real disk: StreamStore)
+    | memory | disk."""
+
+    def __post_init__(self):
+        if self.calib_batch_size < 1 or self.probe_batch_size < 1:
+            raise QuantdynError(f"batch sizes must be >= 1 (calibration {self.calib_batch_size}, "
+                                f"evaluation {self.probe_batch_size})")
+        for name in ("calib_threads", "layer_threads"):
+            v = getattr(self, name)
+            if v is not None and v < 0:
+                raise QuantdynError(f"{name}={v} must be >= 0 (0 = torch's setting)")
+
+
+@dataclass
+class VariantQuantization:
+    """One quantizer's part of a walk."""
+
+    config: QuantConfig | None
+    """The quantizer's configuration (None for a BlockTransform variant)."""
+    rows: list[dict] = field(default_factory=list)
+    """One diagnostics row per quantized layer (see blockwise.layer_row)."""
+    seconds: float = 0.0
+    """Wall time of its calibration passes and quantization."""
+    n_calibration: int = 0
+    """Calibration sequences used (0 without calibration)."""
+    head: nn.Module | None = None
+    """Its quantized copy of the head (quantize_head), else None: the FP head applies."""
+
+
+@dataclass
+class Walk:
+    """What a walk leaves: per-quantizer results and the final hidden states of every probe set.
+
+    ``finals[None]`` are the full-precision streams, ``finals[label]`` a quantizer's, each
+    ``{probe name: Stream}`` of the last block's outputs (before the final norm). The final norm
+    and head stay loaded on the device until :meth:`close` (which also removes spilled streams)."""
+
+    source: BlockSource
+    variants: dict[str, VariantQuantization]
+    finals: dict[str | None, dict[str, Stream]]
+    norm: nn.Module
+    head: nn.Module
+    probe_seconds: float
+    store: StreamStore
+
+    def head_of(self, label: str | None) -> nn.Module:
+        v = self.variants.get(label) if label is not None else None
+        return v.head if v is not None and v.head is not None else self.head
+
+    def close(self) -> None:
+        self.store.close()
+        self.source.unload(self.norm)
+        self.source.unload(self.head)
+
+    def __enter__(self) -> "Walk":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+Observer = Callable[[str, int, nn.Module, nn.Module, Stream, Stream, Callable[[int], tuple]], None]
+"""observer(label, block index, FP block, quantized block, FP input stream, quantized input stream, args_of):
+called for the observed probe set before both streams advance through block ``b``."""
+
+
+def _check_probe(name: str, ids, vocab: int | None) -> torch.Tensor:
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.numel() == 0:
+        raise QuantdynError(f"token set '{name}' must be token ids shaped [N, T] with N, T > 0")
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise QuantdynError(f"token set '{name}' must hold integer token ids, got dtype {ids.dtype}")
+    if vocab is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise QuantdynError(f"token set '{name}' has ids in [{int(ids.min())}, {int(ids.max())}] but the model's "
+                            f"vocabulary has {vocab} tokens; tokenize with the model's tokenizer")
+    return ids.long()
+
+
+def _stream_bytes(cap: CapturedInputs) -> int:
+    return sum(h.numel() * h.element_size() for h in cap.hiddens)
+
+
+@torch.no_grad()
+def walk(
+    source: BlockSource,
+    quantizers: Mapping[str, QuantConfig | str | dict | BlockTransform],
+    calib_ids: torch.Tensor | Mapping[str, torch.Tensor] | None,
+    probes: Mapping[str, torch.Tensor],
+    device: str | torch.device,
+    cfg: WalkConfig = WalkConfig(),
+    on_layer: Callable[[str, str, QuantResult, nn.Module], None] | None = None,
+    observer: Observer | None = None,
+    observe: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Walk:
+    """Quantize with every quantizer and carry the probe sets through the blocks (module docstring).
+
+    ``calib_ids`` is one calibration set for all quantizers, or {label: ids} (e.g. repeats of one quantizer
+    with different calibration draws; labels without an entry get no calibration); identical tensors are
+    captured once. ``on_layer(label, layer name, result, quantized module)`` sees every quantized layer (to pack
+    or export codes); ``progress(block, n_blocks)`` is called after each block."""
+    device = torch.device(device)
+    model, blocks, adapter = source.model, source.blocks, source.adapter
+    prefix = adapter.blocks
+    transforms = {label: q for label, q in quantizers.items() if isinstance(q, BlockTransform)}
+    qcfgs = {label: parse_quantizer(q) for label, q in quantizers.items() if label not in transforms}
+    if cfg.in_place and (len(qcfgs) != 1 or probes or transforms):
+        raise ValueError("an in-place walk takes exactly one quantizer and no probe sets")
+    if observe is not None and observe not in probes:
+        raise ValueError(f"observed probe set '{observe}' is not among the probes")
+    vocab = vocab_size_of(model)
+    calib_of: dict[str, torch.Tensor] = {}
+    for label, qc in qcfgs.items():
+        ids = calib_ids.get(label) if isinstance(calib_ids, Mapping) else calib_ids
+        if QUANTIZERS.get(qc.method).needs_calibration or (ids is not None and cfg.calibrate_all):
+            calib_of[label] = ids
+    checked: dict[int, torch.Tensor] = {}
+    for label, ids in calib_of.items():  # validate each distinct set once; equal objects share a capture
+        if id(ids) not in checked:
+            checked[id(ids)] = check_calibration(ids, vocab)
+        calib_of[label] = checked[id(ids)]
+    calibrating = list(calib_of)
+    probes = {name: _check_probe(name, ids, vocab) for name, ids in probes.items()}
+    was_training = model.training
+    model.eval()
+    store = None
+    try:
+        cals: dict[int, CapturedInputs] = {}
+        caps: dict[str, CapturedInputs] = {}
+        if calibrating or probes:
+            pre = source.pre_block()
+            for m in pre:
+                source.load(m, device)
+            try:
+                first = calib_of[calibrating[0]][:1] if calibrating else next(iter(probes.values()))[:1]
+                h0, (rest0, kw0) = first_block_inputs(model, blocks, first.to(device))
+                source.load(blocks[0], device)
+                returns_tuple = isinstance(blocks[0](h0, *rest0, **kw0), (tuple, list))
+                for ids in calib_of.values():
+                    if id(ids) not in cals:
+                        cals[id(ids)] = capture_inputs(model, blocks, ids, device, cfg.calib_batch_size, returns_tuple)
+                for name, ids in probes.items():
+                    caps[name] = capture_inputs(model, blocks, ids, device, cfg.probe_batch_size, returns_tuple)
+            finally:
+                for m in pre:
+                    source.unload(m)
+                trim_heap()
+        need = sum(_stream_bytes(c) for c in caps.values()) * (1 + len(qcfgs) + len(transforms))
+        need += sum(_stream_bytes(cals[id(ids)]) for ids in calib_of.values())
+        cal_of = {label: cals[id(ids)] for label, ids in calib_of.items()}
+        store = StreamStore(device, need, cfg.max_memory, cfg.spill_dir,
+                            force={"auto": None, "memory": "device", "disk": "disk"}[cfg.streams])
+        fp: dict[str, Stream] = {}
+        for name, c in caps.items():
+            fp[name] = store.new(f"fp-{name}")
+            for h in c.hiddens:
+                fp[name].append(h)
+            c.hiddens = []
+        qs: dict[str, dict[str, Stream]] = {}
+        qcal: dict[str, Stream] = {}
+        for label in [*qcfgs, *transforms]:
+            qs[label] = {}
+            for name in caps:
+                qs[label][name] = store.new(f"q{len(qs)}-{name}")
+                qs[label][name].copy_from(fp[name])
+            if label in cal_of:
+                qcal[label] = store.new(f"q{len(qs)}-calib")
+                for h in cal_of[label].hiddens:
+                    qcal[label].append(h)
+        for c in cals.values():
+            c.hiddens = []
+        variants = {label: VariantQuantization(qc, n_calibration=int(calib_of[label].shape[0]) if label in qcal else 0)
+                    for label, qc in qcfgs.items()}
+        probe_seconds = 0.0
+
+        for b, block in enumerate(blocks):
+            source.load(block, device)
+            groups = adapter.linear_groups(block)
+            check_finite_weights(groups, f"{prefix}.{b}")
+            probe_args = {name: (lambda i, b=b, c=c: c.args(b, i)) for name, c in caps.items()}
+            for label, qc in qcfgs.items():
+                t0 = time.perf_counter()
+                qblock = block if cfg.in_place else copy.deepcopy(block)
+                qgroups = groups if cfg.in_place else adapter.linear_groups(qblock)
+                hook = (lambda full, res, m, label=label: on_layer(label, full, res, m)) if on_layer else None
+                cal_args = (lambda i, b=b, c=cal_of[label]: c.args(b, i)) if label in cal_of else None
+                with num_threads(cfg.calib_threads or None):
+                    rows = quantize_block(qblock, qgroups, b, prefix, qcal.get(label), cal_args, qc,
+                                          cfg.layer_threads, hook)
+                    if label in qcal:
+                        run_block(qblock, qcal[label], cal_args)
+                variants[label].rows += rows
+                variants[label].seconds += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                if observer is not None:
+                    observer(label, b, block, qblock, fp[observe], qs[label][observe], probe_args[observe])
+                for name in caps:
+                    run_block(qblock, qs[label][name], probe_args[name])
+                probe_seconds += time.perf_counter() - t0
+                del qblock
+                if device.type == "cpu":
+                    trim_heap()  # before the next quantizer: this one's Hessians and temporaries are freed
+            for label, tr in transforms.items():
+                t0 = time.perf_counter()
+                qblock = tr.block(copy.deepcopy(block))
+                if observer is not None:
+                    observer(label, b, block, qblock, fp[observe], qs[label][observe], probe_args[observe])
+                for name in caps:
+                    run_block(qblock, qs[label][name], probe_args[name])
+                probe_seconds += time.perf_counter() - t0
+                del qblock
+            t0 = time.perf_counter()
+            for name in caps:
+                run_block(block, fp[name], probe_args[name])
+            probe_seconds += time.perf_counter() - t0
+            source.unload(block)
+            if device.type == "cpu":
+                trim_heap()
+            if progress is not None:
+                progress(b + 1, len(blocks))
+
+        norm, head = source.tail()
+        source.load(norm, device)
+        source.load(head, device)
+        for label, qc in qcfgs.items():
+            if not qc.quantize_head:
+                continue
+            t0 = time.perf_counter()
+            v = variants[label]
+            if cfg.in_place:
+                qhead = head
+                emb = source.pre_block()[0]
+                if any(qhead.weight is p for p in emb.parameters()):  # tied: keep the embedding in full precision
+                    qhead.weight = nn.Parameter(qhead.weight.detach().clone())
+                    if hasattr(getattr(model, "config", None), "tie_word_embeddings"):
+                        model.config.tie_word_embeddings = False
+            else:
+                qhead = copy.deepcopy(head)
+            stats = None
+            with num_threads(cfg.calib_threads or None):
+                if label in qcal:
+                    for i in range(len(qcal[label])):
+                        stats = stats_update(stats, norm(qcal[label][i]), need_abs=qc.method == "awq")
+                res, W = quantize_layer(adapter.head, qhead, stats, qc, cfg.layer_threads)
+            v.rows.append(layer_row(-1, adapter.head, adapter.head, W, res, stats, qc))
+            if on_layer is not None:
+                on_layer(label, adapter.head, res, qhead)
+            v.head = None if cfg.in_place else qhead
+            v.seconds += time.perf_counter() - t0
+        for label, tr in transforms.items():
+            variants[label] = VariantQuantization(None, head=tr.head(copy.deepcopy(head)))
+        for s in qcal.values():
+            s.close()
+        finals: dict[str | None, dict[str, Stream]] = {None: fp, **qs}
+        return Walk(source, variants, finals, norm, head, probe_seconds, store)
+    except BaseException:
+        if store is not None:
+            store.close()
+        raise
+    finally:
+        model.train(was_training)
+
+
+# ------------------------------------------------------------------ one model, in place
+@dataclass(frozen=True)
+class ModelQuantization:
+    """What quantize_model did: per-layer rows and the packed integer representation."""
+
+    config: QuantConfig
+    """The quantizer configuration used."""
+    rows: list[dict]
+    """One dict per quantized layer: block, layer, shape, loss, output_error, rel_error, seconds, ..."""
+    packed: dict[str, torch.Tensor] = field(repr=False)
+    """'<layer>.codes' (uint8, out x in), '.scales', '.zeros' (out x groups), '.g_idx' (in), and for
+    AWQ '.awq_scales' (in): dequantized W = scales[:, g_idx] * (codes - zeros[:, g_idx]) / awq_scales."""
+    seconds: float
+    """Total wall time."""
+    model_type: str
+    """'quantdyn-gpt' or the HF model_type."""
+    n_calibration: int
+    """Number of calibration sequences used (0 without calibration)."""
+
+    def summary(self) -> dict:
+        """Totals over layers (for result rows)."""
+        def tot(key):
+            vals = [r[key] for r in self.rows if r.get(key) is not None]
+            return float(sum(vals)) if vals else None
+        return dict(
+            quantizer=self.config.name, layers=len(self.rows), seconds=self.seconds,
+            output_error=tot("output_error"), loss=tot("loss"), n_calibration=self.n_calibration,
+        )
+
+
+def pack_result(packed: dict, full: str, res: QuantResult) -> None:
+    """Add one layer's codes, scales, zeros, g_idx (and AWQ scales) to a packed dict (CPU tensors)."""
+    packed[f"{full}.codes"] = res.codes.detach().cpu().contiguous()
+    packed[f"{full}.scales"] = res.scales.detach().float().cpu().contiguous()
+    packed[f"{full}.zeros"] = res.zeros.detach().float().cpu().contiguous()
+    packed[f"{full}.g_idx"] = res.g_idx.detach().cpu().contiguous()
+    if res.awq_scales is not None:
+        packed[f"{full}.awq_scales"] = res.awq_scales.detach().float().cpu().contiguous()
+
+
+def quantize_model(
+    model: nn.Module,
+    calib_ids: torch.Tensor | None,
+    cfg: QuantConfig | str | dict,
+    device: str | torch.device | None = None,
+    progress: bool = True,
+    batch_size: int = 8,
+    threads: int | None = None,
+) -> ModelQuantization:
+    """Quantize the block linears of ``model`` IN PLACE; return per-layer rows and packed codes.
+
+    calib_ids: LongTensor [N, L] of calibration token ids (may be None for RTN,
+    which then needs no forward pass). device: compute device (None = where
+    the model is); the model may live on CPU and only one block at a time is
+    moved to ``device``. batch_size: calibration sequences per forward (results
+    do not depend on it beyond float rounding). threads: torch intra-op threads
+    while quantizing a layer (None = leave; 1 is fastest for GPTQ on few CPU cores).
+    Progress is logged (logger 'quantdyn') when ``progress``.
+    """
+    qc = parse_quantizer(cfg)
+    if batch_size < 1:
+        raise QuantdynError(f"batch_size={batch_size} must be >= 1")
+    source = InMemoryModel(model)
+    dev = torch.device(device) if device is not None else source.home
+    packed: dict[str, torch.Tensor] = {}
+    t0 = time.perf_counter()
+
+    def report(b: int, n: int) -> None:
+        if progress:
+            log.info("quantize %s: block %d/%d done", qc.name, b, n)
+
+    w = walk(source, {qc.name: qc}, calib_ids, {}, dev,
+             WalkConfig(calib_batch_size=batch_size, layer_threads=threads, in_place=True),
+             on_layer=lambda label, full, res, m: pack_result(packed, full, res), progress=report)
+    w.close()
+    v = w.variants[qc.name]
+    return ModelQuantization(qc, v.rows, packed, time.perf_counter() - t0, model_type_of(model), v.n_calibration)
+
+
+def save_quantized(model: nn.Module, result: ModelQuantization, cfg: QuantConfig | None, out_dir: str | Path) -> Path:
+    """Atomically write an HF checkpoint of the (dequantized) model plus
+    ``quant_codes.safetensors`` (codes, scales, zeros, g_idx[, awq_scales] per layer)
+    and ``quant_config.json`` (the QuantConfig, its hash, per-layer rows, summary)."""
+    from safetensors.torch import save_file
+
+
+    cfg = result.config if cfg is None else parse_quantizer(cfg)
+    out = Path(out_dir)
+    with atomic_dir(out) as tmp:
+        save_hf_into(model, tmp)
+        save_file(result.packed, str(tmp / "quant_codes.safetensors"),
+                  metadata={"format": "quantdyn-codes", "quantizer": cfg.name})
+        meta = dict(
+            quantizer=to_dict(cfg), config_hash=config_hash(cfg), model_type=result.model_type,
+            layout="weight (out, in) = scales[:, g_idx] * (codes - zeros[:, g_idx]) [/ awq_scales]; "
+                   "GPT-2 Conv1D weights are stored transposed in the checkpoint",
+            summary=result.summary(), rows=result.rows, git_sha=git_sha(),
+        )
+        (tmp / "quant_config.json").write_text(json.dumps(meta, indent=2, default=str))
+    return out

@@ -1,0 +1,453 @@
+"""Run grids: one base config × varied keys × seeds -> many training runs
+(paper A's LR {1e-4, 1e-3, 3e-3} × WD {0.1, 0.05} sweep and its kin).
+
+    quantdyn grid CONFIG.yaml --vary optim.lr=1e-4,1e-3,3e-3 --vary optim.weight_decay=0.1,0.05 --seeds 2
+
+Expansion is the Cartesian product of the ``--vary`` lists in the order given
+(the last key varies fastest, seeds fastest of all).  Run names are
+``NAME-<alias><value>-...[-s<seed>]``, e.g. ``tiny-lr1e-4-wd0.1-s0``: the
+alias of a key comes from :data:`ALIASES` (else the key's last component),
+the value is written as typed on the command line (characters other than
+letters, digits, ``.``, ``+``, ``-`` and ``_`` become ``_``).  With
+``seeds = N`` the runs use seeds base_seed .. base_seed+N-1 and the suffix is
+the seed itself; with ``seeds = 0`` the base seed is kept and no suffix added.
+
+Layout of a grid directory::
+
+    GRID_DIR/grid.json           manifest: base config, varied keys, runs (name, dir, config, overrides, seed)
+    GRID_DIR/configs/NAME.yaml   the full config of each run (out_dir = GRID_DIR/runs, name = NAME)
+    GRID_DIR/runs/NAME/          the run directories
+    GRID_DIR/grid.sbatch         SLURM array script, one task per run (write_launch_scripts)
+    GRID_DIR/commands.txt        the same runs as plain torchrun lines
+    GRID_DIR/logs/               the array tasks' output (sbatch) ; GRID_DIR/submitit/ (submit_grid)
+
+Every expanded config is validated by building its RunConfig before anything
+is written or run, so an unknown key in ``--vary`` fails at once with a
+did-you-mean.  :func:`run_grid` runs the grid locally, one run after another:
+finished runs are skipped, partial ones resumed from their last checkpoint.
+On a SLURM cluster, :func:`write_launch_scripts` writes the array script and
+:func:`submit_grid` submits the same tasks through submitit (quantdyn/launch/slurm.py).
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+from quantdyn.config import check_config_key, from_dict, load_yaml, parse_override, set_dotted, to_dict
+from quantdyn.errors import QuantdynError, did_you_mean
+from quantdyn.files import write_json_atomic, write_text_atomic
+from quantdyn.launch.slurm import SlurmConfig, job_name, run_command, sbatch_header, submit
+from quantdyn.monitor import hooks_for
+from quantdyn.runtime import git_sha
+from quantdyn.train.checkpoint import RunDir, latest_resumable, step_name
+from quantdyn.train.config import RunConfig
+from quantdyn.train.trainer import train
+
+MANIFEST = "grid.json"
+
+ALIASES: dict[str, str] = {
+    "seed": "s",
+    "optim.name": "opt",
+    "optim.lr": "lr",
+    "optim.weight_decay": "wd",
+    "optim.betas": "betas",
+    "optim.eps": "eps",
+    "schedule.name": "sched",
+    "schedule.warmup": "wu",
+    "schedule.decay": "decay",
+    "schedule.decay_start": "ds",
+    "schedule.decay_shape": "shape",
+    "schedule.lr_end": "lrend",
+    "train.steps": "steps",
+    "train.batch_size": "bs",
+    "train.seq_len": "seq",
+    "train.grad_accum": "ga",
+    "train.grad_clip": "clip",
+    "model.preset": "m",
+    "model.n_layer": "L",
+    "model.d_model": "d",
+    "model.n_head": "h",
+    "averaging.lawa_window": "lawak",
+    "averaging.lawa_every": "lawap",
+    "averaging.ema_decay": "ema",
+    "data.source": "data",
+    "data.tokenizer": "tok",
+}
+"""Short names of config keys in run names; other keys use their last component."""
+
+
+# ------------------------------------------------------------- key checks
+def check_key(key: str) -> None:
+    """Raise a QuantdynError with a did-you-mean if ``key`` is not a RunConfig key (config.check_config_key)."""
+    check_config_key(RunConfig, key, "--vary")
+
+
+# ------------------------------------------------------------- expansion
+def _split_values(text: str) -> list[str]:
+    """'a,b,[c,d]' -> ['a', 'b', '[c,d]'] (commas inside brackets or quotes stay)."""
+    out, depth, cur, quote = [], 0, "", ""
+    for ch in text:
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+            continue
+        cur += ch
+    out.append(cur)
+    return [v.strip() for v in out]
+
+
+def parse_vary(text: str) -> tuple[str, list[str]]:
+    """'optim.lr=1e-4,1e-3' -> ('optim.lr', ['1e-4', '1e-3']) after checking the key."""
+    path, _ = parse_override(text)
+    key = ".".join(path)
+    raw = text.split("=", 1)[1]
+    values = _split_values(raw)
+    if not values or any(v == "" for v in values):
+        raise QuantdynError(f"--vary {text}: give a comma-separated list of values, e.g. {key}=1e-4,1e-3")
+    if len(set(values)) != len(values):
+        raise QuantdynError(f"--vary {text}: a value is listed twice")
+    check_key(key)
+    return key, values
+
+
+def _alias(key: str, all_keys: Sequence[str]) -> str:
+    a = ALIASES.get(key, key.rsplit(".", 1)[-1])
+    clash = [k for k in all_keys if k != key and ALIASES.get(k, k.rsplit(".", 1)[-1]) == a]
+    return key.replace(".", "_") if clash else a
+
+
+def _name_part(value: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.+\-_]+", "_", value).strip("_") or "x"
+
+
+def _get_dotted(cfg: Any, path: list[str]) -> Any:
+    for p in path:
+        cfg = cfg[p] if isinstance(cfg, dict) else getattr(cfg, p)
+    return cfg
+
+
+def expand_grid(base: dict, vary: Sequence[str], seeds: int = 0, grid_dir: str | Path | None = None) -> list[tuple[str, dict]]:
+    """Expand ``base`` (a run-config dict) over ``vary`` ("key=v1,v2" strings) and seeds.
+
+    Returns [(run name, config dict)] in a deterministic order; each config is
+    validated by building its RunConfig (unknown keys fail with a did-you-mean
+    before anything runs).  With ``grid_dir`` each run's out_dir is
+    GRID_DIR/runs, so its directory is GRID_DIR/runs/NAME.
+    """
+
+    if seeds < 0:
+        raise QuantdynError(f"--seeds {seeds} must be >= 0")
+    parsed = [parse_vary(v) for v in vary]
+    keys = [k for k, _ in parsed]
+    dup = {k for k in keys if keys.count(k) > 1}
+    if dup:
+        raise QuantdynError(f"--vary {sorted(dup)[0]} is given twice; list all its values in one --vary")
+    if seeds and "seed" in keys:
+        raise QuantdynError("give --seeds N or --vary seed=..., not both")
+    base_cfg = from_dict(RunConfig, base)  # the base itself must be valid
+    aliases = [_alias(k, keys) for k in keys]
+    seed_list = [base_cfg.seed + i for i in range(seeds)] if seeds else [None]
+    out, names = [], set()
+    for combo in itertools.product(*[vals for _, vals in parsed]):
+        for seed in seed_list:
+            d = dict(base)
+            for key, raw in zip(keys, combo):
+                _, value = parse_override(f"{key}={raw}")
+                d = set_dotted(d, key.split("."), value)
+            parts = [f"{a}{_name_part(raw)}" for a, raw in zip(aliases, combo)]
+            if seed is not None:
+                d["seed"] = seed
+                parts.append(f"s{seed}")
+            name = "-".join([base_cfg.name, *parts])
+            if name in names:
+                raise QuantdynError(f"two grid runs would both be named '{name}'; make the --vary values distinct")
+            names.add(name)
+            d["name"] = name
+            if grid_dir is not None:
+                d["out_dir"] = str(Path(grid_dir) / "runs")
+            cfg = from_dict(RunConfig, d)
+            for key in keys:  # store the typed value ('1e-4' is a string to YAML 1.1, a float to the config)
+                d = set_dotted(d, key.split("."), to_dict(_get_dotted(cfg, key.split("."))))
+            out.append((name, d))
+    return out
+
+
+def grid_manifest(base: dict, vary: Sequence[str], seeds: int, grid_dir: str | Path) -> dict:
+    """The manifest of a grid (validated; nothing written): base, varied keys, runs."""
+
+    grid_dir = Path(grid_dir)
+    parsed = [parse_vary(v) for v in vary]
+    keys = [k for k, _ in parsed]
+    runs = []
+    for name, d in expand_grid(base, vary, seeds, grid_dir):
+        cfg = from_dict(RunConfig, d)
+        runs.append({
+            "name": name,
+            "dir": str(grid_dir / "runs" / name),
+            "config": str(grid_dir / "configs" / f"{name}.yaml"),
+            "overrides": {k: to_dict(_get_dotted(cfg, k.split("."))) for k in keys},
+            "seed": cfg.seed,
+            "steps": cfg.train.steps,
+        })
+    return {
+        "base": base,
+        "vary": [{"key": k, "alias": _alias(k, keys), "values": vals} for k, vals in parsed],
+        "seeds": seeds,
+        "grid_dir": str(grid_dir),
+        "runs": runs,
+    }
+
+
+def write_grid(base: dict, vary: Sequence[str], seeds: int, grid_dir: str | Path) -> dict:
+    """Validate, then write GRID_DIR/configs/NAME.yaml and GRID_DIR/grid.json; return the manifest.
+
+    Writing the same grid again is a no-op (runs already started are kept); a
+    different grid in the same directory is refused.
+    """
+
+    grid_dir = Path(grid_dir)
+    manifest = grid_manifest(base, vary, seeds, grid_dir)
+    existing = grid_dir / MANIFEST
+    if existing.is_file():
+        old = read_grid(grid_dir)
+        same = {k: old.get(k) for k in ("base", "vary", "seeds", "runs")} == \
+            json.loads(json.dumps({k: manifest[k] for k in ("base", "vary", "seeds", "runs")}, default=str))
+        if not same:
+            raise QuantdynError(
+                f"'{grid_dir}' already holds a different grid ({existing}); choose another directory or delete it"
+            )
+        manifest["created"] = old.get("created")
+
+    manifest["created"] = manifest.get("created") or time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    manifest["git_sha"] = git_sha()
+    cfg_dir = grid_dir / "configs"
+    cfg_dir.mkdir(parents=True, exist_ok=True)
+    for name, d in expand_grid(base, vary, seeds, grid_dir):
+        write_text_atomic(cfg_dir / f"{name}.yaml", yaml.safe_dump(d, sort_keys=False))
+    write_json_atomic(existing, manifest)
+    return manifest
+
+
+def read_grid(grid_dir: str | Path) -> dict:
+    p = Path(grid_dir) / MANIFEST
+    if not p.is_file():
+        raise QuantdynError(f"'{grid_dir}' is not a grid directory (no {MANIFEST}); create it with `quantdyn grid`")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError:
+        raise QuantdynError(f"'{p}' is corrupt (invalid JSON); delete the grid directory and create it again") from None
+
+
+def format_grid(manifest: dict) -> str:
+    """A table of the runs of a grid (what --dry-run prints)."""
+    keys = [v["key"] for v in manifest["vary"]]
+    head = ["name", *keys, *(["seed"] if manifest.get("seeds") else [])]
+    rows = [[r["name"], *[str(r["overrides"][k]) for k in keys], *([str(r["seed"])] if manifest.get("seeds") else [])]
+            for r in manifest["runs"]]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.append(f"{len(rows)} runs under {Path(manifest['grid_dir']) / 'runs'}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ run
+def run_status(run: dict) -> str:
+    """'finished', 'partial' (has a resumable checkpoint) or 'new' (:meth:`RunDir.status`)."""
+    return RunDir(run["dir"]).status(int(run["steps"]))
+
+
+def run_grid(grid_dir: str | Path, only: Sequence[str] | None = None, progress: bool = True,
+             verbose: bool = False) -> list[dict]:
+    """Train the grid's runs one after another in this process.
+
+    Finished runs are skipped, partial ones resumed exactly from their last
+    checkpoint, new ones started (a metrics.jsonl left by a run that crashed
+    before its first checkpoint is discarded).  ``only``: run names to run.
+    A run whose config has ``monitor.every`` > 0 trains with its PTQ monitor.
+    Returns [{name, dir, status}] with status skipped | resumed | trained.
+    """
+
+    manifest = read_grid(grid_dir)
+    runs = manifest["runs"]
+    if only:
+        names = {r["name"] for r in runs}
+        for n in only:
+            if n not in names:
+                raise QuantdynError(f"grid has no run '{n}'{did_you_mean(n, names)}")
+        runs = [r for r in runs if r["name"] in set(only)]
+    # validate every config before the first run starts
+    cfgs = [from_dict(RunConfig, load_yaml(r["config"])) for r in runs]
+    hooks = [hooks_for(cfg) for cfg in cfgs]  # monitor quantizers checked before the first run too
+    out = []
+    for r, cfg, hk in zip(runs, cfgs, hooks):
+        d = Path(r["dir"])
+        status = run_status(r)
+        if status == "finished":
+            out.append({"name": r["name"], "dir": str(d), "status": "skipped"})
+            continue
+        if status == "partial":
+            train(cfg, d, resume=latest_resumable(d), progress=progress, hooks=hk, verbose=verbose)
+            out.append({"name": r["name"], "dir": str(d), "status": "resumed"})
+            continue
+        RunDir(d).metrics.unlink(missing_ok=True)
+        train(cfg, d, progress=progress, hooks=hk, verbose=verbose)
+        out.append({"name": r["name"], "dir": str(d), "status": "trained"})
+    return out
+
+
+# ------------------------------------------------------------- cluster
+def torchrun_command(config: str | Path, nproc_per_node: int = 1, torchrun: str = "torchrun") -> str:
+    """One run's launch line: ``torchrun --standalone --nproc_per_node N -m quantdyn.cli train CONFIG``."""
+    return (f"{torchrun} --standalone --nproc_per_node {nproc_per_node} -m quantdyn.cli train "
+            f"{shlex.quote(str(config))} --quiet")
+
+
+def slurm_script(
+    manifest: dict,
+    nproc_per_node: int = 1,
+    gpus_per_node: int | None = None,
+    cpus_per_task: int | None = None,
+    time_limit: str | None = None,
+    partition: str | None = None,
+    extra_sbatch: Sequence[str] = (),
+    setup: Sequence[str] = (),
+    torchrun: str = "torchrun",
+    max_parallel: int | None = None,
+    account: str | None = None,
+    slurm: SlurmConfig | None = None,
+) -> str:
+    """A SLURM array script with one task per run of ``manifest``.
+
+    Task i trains run i on one node with ``nproc_per_node`` processes
+    (torchrun --standalone); a task whose run finished exits at once, one
+    whose run has a resumable checkpoint continues it (``train --resume``), so
+    requeued or resubmitted arrays pick up where they stopped.
+    ``setup``: shell lines run first (module loads, venv activation).
+    ``slurm``: all resources as one SlurmConfig (the keyword arguments fill one otherwise).
+    """
+    if slurm is None:
+        slurm = SlurmConfig(partition=partition or "", time=time_limit or "", account=account or "",
+                            gpus_per_node=gpus_per_node or 0, cpus_per_task=cpus_per_task or 0,
+                            nproc_per_node=nproc_per_node, max_parallel=max_parallel or 0,
+                            extra_sbatch=tuple(extra_sbatch), setup=tuple(setup))
+    runs = manifest["runs"]
+    if not runs:
+        raise QuantdynError("the grid has no runs")
+    grid_dir = Path(manifest["grid_dir"]).resolve()
+    gpus = slurm.nproc_per_node if gpus_per_node is None and not slurm.gpus_per_node else slurm.gpus_per_node
+    sb = sbatch_header(slurm, job_name(Path(manifest["grid_dir"]).name or "grid"), len(runs), grid_dir / "logs", gpus)
+    names = "\n".join(f"  {shlex.quote(r['name'])}" for r in runs)
+    finals = "\n".join(f"  {step_name(int(r['steps']))}" for r in runs)
+    tr = f"{torchrun} --standalone --nproc_per_node {slurm.nproc_per_node} -m quantdyn.cli train"
+    body = f"""#!/bin/bash
+# Grid {grid_dir}: {len(runs)} runs, one array task each (written by quantdyn.launch.grid).
+# Submit: mkdir -p {shlex.quote(str(grid_dir / 'logs'))} && sbatch {shlex.quote(str(grid_dir / 'grid.sbatch'))}
+{chr(10).join(sb)}
+set -euo pipefail
+{chr(10).join(slurm.setup)}
+GRID_DIR={shlex.quote(str(grid_dir))}
+RUNS=(
+{names}
+)
+FINAL=(
+{finals}
+)
+RUN="${{RUNS[$SLURM_ARRAY_TASK_ID]}}"
+RUN_DIR="$GRID_DIR/runs/$RUN"
+if [ -f "$RUN_DIR/checkpoints/${{FINAL[$SLURM_ARRAY_TASK_ID]}}/model.safetensors" ]; then
+  echo "run $RUN already finished"; exit 0
+fi
+if compgen -G "$RUN_DIR/checkpoints/step-*/training_state.pt" > /dev/null; then
+  exec {tr} --resume "$RUN_DIR" --quiet
+fi
+rm -f "$RUN_DIR/metrics.jsonl"
+exec {tr} "$GRID_DIR/configs/$RUN.yaml" --quiet
+"""
+    return body
+
+
+def write_launch_scripts(grid_dir: str | Path, nproc_per_node: int = 1, **slurm) -> tuple[Path, Path]:
+    """Write GRID_DIR/grid.sbatch (see :func:`slurm_script`) and GRID_DIR/commands.txt
+    (one torchrun line per run); return both paths."""
+    grid_dir = Path(grid_dir)
+    manifest = read_grid(grid_dir)
+    cfg = slurm.get("slurm")
+    if cfg is not None:
+        nproc_per_node = cfg.nproc_per_node
+
+    sbatch = grid_dir / "grid.sbatch"
+    write_text_atomic(sbatch, slurm_script(manifest, nproc_per_node=nproc_per_node, **slurm))
+    sbatch.chmod(0o755)
+    (grid_dir / "logs").mkdir(exist_ok=True)
+    torchrun = slurm.get("torchrun", "torchrun")
+    cmds = grid_dir / "commands.txt"
+    write_text_atomic(cmds, "".join(
+        torchrun_command(Path(r["config"]).resolve(), nproc_per_node, torchrun) + "\n" for r in manifest["runs"]
+    ))
+    return sbatch, cmds
+
+
+def grid_task_command(grid_dir: str | Path, name: str, nproc_per_node: int = 1,
+                      python: str = sys.executable) -> list[str] | None:
+    """What array task ``name`` runs now: None if the run finished, ``train --resume RUN_DIR`` if it
+    has a resumable checkpoint, else ``train CONFIG`` (the same choice as grid.sbatch)."""
+    manifest = read_grid(grid_dir)
+    runs = {r["name"]: r for r in manifest["runs"]}
+    if name not in runs:
+        raise QuantdynError(f"grid has no run '{name}'{did_you_mean(name, runs)}")
+    run = runs[name]
+    status = run_status(run)
+    if status == "finished":
+        return None
+    launcher = [python, "-m", "quantdyn.cli"] if nproc_per_node == 1 else [
+        python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc_per_node),
+        "-m", "quantdyn.cli"]
+    if status == "partial":
+        return [*launcher, "train", "--resume", str(Path(run["dir"]).resolve()), "--quiet"]
+    RunDir(run["dir"]).metrics.unlink(missing_ok=True)
+    return [*launcher, "train", str(Path(run["config"]).resolve()), "--quiet"]
+
+
+def run_grid_task(grid_dir: str, name: str, nproc_per_node: int = 1) -> str:
+    """One array task of a submitted grid (what a submitit job runs): skip, resume or train run ``name``."""
+    cmd = grid_task_command(grid_dir, name, nproc_per_node)
+    if cmd is None:
+        return "skipped"
+    run_command(cmd)
+    return "resumed" if "--resume" in cmd else "trained"
+
+
+def submit_grid(grid_dir: str | Path, slurm: SlurmConfig, only: Sequence[str] | None = None,
+                cluster: str | None = None, folder: str | Path | None = None) -> list:
+    """Submit the grid's runs through submitit, one array task each (cluster 'local' runs them on
+    this machine); runs that already finished are not submitted. Returns the submitit jobs."""
+    manifest = read_grid(grid_dir)
+    names = [r["name"] for r in manifest["runs"] if run_status(r) != "finished"]
+    if only:
+        unknown = [n for n in only if n not in {r["name"] for r in manifest["runs"]}]
+        if unknown:
+            raise QuantdynError(f"grid has no run '{unknown[0]}'{did_you_mean(unknown[0], [r['name'] for r in manifest['runs']])}")
+        names = [n for n in names if n in set(only)]
+    if not names:
+        return []
+    gdir = str(Path(grid_dir).resolve())
+    gpus = slurm.gpus_per_node or (slurm.nproc_per_node if cluster != "local" else 0)
+    return submit(run_grid_task, [(gdir, n, slurm.nproc_per_node) for n in names], slurm,
+                  folder or Path(grid_dir) / "submitit", cluster=cluster, name=Path(grid_dir).name, gpus=gpus)

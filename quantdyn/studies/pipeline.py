@@ -1,0 +1,357 @@
+"""Studies end to end: `quantdyn study SPEC.yaml [key=value ...]` and `quantdyn demo` (the embedded spec).
+
+    train (seeds x grid) -> cooldown branches + constant-LR controls -> weight averages (LAWA, soup of
+    cooldown branches) -> sweep quantizers and analyses over every checkpoint -> HTML report ->
+    findings table (effect, uncertainty, verdict)
+
+Every stage resumes: rerunning skips finished runs, branches, averages and stored rows.  A run whose
+training diverges (a peak LR too high) is recorded in REPORT/study.json, reported, and left out of the
+later stages and of the findings; a rerun does not train it again.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+from quantdyn.analysis.correlate import CorrelateConfig
+from quantdyn.config import from_dict, to_dict
+from quantdyn.errors import QuantdynError
+from quantdyn.evaluate.loss import window_losses
+from quantdyn.files import write_json_atomic
+from quantdyn.launch.grid import expand_grid
+from quantdyn.models.hf_io import checkpoint_hash, load_causal_lm
+from quantdyn.results.store import ResultStore
+from quantdyn.runtime import git_sha, hardware, resolve_device
+from quantdyn.sources.trajectory import TrajectoryConfig
+from quantdyn.studies import findings as fd
+from quantdyn.studies.section import findings_section, write_findings, write_report_with
+from quantdyn.studies.spec import StudySpec, demo_spec, spec_from_dict
+from quantdyn.sweep.sweep import run_sweep, sweep_data
+from quantdyn.train.branches import cooldown
+from quantdyn.train.checkpoint import RunDir, checkpoint_dir, latest_resumable, read_metrics
+from quantdyn.train.config import RunConfig
+from quantdyn.train.offline_averaging import average_lawa, lawa_dir_name, make_soup
+from quantdyn.train.trainer import train
+
+Echo = Callable[[str], None]
+STATE = "study.json"
+
+
+def plan_runs(spec: StudySpec) -> list[RunConfig]:
+    """The study's training runs: the base run expanded over ``vary`` (names as `quantdyn grid`), each once
+    per seed (name suffix -sSEED)."""
+    base = to_dict(spec.run)
+    combos = expand_grid(base, list(spec.vary), seeds=0) if spec.vary else [(spec.run.name, base)]
+    out = []
+    for name, d in combos:
+        cfg = from_dict(RunConfig, d)
+        if spec.seeds:
+            out += [replace(cfg, seed=int(s), name=f"{name}-s{s}") for s in spec.seeds]
+        else:
+            out.append(cfg)
+    return out
+
+
+def run_dir_of(cfg: RunConfig) -> Path:
+    return Path(cfg.out_dir) / cfg.name
+
+
+def _load_state(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except json.JSONDecodeError:
+        return {}
+
+
+def _finished(cfg: RunConfig, run_dir: Path) -> bool:
+    return RunDir(run_dir).status(cfg.train.steps) == "finished"
+
+
+def _train(cfg: RunConfig, run_dir: Path, progress: bool, echo: Echo) -> str | None:
+    """Train (or resume) one run; returns the divergence message when training diverged."""
+    partial = latest_resumable(run_dir)
+    echo(f"[1/4] training {cfg.name} ({cfg.train.steps} steps, {cfg.schedule.name}, peak LR {cfg.optim.lr:g}, "
+         f"{cfg.optim.name})" + (f", resuming at step {partial.step}" if partial else ""))
+    try:
+        train(cfg, run_dir, resume=partial, progress=progress)
+    except QuantdynError as e:
+        if "diverged" not in str(e):  # the trainer's divergence check; anything else is the user's to fix
+            raise
+        return str(e)
+    return None
+
+
+def _cooldowns(spec: StudySpec, run_dir: Path, name: str, progress: bool, echo: Echo) -> None:
+    cd = spec.cooldowns
+    if not cd.enabled:
+        return
+    ends = sorted({s + cd.decay_of(s) for s in cd.from_steps})
+    echo(f"[2/4] {name}: cooldowns from steps {list(cd.from_steps)} to step{'s' if len(ends) > 1 else ''} "
+         f"{', '.join(map(str, ends))}" + (" with constant-LR controls" if cd.control else ""))
+    for s in cd.from_steps:
+        cooldown(run_dir, s, [cd.decay_of(s)], cd.shape, cd.control, progress=progress)
+
+
+def lawa_at_step(run_dir: Path, window: int, every: int, step: int) -> Path:
+    """Offline LAWA (train/offline_averaging.average_lawa) of ``run_dir`` ending at ``step`` only, written to
+    RUN/averages/lawa-kK-pP-offline/step-N; an existing one is kept.
+
+    average_lawa writes every step of its grid; they are written to a temporary directory beside the run's
+    averages and only ``step`` is moved into place (a sweep visits every stored average)."""
+    final = RunDir(run_dir).average(lawa_dir_name(window, every), step)
+    if (final / "model.safetensors").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".lawa-", dir=final.parent.parent) as tmp:
+        written = average_lawa(run_dir, window, every, out=Path(tmp) / "all")
+        mine = [p for p in written if p.name == final.name]
+        if not mine:
+            raise QuantdynError(f"LAWA k={window} p={every} of '{run_dir}' wrote no average at step {step}; "
+                                "is that step a stored checkpoint on the LAWA grid?")
+        os.replace(mine[0], final)
+    return final
+
+
+def soup_of_cooldowns(spec: StudySpec, run_dir: Path) -> Path:
+    """A uniform soup of the endpoints of every cooldown branch (all end at cooldowns.end_step), written to
+    RUN/averages/soup-cooldowns/step-N; an existing one is kept."""
+    cd = spec.cooldowns
+    end = cd.end_step
+    out = RunDir(run_dir).average("soup-cooldowns", end)
+    if (out / "model.safetensors").is_file():
+        return out
+    ingredients = [checkpoint_dir(run_dir / "branches" / cd.branch_name(s), end) for s in cd.from_steps]
+    return make_soup(ingredients, out=out)
+
+
+def _averages(spec: StudySpec, cfg: RunConfig, run_dir: Path, echo: Echo) -> None:
+    av = spec.averaging
+    if not av.enabled:
+        return
+    at = av.at_step or cfg.train.steps
+    what = [x.name for x in av.lawa] + (["soup of the cooldown branches"] if av.soup_cooldowns else [])
+    echo(f"[2/4] {cfg.name}: averages at step {at}: {', '.join(what)}")
+    for x in av.lawa:
+        lawa_at_step(run_dir, x.window, x.every, at)
+    if av.soup_cooldowns:
+        soup_of_cooldowns(spec, run_dir)
+
+
+def _sweep(spec: StudySpec, run_dir: Path, name: str, progress: bool, echo: Echo) -> dict:
+    sw = spec.sweep
+    R = sw.quant_repeats
+    echo(f"[3/4] {name}: sweeping {', '.join(map(str, sw.quantizers))} over every checkpoint "
+         f"(quantization repeated R = {R} time{'s' if R > 1 else ''}"
+         + (", run-to-run spread measured" if R > 1 else ", run-to-run spread not measured")
+         + (f"; analyses: {', '.join(sw.analysis)}" if sw.analysis else "") + ")")
+    counts = run_sweep(replace(sw, trajectory=TrajectoryConfig(run=str(run_dir))), progress=progress, echo=echo)
+    for ref, msg in counts.get("failed", []):
+        echo(f"  skipped checkpoint {ref}: {msg}")
+    return counts
+
+
+def _rows_of(store: str, run_dirs: list[Path], repeats: int) -> list[dict]:
+    prefixes = [str(d.resolve()) + os.sep for d in run_dirs]
+    rows = []
+    for r in ResultStore(store).rows():
+        ck = r.get("checkpoint")
+        if ck and any(str(Path(ck).resolve()).startswith(p) for p in prefixes):
+            rows.append(r)
+    return fd.with_fp_se(fd.dedupe(rows, repeats))
+
+
+def fp_window_losses(spec: StudySpec, run_dir: Path, checkpoints: list[str], cache: Path) -> dict[str, list[float]]:
+    """Per-window FP CE of ``checkpoints`` on the sweep's evaluation windows (the sweep stores only their mean),
+    so CE(quantized) differences between checkpoints pair window by window.  Cached in ``cache`` by
+    checkpoint hash and evaluation-token hash."""
+    sw = replace(spec.sweep, trajectory=TrajectoryConfig(run=str(run_dir)))
+    data = sweep_data(sw, [], progress=False)
+    ids = data.eval_windows(sw.data.eval_seq_len, sw.data.eval_windows)
+    eh = data.token_hash("val", sw.data.eval_seq_len, sw.data.eval_windows)
+    stored = _load_state(cache)
+    out, changed = {}, False
+    device = resolve_device(sw.device)
+    for ck in checkpoints:
+        key = f"{checkpoint_hash(ck)}:{eh}"
+        if key not in stored:
+            model = load_causal_lm(ck, device=device)
+            stored[key] = [round(float(v), 7) for v in window_losses(model, ids, batch_size=sw.batch_size)]
+            changed = True
+        out[ck] = stored[key]
+    if changed:
+        write_json_atomic(cache, stored)
+    return out
+
+
+def reference_branch(spec: StudySpec) -> str:
+    """The branch whose endpoint is "the decayed endpoint" of the averaging finding."""
+    cd = spec.cooldowns
+    return cd.branch_name(spec.averaging.reference_from_step or max(cd.from_steps))
+
+
+def compute_findings(spec: StudySpec, rows: list[dict], runs: list[str],
+                     fp_windows: dict[str, list[float]] | None = None) -> tuple[list[dict], dict]:
+    """Every finding family the spec asks for, from the study's rows."""
+    f = spec.findings
+    cc = CorrelateConfig(n_boot=f.n_boot, ci=f.ci, seed=f.bootstrap_seed)
+    qs = f.quantizers
+    out: list[dict] = []
+    details: dict = {}
+    for fam in spec.finding_families:
+        if fam == "decay":
+            got = fd.decay_findings(rows, runs, qs, f.z)
+        elif fam == "peak_lr":
+            got = fd.peak_lr_findings(rows, runs, qs, f.matched_loss_levels, f.matched_loss_from, f.z, cc)
+        elif fam == "averaging":
+            got = fd.averaging_findings(rows, runs, reference_branch(spec), quantizers=qs, z=f.z,
+                                        fp_windows=fp_windows)
+        elif fam == "sharpness":
+            got = fd.sharpness_findings(rows, runs, qs, f.z, cc)
+        else:
+            got = fd.predictor_findings(rows, runs, qs, cc)
+        out += got[0]
+        details.update(got[1])
+    return out, details
+
+
+def _print_decay(rows: list[dict], runs: list[str], echo: Echo) -> tuple[list[dict], list[dict]]:
+    tables = [t for run in runs for t in fd.decay_table(rows, run)]
+    if not tables:
+        return [], []
+    echo("")
+    echo("Decayed endpoint minus its constant-LR control (same tokens, paired over eval windows; ± includes the")
+    echo("run-to-run SD of the quantization when R > 1); jitter = SD of Δ CE about a line through the run's")
+    echo("stable-phase checkpoints:")
+    echo(f"  {'run':<14} {'quantizer':<9} {'branch':<24} {'ΔCE decayed':>12} {'ΔCE control':>12} {'difference':>20}"
+         f" {'jitter':>8}  verdict")
+    for t in tables:
+        jit = f"{t['stable_jitter']:.4f}" if t.get("stable_jitter") is not None else "-"
+        echo(f"  {t['run']:<14} {t['quantizer']:<9} {t['branch']:<24} {t['delta_ce_decayed']:>12.4f} "
+             f"{t['delta_ce_control']:>12.4f} {t['difference']:>+10.4f} ± {t['difference_se']:.4f} {jit:>8}  "
+             f"{verdict_text(t['z'])}")
+    across = fd.seed_summary(tables)
+    if across:
+        echo("")
+        echo("Across seeds: mean difference ± the larger of the within-seed SE (windows, and run-to-run when R > 1)"
+             " and the between-seed SE (seed spread):")
+        for a in across:
+            run = f", run-to-run {a['run_se']:.4f}" if a.get("run_se") is not None else ""
+            echo(f"  {a['family']:<12} {a['quantizer']:<9} {a['branch']:<24} {a['difference']:>+10.4f} ± "
+                 f"{a['difference_se']:.4f}  (k={a['n_seeds']}: within {a['within_se']:.4f}{run}, between "
+                 f"{a['between_se']:.4f}; seeds {a['min']:+.4f} .. {a['max']:+.4f})  {verdict_text(a['z'])}"
+                 + ("" if a["same_sign"] else "  (seeds disagree in sign)"))
+    return tables, across
+
+
+def verdict_text(z: float) -> str:
+    """The decay table's wording for a decayed-minus-control z (|z| <= 2: within the uncertainty)."""
+    return ("decay raises the error" if z > 2 else "decay lowers the error" if z < -2
+            else "within uncertainty (|z| <= 2)")
+
+
+def run_study(spec: StudySpec | dict, progress: bool = True, echo: Echo = print) -> dict:
+    """Run (or resume) a study; returns the report path, the decay tables, the findings and the run dirs."""
+    if isinstance(spec, dict):
+        spec = spec_from_dict(spec)
+    t_start = time.perf_counter()
+    report_dir = Path(spec.report)
+    state_path = report_dir / STATE
+    state = _load_state(state_path)
+    diverged: dict[str, str] = dict(state.get("diverged") or {})
+    cfgs = plan_runs(spec)
+    seconds = {"train": 0.0, "cooldowns": 0.0, "averages": 0.0, "sweep": 0.0, "report": 0.0}
+    if spec.title:
+        echo(spec.title)
+    summary = []
+    for cfg in cfgs:
+        run_dir = run_dir_of(cfg)
+        if cfg.name in diverged:
+            echo(f"[1/4] {cfg.name}: diverged before ({diverged[cfg.name]}); left out")
+            continue
+        t0 = time.perf_counter()
+        if not _finished(cfg, run_dir):
+            msg = _train(cfg, run_dir, progress, echo)
+            if msg is not None:
+                diverged[cfg.name] = msg
+                echo(f"  {cfg.name}: {msg}; left out of the study")
+                write_json_atomic(state_path, {**state, "diverged": diverged})
+                continue
+        t1 = time.perf_counter()
+        _cooldowns(spec, run_dir, cfg.name, progress, echo)
+        t2 = time.perf_counter()
+        _averages(spec, cfg, run_dir, echo)
+        t3 = time.perf_counter()
+        counts = _sweep(spec, run_dir, cfg.name, progress, echo)
+        t4 = time.perf_counter()
+        for k, a, b in (("train", t0, t1), ("cooldowns", t1, t2), ("averages", t2, t3), ("sweep", t3, t4)):
+            seconds[k] += b - a
+        vals = [r["val_loss"] for r in read_metrics(run_dir) if "val_loss" in r]
+        summary.append({"run_dir": run_dir, "cfg": cfg, "counts": counts, "val": (vals[0], vals[-1]) if vals else None})
+    if not summary:
+        raise QuantdynError("every run of the study diverged; lower the peak LR (run.optim.lr or vary)")
+    echo("[4/4] writing the report and the findings")
+    t5 = time.perf_counter()
+    store = spec.sweep.store
+    runs = [s["cfg"].name for s in summary]
+    rows = _rows_of(store, [s["run_dir"] for s in summary], spec.sweep.quant_repeats)
+    fp_windows = None
+    if "averaging" in spec.finding_families:
+        ref = reference_branch(spec)
+        fp_windows = {}
+        for s in summary:
+            ends = [r for r in rows if r.get("kind") == "ptq" and r.get("run") == s["cfg"].name
+                    and r.get("branch") == ref]
+            if not ends:
+                continue
+            tokens = max(r["tokens"] for r in ends)
+            cks = sorted({r["checkpoint"] for r in rows if r.get("kind") == "ptq" and r.get("run") == s["cfg"].name
+                          and r.get("tokens") == tokens})
+            fp_windows.update(fp_window_losses(spec, s["run_dir"], cks, report_dir / "fp_windows.json"))
+    found, details = compute_findings(spec, rows, runs, fp_windows)
+    notes = [f"{name} diverged: {msg}" for name, msg in diverged.items()]
+    section, block = write_findings(report_dir, spec, found, details, notes)
+    page = write_report_with(store, report_dir, findings_section(found, spec), block)
+    echo("")
+    for s in summary:
+        mine = [r for r in rows if r.get("run") == s["cfg"].name]
+        echo(f"run directory: {s['run_dir']}")
+        if s["val"]:
+            echo(f"  validation loss: {s['val'][0]:.3f} -> {s['val'][1]:.3f} over {s['cfg'].train.steps} steps")
+        echo(f"  result rows: {len(mine)} ({s['counts']['written']} new)")
+    echo(f"results store: {store}")
+    echo(f"report:        {page}")
+    tables, across = _print_decay(rows, runs, echo)
+    echo("")
+    echo(f"Findings (verdict: |effect| > {spec.findings.z:g} x uncertainty, or a bootstrap interval excluding 0; "
+         f"quantization repeats R = {spec.sweep.quant_repeats}):")
+    for line in fd.format_table(found):
+        echo(line)
+    for n in notes:
+        echo(f"  note: {n}")
+    seconds["report"] = time.perf_counter() - t5
+    wall = time.perf_counter() - t_start
+    echo(f"findings:      {section}")
+    echo(f"wall time {wall / 60:.1f} min (training {seconds['train'] / 60:.1f}, cooldowns "
+         f"{seconds['cooldowns'] / 60:.1f}, averages {seconds['averages'] / 60:.1f}, sweeps "
+         f"{seconds['sweep'] / 60:.1f}, report {seconds['report'] / 60:.1f}; stages already done are skipped)")
+    history = list(state.get("invocations") or [])
+    history.append({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "wall_s": round(wall, 1),
+                    "stages_s": {k: round(v, 1) for k, v in seconds.items()}, "git_sha": git_sha(),
+                    "hardware": hardware(), "cpu_count": os.cpu_count(),
+                    "load_avg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None})
+    write_json_atomic(state_path, {"spec": to_dict(spec), "runs": [str(s["run_dir"]) for s in summary],
+                                   "diverged": diverged, "invocations": history,
+                                   "findings": [{k: v for k, v in x.items()} for x in found]})
+    return {"report": page, "table": tables, "across_seeds": across, "runs": [s["run_dir"] for s in summary],
+            "findings": found, "details": details, "notes": notes, "section": section, "seconds": seconds,
+            "wall_s": wall}
+
+
+def run_demo(progress: bool = True, echo: Echo = print) -> dict:
+    """`quantdyn demo`: the embedded default study."""
+    return run_study(demo_spec(), progress=progress, echo=echo)

@@ -1,0 +1,401 @@
+"""The trajectory sweep: every checkpoint of a trajectory × every quantizer
+-> result rows with provenance, resumable and shardable.
+
+    quantdyn sweep SPEC.yaml [--shard i/n]
+
+Per checkpoint, the streamed engine (``quantdyn.engine.measure``) reads the weights one
+decoder block at a time in the checkpoint's own dtype, quantizes with every
+pending quantizer and carries the evaluation windows through the full-precision
+and quantized blocks, the FP forward shared by all quantizers: memory is one
+block plus activation streams, whatever the model's size. Calibration and
+evaluation windows come from cached token shards, prepared once per tokenizer.
+Each row's ``key`` = hash(checkpoint weights, quantizer config, calibration,
+eval-data hash): a rerun skips finished rows, an interrupted sweep resumes
+without duplicates or losses. A checkpoint that cannot be read (missing shard,
+truncated file, config that does not match the weights) is reported in one
+line and skipped; the sweep goes on and names every such checkpoint at the end.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quantdyn.config import config_hash, from_dict, to_dict
+from quantdyn.data.prepare import DataConfig, TokenData, prepare_data
+from quantdyn.engine.measure import MeasureConfig, measure
+from quantdyn.engine.rows import REPEAT_VARY, calibration_draws, ptq_fields, ptq_what, repeat_labels, row_key
+from quantdyn.engine.rows import calib_hash as calib_identity
+from quantdyn.errors import QuantdynError, unknown_name
+from quantdyn.evaluate.quant_error import _se
+from quantdyn.models.hf_io import checkpoint_hash, load_causal_lm
+from quantdyn.progress import progress as counted
+from quantdyn.quantize.config import parse_quantizer
+from quantdyn.results.store import ResultStore, StoreWriteError
+from quantdyn.runtime import provenance, resolve_device
+from quantdyn.sources.hub import evict_revision, open_checkpoint
+from quantdyn.sources.trajectory import Point, TrajectoryConfig, plan_points, preset_row_fields, require_available
+from quantdyn.sweep.accuracy import accuracy_rows_for_point, quantized_twin
+from quantdyn.sweep.analysis_rows import AnalysisConfig, analysis_rows, check_analysis_names
+from quantdyn.train.branches import load_run_config
+from quantdyn.train.qat import QATConfig, QATDeployed
+
+log = logging.getLogger("quantdyn")
+
+
+@dataclass(frozen=True)
+class SweepDataConfig:
+    """Calibration and evaluation tokens."""
+
+    source: str = ""
+    """Data source; '' = the run's own data (for a run) or builtin:kjv."""
+    tokenizer: str = ""
+    """'' = the run's tokenizer, or the first checkpoint's own tokenizer for HF models."""
+    calib_samples: int = 32
+    """Calibration sequences (paper A used 1024 C4 documents)."""
+    calib_seq_len: int = 128
+    """Tokens per calibration sequence."""
+    calib_seed: int = 0
+    """Seed for drawing calibration windows."""
+    eval_windows: int = 200
+    """Held-out non-overlapping windows for the error."""
+    eval_seq_len: int = 128
+    """Tokens per evaluation window (paper A: 2048)."""
+
+    def __post_init__(self):
+        if self.calib_samples < 1:
+            raise QuantdynError("sweep data.calib_samples must be >= 1 (the calibration set is empty)")
+        if self.eval_windows < 1:
+            raise QuantdynError("sweep data.eval_windows must be >= 1")
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """A sweep: trajectory × quantizers -> results store."""
+
+    trajectory: TrajectoryConfig = field(default_factory=lambda: TrajectoryConfig(run="runs/tiny"))
+    quantizers: tuple[str, ...] = ("gptq3", "gptq4", "rtn4")
+    """Quantizer specs (gptq3, rtn4g64, awq4, or dicts of QuantConfig fields)."""
+    data: SweepDataConfig = field(default_factory=SweepDataConfig)
+    store: str = "results"
+    """Results store directory."""
+    device: str = "auto"
+    """Compute device."""
+    batch_size: int = 16
+    """Evaluation batch size."""
+    calib_batch_size: int = 8
+    """Calibration sequences per forward while quantizing."""
+    quantize_threads: int = 1
+    """torch threads while quantizing on CPU: 1 (default) makes the codes independent of the machine's thread
+    count (BLAS rounds differently with more threads); 0 = torch's setting, ~1.75x faster for a whole model
+    on an idle 2-core CPU (BENCHMARKS.md). The GPTQ column loop itself always runs single-threaded."""
+    dtype: str = "auto"
+    """Compute dtype: auto (the checkpoint's own; bf16 stays bf16) | float32 | bfloat16 | float16."""
+    max_memory: str = ""
+    """Memory for one block's weights and the activation streams, e.g. 8GB ('' = half the free RAM or GPU
+    memory); streams beyond it spill to a temporary directory."""
+    spill_dir: str = ""
+    """Where activation streams that do not fit max_memory spill ('' = the system temporary directory)."""
+    streams: str = "auto"
+    """Where activation streams live: auto (by max_memory; on CPU streams over 256 MiB spill unless the spill
+    directory is on tmpfs) | memory | disk."""
+    logits_budget_mb: int = 16
+    """Largest logits tensor of one variant (MiB): the evaluation head works in slices of windows that fit it."""
+    layer_diagnostics: bool = True
+    """RTN also runs the calibration set, for per-layer loss diagnostics; false skips those passes."""
+    analysis: tuple[str, ...] = ()
+    """Extra per-checkpoint metrics: hessian, outliers, propagation."""
+    analysis_budget: AnalysisConfig = field(default_factory=AnalysisConfig)
+    """Budgets of those metrics."""
+    propagation_quantizers: tuple[str, ...] = ()
+    """Quantizers for the propagation analysis ('' = the sweep's quantizers)."""
+    eval_tasks: tuple[str, ...] = ()
+    """lm-eval tasks for downstream accuracy (needs the eval extra), e.g. quantdyn_nextsent, arc_easy."""
+    eval_limit: int = 0
+    """Examples per task (0 = all)."""
+    eval_fewshot: int = 0
+    """Few-shot examples per prompt."""
+    quant_repeats: int = 1
+    """Quantize each checkpoint R times per quantizer (repeat r calibrated on its own draw, see repeat_vary): rows
+    give the mean, the SD over repeats (delta_ce_run_sd) and the combined uncertainty (delta_ce_total_se), since
+    re-quantizing moves Δ CE by more than the evaluation SE shows."""
+    repeat_vary: str = "draw"
+    """What differs between repeats: draw (calibration windows drawn with calib_seed + r) | order (the same windows
+    in a permuted order: float summation order only) | both."""
+    evict: bool = False
+    """Hub trajectories: delete each revision's files from the Hugging Face cache once its rows are stored (the
+    revision whose tokenizer the sweep uses is kept), so a long trajectory needs the disk of one or two
+    revisions; a rerun skips stored rows before downloading anything."""
+    eval_group: int = 8
+    """Quantizers measured in one streamed pass over a checkpoint, sharing the FP forward (each adds one
+    activation stream, not a model copy; more quantizers take several passes)."""
+
+    def __post_init__(self):
+        if self.quant_repeats < 1:
+            raise QuantdynError(f"sweep quant_repeats={self.quant_repeats} must be >= 1")
+        if self.repeat_vary not in REPEAT_VARY:
+            raise unknown_name("sweep repeat_vary", self.repeat_vary, REPEAT_VARY)
+        if self.eval_group < 1:
+            raise QuantdynError(f"sweep eval_group={self.eval_group} must be >= 1 (quantized copies held at once)")
+
+
+def parse_shard(text: str | None) -> tuple[int, int]:
+    """'i/n' -> (i, n); None -> from torchrun RANK/WORLD_SIZE or SLURM_ARRAY_TASK_ID/COUNT, else (0, 1)."""
+    if text:
+        try:
+            i, n = (int(x) for x in text.split("/"))
+        except ValueError:
+            raise QuantdynError(f"--shard '{text}' must look like i/n, e.g. 0/4") from None
+        if not (n >= 1 and 0 <= i < n):
+            raise QuantdynError(f"--shard {text}: need 0 <= i < n")
+        return i, n
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        return int(os.environ.get("RANK", 0)), int(os.environ["WORLD_SIZE"])
+    if "SLURM_ARRAY_TASK_ID" in os.environ and "SLURM_ARRAY_TASK_COUNT" in os.environ:
+        lo = int(os.environ.get("SLURM_ARRAY_TASK_MIN", 0))
+        return int(os.environ["SLURM_ARRAY_TASK_ID"]) - lo, int(os.environ["SLURM_ARRAY_TASK_COUNT"])
+    return 0, 1
+
+
+
+def sweep_data(cfg: SweepConfig, points: list[Point], progress: bool = True) -> TokenData:
+    d = cfg.data
+    if cfg.trajectory.run:
+        base = load_run_config(Path(cfg.trajectory.run)).data
+        over = {k: v for k, v in (("source", d.source), ("tokenizer", d.tokenizer)) if v}
+        dc = from_dict(DataConfig, {**to_dict(base), **over})
+    else:
+        tok = d.tokenizer or points[0].ref  # the model's own tokenizer (hub-id@revision or a directory)
+        dc = DataConfig(source=d.source or "builtin:kjv", tokenizer=tok)
+    return prepare_data(dc, progress=progress)
+
+
+def point_fields(p: Point, ckpt_hash: str) -> dict:
+    conf = p.meta.get("config") or {}
+    qat = conf.get("qat") or None
+    return {"run": p.run, "branch": p.branch, "ckpt_kind": p.kind, "checkpoint": p.ref, "checkpoint_hash": ckpt_hash,
+            "step": p.step, "tokens": p.tokens, "lr": p.lr, "decaying": p.decaying,
+            "peak_lr": p.meta.get("peak_lr"), "seed": p.meta.get("seed"),
+            "parent_step": (p.meta.get("parent") or {}).get("from_step"),
+            "optimizer": (conf.get("optim") or {}).get("name"),
+            "weight_decay": (conf.get("optim") or {}).get("weight_decay"),
+            "qat": f"{qat['method']}-w{qat['w_bits']}a{qat.get('a_bits') or 0}" if qat else None,
+            **preset_row_fields(p)}
+
+
+def measure_config(cfg: SweepConfig) -> MeasureConfig:
+    """The engine settings of a sweep."""
+    return MeasureConfig(batch_size=cfg.batch_size, calib_batch_size=cfg.calib_batch_size,
+                         quantize_threads=cfg.quantize_threads, layer_diagnostics=cfg.layer_diagnostics,
+                         dtype=cfg.dtype, max_memory=cfg.max_memory, spill_dir=cfg.spill_dir, streams=cfg.streams,
+                         logits_budget_mb=cfg.logits_budget_mb)
+
+
+def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True,
+              echo=None, verbose: bool = False) -> dict:
+    """Run (or resume) a sweep; returns counts of rows written and skipped, and the checkpoints that failed.
+
+    A checkpoint that cannot be read or measured (a QuantdynError: missing shard, truncated file, config
+    that does not match the weights) is reported (``echo`` or the log) and skipped; the others go on. The
+    caller decides what to do with ``failed`` (the CLI exits 2 after the sweep when it is not empty).
+    ``verbose``: also a line per decoder block and one per checkpoint with its time (through ``echo``)."""
+
+    # fail on a bad quantizer before any work; rows carry the spec as the user wrote it
+    qcfgs = {(q if isinstance(q, str) else parse_quantizer(q).name): parse_quantizer(q) for q in cfg.quantizers}
+    check_analysis_names(cfg.analysis)
+    prop_q = {q: parse_quantizer(q) for q in (cfg.propagation_quantizers or [q for q in cfg.quantizers])}
+    if "propagation" in cfg.analysis and not prop_q:
+        raise QuantdynError("the propagation analysis needs quantizers: set quantizers or propagation_quantizers")
+    mcfg = measure_config(cfg)
+    points = plan_points(cfg.trajectory)
+    say = echo or log.warning
+    for name, reason in points.skipped:
+        say(f"skipped revision {name}: {reason}")
+    i, n = parse_shard(shard)
+    device = resolve_device(cfg.device)
+    store = ResultStore(cfg.store)
+    data = sweep_data(cfg, points, progress)
+    d = cfg.data
+    ctx = _SweepContext(
+        cfg=cfg, mcfg=mcfg, qcfgs=qcfgs, prop_q=prop_q, device=device, store=store, data=data,
+        eval_ids=data.eval_windows(d.eval_seq_len, d.eval_windows),
+        calib_draws=calibration_draws(data, d.calib_samples, d.calib_seq_len, d.calib_seed, cfg.quant_repeats,
+                                      cfg.repeat_vary),
+        eval_hash=data.token_hash("val", d.eval_seq_len, d.eval_windows),
+        calib_hash=calib_identity(data.data_hash, d.calib_samples, d.calib_seq_len, d.calib_seed),
+        done=store.keys(), acc_done=store.keys("sweep_acc_key") if cfg.eval_tasks else set(),
+        block_echo=say if verbose else None,
+    )
+    written = skipped = 0
+    timings: list[float] = []
+    failed: list[tuple[str, str]] = []
+    mine = [p for k, p in enumerate(points) if k % n == i]
+    # offline, revisions that still need work must be cached: one line before any work (measured ones may be gone)
+    require_available([p for p in mine if not p.is_local and not _point_done(ctx, p)])
+    keep = points[0].ref  # the tokenizer's revision: never evicted
+    for p in counted(mine, desc=f"sweep {i}/{n}", enabled=progress, unit="ckpt"):
+        t0 = time.perf_counter()
+        try:
+            w, s = _sweep_point(ctx, p)
+        except StoreWriteError:  # a full disk: every later checkpoint would fail the same way
+            raise
+        except QuantdynError as e:
+            failed.append((p.ref, str(e)))
+            say(f"error: skipped checkpoint {p.ref}: {e}")
+            continue
+        written += w
+        skipped += s
+        if w:
+            timings.append(time.perf_counter() - t0)
+        if verbose:
+            say(f"{p.ref}: {w} rows written, {s} already stored ({time.perf_counter() - t0:.1f}s)")
+        if cfg.evict and p.kind in ("hub", "soup") and "@" in p.ref and not p.is_local and p.ref != keep:
+            repo, _, rev = p.ref.partition("@")
+            evict_revision(repo, rev)
+    return {"written": written, "skipped": skipped, "checkpoints": len(mine), "seconds": timings, "failed": failed}
+
+
+@dataclass
+class _SweepContext:
+    cfg: SweepConfig
+    mcfg: MeasureConfig
+    qcfgs: dict
+    prop_q: dict
+    device: torch.device
+    store: ResultStore
+    data: TokenData
+    eval_ids: torch.Tensor
+    calib_draws: list[torch.Tensor]
+    eval_hash: str
+    calib_hash: str
+    done: set
+    acc_done: set
+    block_echo: Any = None
+
+
+def _point_done(ctx: _SweepContext, p: Point) -> bool:
+    """Whether every row of ``p`` is stored already (hub points are hashed by reference: nothing is read)."""
+    return _point_keys(ctx, p)[-1]
+
+
+def _point_keys(ctx: _SweepContext, p: Point):
+    cfg = ctx.cfg
+    # the weights' hash, qualified by the point's place in the trajectory: a cooldown branch can end
+    # with weights identical to its parent's own decayed endpoint, and both points belong in the plots
+    h = checkpoint_hash(p.ref)
+    hp = f"{h}:{p.run}:{p.branch}:{p.step}"
+    base = {**point_fields(p, h), "eval_hash": ctx.eval_hash, "calib_hash": ctx.calib_hash,
+            "data_key": ctx.data.data_hash}
+    fp_key = row_key(hp, "fp", ctx.eval_hash)
+    q_keys = {label: row_key(hp, ptq_what(qc, ctx.calib_hash, cfg.quant_repeats, cfg.repeat_vary), ctx.eval_hash)
+              for label, qc in ctx.qcfgs.items()}
+    qat_cfg = (p.meta.get("config") or {}).get("qat")
+    qat_key = row_key(hp, f"qat:{config_hash(qat_cfg)}", ctx.eval_hash) if qat_cfg else None
+    prop_hash = config_hash({k: to_dict(v) for k, v in sorted(ctx.prop_q.items())})
+    a_keys = {a: row_key(hp, f"analysis:{a}:{config_hash(cfg.analysis_budget)}"
+                         + (f":{prop_hash}" if a == "propagation" else ""), ctx.eval_hash) for a in cfg.analysis}
+    # accuracy rows of one (point, quantizer) are appended together and carry this key, so a sweep that
+    # died between a PTQ row and its accuracy rows re-quantizes that point on rerun and adds only them
+    acc_keys = {label: row_key(hp, f"acc:{config_hash(qc)}:{ctx.calib_hash}:{','.join(cfg.eval_tasks)}:"
+                                   f"{cfg.eval_fewshot}:{cfg.eval_limit}", ctx.eval_hash)
+                for label, qc in ctx.qcfgs.items()} if cfg.eval_tasks else {}
+    todo = [fp_key, *q_keys.values(), *a_keys.values(), *([qat_key] if qat_key else [])]
+    done = all(k in ctx.done for k in todo) and all(k in ctx.acc_done for k in acc_keys.values())
+    return h, base, fp_key, q_keys, qat_cfg, qat_key, a_keys, acc_keys, todo, done
+
+
+def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
+    """Measure one checkpoint: the rows it still lacks. Returns (written, skipped)."""
+    cfg = ctx.cfg
+    h, base, fp_key, q_keys, qat_cfg, qat_key, a_keys, acc_keys, todo, done = _point_keys(ctx, p)
+    if done:
+        return 0, len(todo)
+    written = skipped = 0
+    t0 = time.perf_counter()
+    weights = open_checkpoint(p.ref)  # validates every file and shape before anything is computed
+    t_load = time.perf_counter() - t0
+    pending = [label for label, key in q_keys.items()
+               if key not in ctx.done or (label in acc_keys and acc_keys[label] not in ctx.acc_done)]
+    skipped += len(q_keys) - len(pending)
+    qat_pending = bool(qat_key and qat_key not in ctx.done)
+    skipped += bool(qat_key) and not qat_pending
+    fp_pending = fp_key not in ctx.done
+    skipped += not fp_pending
+    groups = [pending[g : g + cfg.eval_group] for g in range(0, len(pending), cfg.eval_group)] or [[]]
+    for g, group in enumerate(groups):
+        variants: dict = {}
+        calib: dict = {}
+        for label in group:
+            for r, vlabel in enumerate(repeat_labels(label, cfg.quant_repeats)):
+                variants[vlabel] = ctx.qcfgs[label]
+                calib[vlabel] = ctx.calib_draws[r]
+        if g == 0 and qat_pending:
+            variants["__qat__"] = QATDeployed(from_dict(QATConfig, qat_cfg))
+        if not variants and not (g == 0 and fp_pending):
+            continue
+        collect = {label: {} for label in group if label in acc_keys and acc_keys[label] not in ctx.acc_done}
+        on_layer = (lambda label, full, res, m: collect[label].__setitem__(full, m.weight.detach().cpu().clone())
+                    if label in collect else None) if collect else None
+        m = measure(weights, variants, ctx.eval_ids, calib, device=ctx.device, cfg=ctx.mcfg, on_layer=on_layer,
+                    progress=(lambda line: ctx.block_echo(f"{p.ref}: pass {g + 1}/{len(groups)} {line}"))
+                    if ctx.block_echo else None)
+        base["n_params"] = m.n_params
+        rows = []
+        if g == 0 and fp_pending:
+            fp_ce = m.fp_window_ce
+            rows.append({"key": fp_key, "kind": "fp", **base, "ce_fp": float(fp_ce.mean()), "ce_fp_se": _se(fp_ce),
+                         "n_windows": len(fp_ce), "compute_dtype": m.dtype, **provenance()})
+        if "__qat__" in variants:
+            tr = variants["__qat__"]
+            qc = tr.cfg
+            rows.append({"key": qat_key, "kind": "qat", **base, "quantizer": tr.name, "method": f"qat-{qc.method}",
+                         "bits": qc.w_bits, "a_bits": qc.a_bits or 0, "quant_config": to_dict(qc),
+                         **m.metrics["__qat__"], "t_load": t_load, "compute_dtype": m.dtype, **provenance()})
+        threads = cfg.quantize_threads if ctx.device.type == "cpu" else 0
+        for label in group:
+            if q_keys[label] not in ctx.done:
+                rows.append({"key": q_keys[label], "kind": "ptq", **base,
+                             **ptq_fields(label, ctx.qcfgs[label], m, ctx.mcfg, threads, cfg.quant_repeats,
+                                          cfg.repeat_vary), "t_load": t_load,
+                             **provenance()})
+            else:
+                skipped += 1
+        written += len(ctx.store.append_new(rows))
+        for label, weights_q in collect.items():
+            written += _append_accuracy(ctx, p, label, weights_q, acc_keys[label], base)
+    for name, key in a_keys.items():
+        if key in ctx.done:
+            skipped += 1
+            continue
+        vals = analysis_rows(name, weights, ctx.data, ctx.calib_draws[0], ctx.eval_ids, ctx.prop_q, cfg.analysis_budget,
+                             device=ctx.device, mcfg=ctx.mcfg)
+        written += len(ctx.store.append_new([{"key": key, "kind": "analysis", "analysis": name, **base, **vals,
+                                               **provenance()}]))
+    return written, skipped
+
+
+def _append_accuracy(ctx: _SweepContext, p: Point, label: str, weights_q: dict, acc_key: str, base: dict) -> int:
+    """lm-eval accuracy rows of one (checkpoint, quantizer), appended together and marked with ``acc_key``.
+
+    lm-eval runs whole models: the FP model is loaded in memory and its quantized twin is that model with
+    the engine's quantized weights written in (the quantization itself ran once, in the measurement)."""
+
+    cfg = ctx.cfg
+    model = load_causal_lm(p.ref, device=ctx.device)
+    qmodel = quantized_twin(model, weights_q)
+    acc = accuracy_rows_for_point(model, {label: qmodel}, list(cfg.eval_tasks), tokenizer=ctx.data.tokenizer,
+                                  quant_configs={label: ctx.qcfgs[label]}, base=base, data=ctx.data,
+                                  calib_hash=ctx.calib_hash, limit=cfg.eval_limit or None,
+                                  num_fewshot=cfg.eval_fewshot)
+    tagged = [{**r, "sweep_acc_key": acc_key} for r in acc]
+    new_rows = ctx.store.append_new(tagged)
+    if not new_rows:
+        # every row is stored already (an older sweep, `quantdyn eval`): write them again only to record the
+        # marker, so a rerun does not recompute them; readers keep the first occurrence of a key
+        ctx.store.append(tagged, skip_stored=False)
+    return len(new_rows)
