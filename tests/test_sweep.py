@@ -7,7 +7,7 @@ import pytest
 import yaml
 from conftest import tiny_run_dict
 
-from quantdyn.config import from_dict
+from quantdyn.config import from_dict, to_dict
 from quantdyn.errors import QuantdynError
 from quantdyn.results.store import ResultStore
 from quantdyn.sweep.sweep import SweepConfig, parse_shard, run_sweep
@@ -249,3 +249,32 @@ def test_sweep_verbose_engine_settings_and_plain_progress(small_run, tmp_path, c
     assert any(x.startswith(f"{ck}: 2 rows written, 0 already stored") for x in r.stderr.splitlines()), r.stderr
     assert "\r" not in r.stderr and "sweep 0/1: 1/1 ckpt (100%)" in r.stderr
     assert {x["repeat_vary"] for x in ResultStore(tmp_path / "st").rows() if x["kind"] == "ptq"} == {"order"}
+
+
+def test_a_checkpoint_is_the_same_measurement_whichever_way_it_is_named(small_run, tmp_path):
+    """Issue: `sweep --run R` then `sweep --checkpoint R/checkpoints/step-X` into the same store wrote the fp and
+    PTQ rows of step X again (another data key, eval/calibration hashes, ckpt_kind and decaying). Named either way
+    (and for a cooldown branch's checkpoint too) it is one point on the same data: its rows are found, not
+    rewritten, and a new quantizer adds only its row."""
+    store = tmp_path / "store"
+    first = run_sweep(_cfg(small_run, store, quantizers=["rtn4"]), progress=False)
+    assert first["written"] == 10
+    main = small_run / "checkpoints" / "step-0000008"
+    branch = next((small_run / "branches").glob("cooldown-*")) / "checkpoints"
+    branch_ckpt = sorted(branch.iterdir())[-1]
+    cfg = from_dict(SweepConfig, {**to_dict(_cfg(small_run, store, quantizers=["rtn4", "rtn3"])),
+                                  "trajectory": {"checkpoints": [str(main), str(branch_ckpt)]}})
+    again = run_sweep(cfg, progress=False)
+    assert again["written"] == 2 and again["skipped"] == 4  # only rtn3 of the two checkpoints is new
+    rows = ResultStore(store).rows()
+    by_point = {}
+    for r in rows:
+        by_point.setdefault((r["branch"], r["step"], r["kind"], r.get("quantizer")), []).append(r)
+    assert all(len(v) == 1 for v in by_point.values()), {k: len(v) for k, v in by_point.items() if len(v) > 1}
+    new = [r for r in rows if r.get("quantizer") == "rtn3"]
+    old = {(r["branch"], r["step"]): r for r in rows if r.get("quantizer") == "rtn4"}
+    for r in new:
+        twin = old[(r["branch"], r["step"])]
+        for k in ("data_key", "eval_hash", "calib_hash", "ckpt_kind", "decaying", "run", "tokens", "lr"):
+            assert r[k] == twin[k], k
+    assert {r["ckpt_kind"] for r in new} == {"checkpoint", "cooldown"}

@@ -29,7 +29,7 @@ import glob
 import logging
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from quantdyn.errors import QuantdynError
@@ -143,7 +143,33 @@ def _with_schedule(ref: str, name: str, run: str, kind: str, spec: ScheduleSpec,
     return Point(ref, run, "main", kind, step, tokens, lr, decaying, meta)
 
 
+def run_root_of(path: Path) -> Path | None:
+    """The quantdyn run directory a checkpoint directory belongs to (its main run, also for a checkpoint of a
+    cooldown/control branch or an averaged model), or None for a checkpoint outside any run."""
+    path = Path(path).resolve()
+    for parent in path.parents:
+        if RunDir(parent).config.is_file() and parent.parent.name != "branches":
+            return parent
+    return None
+
+
+def run_point_of(path: Path) -> Point | None:
+    """The point a checkpoint directory is in its run's trajectory (the same run, branch, kind, step, tokens, LR
+    and decaying flag as ``points_of_run`` gives it), or None when it belongs to no run. A checkpoint is then the
+    same measurement whichever way it is named: ``--run`` or ``--checkpoint``."""
+    root = run_root_of(path)
+    if root is None:
+        return None
+    want = Path(path).resolve()
+    for p in points_of_run(root):
+        if Path(p.ref).resolve() == want:
+            return p
+    return None
+
+
 def points_of_checkpoints(patterns: list[str], spec: ScheduleSpec, run: str = "") -> list[Point]:
+    """Points of local checkpoint directories (globs allowed). A checkpoint of a quantdyn run is the point its run
+    gives it (:func:`run_point_of`), named by the reference as given; any other one is placed on ``spec``."""
     pts = []
     for pat in patterns:
         matches = sorted(glob.glob(pat)) if any(ch in pat for ch in "*?[") else [pat]
@@ -153,6 +179,10 @@ def points_of_checkpoints(patterns: list[str], spec: ScheduleSpec, run: str = ""
             p = Path(m)
             if not (p / "config.json").is_file():
                 raise QuantdynError(f"checkpoint '{p}' does not exist or has no config.json; fix the trajectory list")
+            in_run = run_point_of(p)
+            if in_run is not None:
+                pts.append(replace(in_run, ref=str(p)))
+                continue
             meta = read_meta(p)
             pts.append(_with_schedule(str(p), p.name, run or meta.get("run", p.parent.name), "local", spec, meta))
     return pts

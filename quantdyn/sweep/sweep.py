@@ -39,7 +39,14 @@ from quantdyn.quantize.config import parse_quantizer
 from quantdyn.results.store import ResultStore, StoreWriteError
 from quantdyn.runtime import provenance, resolve_device
 from quantdyn.sources.hub import evict_revision, open_checkpoint
-from quantdyn.sources.trajectory import Point, TrajectoryConfig, plan_points, preset_row_fields, require_available
+from quantdyn.sources.trajectory import (
+    Point,
+    TrajectoryConfig,
+    plan_points,
+    preset_row_fields,
+    require_available,
+    run_root_of,
+)
 from quantdyn.sweep.accuracy import accuracy_rows_for_point, quantized_twin
 from quantdyn.sweep.analysis_rows import AnalysisConfig, analysis_rows, check_analysis_names
 from quantdyn.train.branches import load_run_config
@@ -163,10 +170,27 @@ def parse_shard(text: str | None) -> tuple[int, int]:
 
 
 
+def _run_data(points: list[Point]) -> DataConfig | None:
+    """The data config of the quantdyn run the points come from (a run, or checkpoints of one), else None."""
+    roots = {run_root_of(Path(p.ref)) for p in points if p.is_local}
+    roots.discard(None)
+    if not roots:
+        return None
+    configs = {config_hash(load_run_config(r).data): load_run_config(r).data for r in sorted(roots)}
+    if len(configs) > 1:
+        raise QuantdynError(f"the checkpoints come from {len(roots)} runs trained on different data; sweep them "
+                            "separately, or set data.source and data.tokenizer to measure them all on the same tokens")
+    return next(iter(configs.values()))
+
+
 def sweep_data(cfg: SweepConfig, points: list[Point], progress: bool = True) -> TokenData:
+    """The tokens a sweep measures on. Checkpoints of a quantdyn run are measured on their run's own data (its
+    tokenizer and held-out split) whether the trajectory names the run or its checkpoint directories, so the same
+    checkpoint gets the same rows either way; other models on ``data.source`` (default builtin:kjv) with their own
+    tokenizer. ``data.source`` / ``data.tokenizer`` override either."""
     d = cfg.data
-    if cfg.trajectory.run:
-        base = load_run_config(Path(cfg.trajectory.run)).data
+    base = load_run_config(Path(cfg.trajectory.run)).data if cfg.trajectory.run else _run_data(points)
+    if base is not None:
         over = {k: v for k, v in (("source", d.source), ("tokenizer", d.tokenizer)) if v}
         dc = from_dict(DataConfig, {**to_dict(base), **over})
     else:
