@@ -143,13 +143,20 @@ def test_amber_checkpoint_index_to_steps_and_tokens():
     first, last = p.locate("ckpt_000"), p.locate("ckpt_359")
     assert first.step == 762 and first.tokens == 762 * 4_587_520 and first.phase == "warmup"
     assert last.step == 360 * 762 and last.lr == pytest.approx(3e-5)
+    # the repo moved to IFM/Amber (the old id redirects): the current id first, the old one still recognised;
+    # whether ckpt_359 is on the hub is contradicted between sources, so the list is not claimed complete
+    assert p.repos == ("IFM/Amber", "LLM360/Amber") and not p.revisions.complete
+    assert preset_for_repo("IFM/Amber").name == preset_for_repo("LLM360/Amber").name == "amber-7b"
 
 
 def test_unknowns_are_null_not_invented():
     o = get_preset("opensci-1.7b")
-    assert o.repos == () and o.peak_lr is None and o.tokens_per_step is None and o.schedule is None
+    # filled from the project's sources (batch 1008 x 4096, peak 4e-3) and marked unverified; each run's cooldown
+    # depends on its token budget and is unknown: no schedule, so no LR is invented
+    assert o.repos == () and o.peak_lr == 4e-3 and o.tokens_per_step == 1008 * 4096 and o.schedule is None
+    assert any("1008 x 4096" in u and "issue #27" in u for u in o.unverified)
     info = o.locate("iter_0001000")
-    assert info.step == 1000 and info.tokens is None and info.lr is None and info.phase is None
+    assert info.step == 1000 and info.tokens == 1000 * 1008 * 4096 and info.lr is None and info.phase is None
     a = get_preset("apertus-8b")
     assert a.tokens_per_step is None  # the batch doubled mid-run: tokens come from the names
     assert a.locate("step100000-tokens419B").tokens == 419_000_000_000
