@@ -245,6 +245,40 @@ def test_exact_resume_stateful_optimizers(tmp_path, kjv_small, optim):
         assert torch.equal(x, y), k
 
 
+def test_exact_resume_of_qat_with_online_averages(tmp_path, kjv_small):
+    """A QAT run (min-max STE fake quantization) with LAWA and EMA resumes exactly: weights, averages, losses."""
+    from safetensors.torch import load_file
+
+    data_cfg, _ = kjv_small
+
+    def cfg(name):
+        d = tiny_run_dict(tmp_path, data_cfg, steps=8, checkpoint_every=4, eval_every=4)
+        d.update(name=name, qat={"method": "ste", "w_bits": 4, "a_bits": 4},
+                 averaging={"ema_decay": 0.9, "lawa_window": 2, "lawa_every": 1})
+        return from_dict(RunConfig, d)
+
+    full = train(cfg("full"), progress=False)
+    part = train(cfg("part"), progress=False, stop_after=4)
+    train(cfg("part"), part, resume=latest_resumable(part), progress=False)
+    assert _losses(part) == _losses(full)
+    saved = sorted(p.parent.relative_to(full) for p in full.rglob("step-0000008/model.safetensors"))
+    assert len(saved) == 3  # the checkpoint, LAWA and EMA
+    for rel in saved:
+        a, b = load_file(full / rel / "model.safetensors"), load_file(part / rel / "model.safetensors")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), rel
+
+
+def test_monitor_config_without_hooks_warns_the_caller(tmp_path, kjv_small):
+    """train() cannot build the monitor (a layer above): a config asking for one without hooks is a warning that
+    points at the caller's line."""
+    data_cfg, _ = kjv_small
+    d = tiny_run_dict(tmp_path, data_cfg, steps=2, checkpoint_every=2)
+    d.update(name="w", monitor={"every": 2, "quantizers": ["rtn4"]})
+    with pytest.warns(UserWarning, match="no step hooks, so nothing is monitored") as caught:
+        train(from_dict(RunConfig, d), progress=False)
+    assert [w.filename for w in caught if "step hooks" in str(w.message)] == [__file__]
+
+
 def _one_line_exit2(r, *needles):
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]

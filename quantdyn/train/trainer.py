@@ -1,6 +1,13 @@
-"""The training loop: one function, :func:`train`, for fresh runs, resumed
-runs and cooldown branches; data-parallel under torchrun (``dist.strategy``:
-DDP, or FSDP2 sharding — see train/distributed.py).
+"""The training loop: :func:`train`, for fresh runs, resumed runs and cooldown branches; data-parallel under
+torchrun (``dist.strategy``: DDP, or FSDP2 sharding — see train/distributed.py).
+
+:func:`train` reads as the run's story; each part is a function below it, in the same order:
+set-up (:func:`resolve_runtime`, :func:`prepare_run`, :func:`build_model`, :func:`build_training_state`),
+restore (:func:`load_checkpoint_weights`, :func:`restore_training_state`), the run directory
+(:func:`write_run_files`), a step (:func:`optimizer_step`, then :func:`evaluate` and :func:`run_hooks`), and
+a checkpoint (:func:`save_step`, :func:`training_state_dict`).  What the parts share travels in two small
+objects: :class:`TrainingRun` (fixed for the run: config, data, runtime) and :class:`TrainState` (what a
+step changes and a checkpoint saves: model, optimizer, online averages, step).
 
 Data order is a pure function of (seed, step): the global batch of step s is
 drawn from ``np.random.default_rng([seed, s])`` and sliced per rank and
@@ -23,14 +30,15 @@ lines elsewhere.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
 import uuid
 import warnings
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Mapping, Protocol, Sequence
+from typing import Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -38,11 +46,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from quantdyn.config import dump_yaml, to_dict
-from quantdyn.data.prepare import prepare_data
+from quantdyn.data.prepare import TokenData, prepare_data
 from quantdyn.errors import QuantdynError
 from quantdyn.evaluate.loss import mean_loss
 from quantdyn.files import write_json_atomic, write_text_atomic
-from quantdyn.models.gpt import GPT, resolve_model_config
+from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config
 from quantdyn.models.hf_io import load_gpt
 from quantdyn.runtime import git_sha, hardware, resolve_device, seed_everything
 from quantdyn.train.averaging import OnlineEMA, OnlineLAWA, local_state_dict
@@ -58,6 +66,8 @@ from quantdyn.train.checkpoint import (
 )
 from quantdyn.train.config import RunConfig
 from quantdyn.train.distributed import (
+    Replicated,
+    barrier,
     dist_info,
     init_distributed,
     launched_by_torchrun,
@@ -85,34 +95,6 @@ from quantdyn.train.qat import prepare_qat
 from quantdyn.train.schedules import lr_at
 
 
-# ---------------------------------------------------------------------- data
-def batch_starts(n_tokens: int, seq_len: int, seed: int, step: int, count: int) -> np.ndarray:
-    if n_tokens <= seq_len + 1:
-        raise QuantdynError(
-            f"the train split has {n_tokens} tokens, fewer than one sequence of {seq_len + 1}; "
-            "use more data or a shorter train.seq_len"
-        )
-    rng = np.random.default_rng([seed, step])
-    return rng.integers(0, n_tokens - seq_len - 1, size=count)
-
-
-def get_batch(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = np.stack([np.asarray(tokens[s : s + seq_len + 1], dtype=np.int64) for s in starts])
-    t = torch.from_numpy(rows)
-    return t[:, :-1].contiguous(), t[:, 1:].contiguous()
-
-
-def numpy_rng_state() -> dict:
-    """numpy's global RNG state as tensors (loadable with weights_only=True)."""
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
-            "gauss": float(gauss)}
-
-
-def set_numpy_rng(d: dict) -> None:
-    np.random.set_state(("MT19937", d["keys"].numpy().astype(np.uint32), d["pos"], d["has_gauss"], d["gauss"]))
-
-
 class StepHook(Protocol):
     """What :func:`train` calls after optimizer steps (``quantdyn.monitor.PTQMonitor`` is one).
 
@@ -127,22 +109,81 @@ class StepHook(Protocol):
              tokens: int | None = None) -> Mapping[str, float]: ...
 
 
+@dataclass(frozen=True)
+class Runtime:
+    """Where this process trains."""
+
+    rank: int  # this process's rank among ``world`` (0 without torchrun)
+    world: int  # number of processes
+    device: torch.device  # this process's device (under torchrun on GPUs: cuda:LOCAL_RANK)
+    distributed: bool  # whether a process group is used (world > 1, or FSDP2 under torchrun with one process)
+    strategy: Replicated  # how the model is spread over the processes (DDP replicas or FSDP2 shards)
+    amp: str  # compute dtype of the forward passes: 'float32' or 'bfloat16'
+    tokens_per_step: int  # tokens per optimizer step over all processes
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the process that writes the run directory and runs the step hooks."""
+        return self.rank == 0
+
+
+@dataclass(frozen=True)
+class TrainingRun:
+    """What every part of one call of :func:`train` reads, and none changes."""
+
+    cfg: RunConfig  # the run config as given
+    resolved: RunConfig  # with the model section resolved (vocabulary size filled in): what artifacts record
+    run_dir: Path  # the run directory (checkpoints, averages, metrics, config.yaml, run.json)
+    data: TokenData  # the token shards
+    runtime: Runtime  # this process's place in the run
+    parent: dict | None  # what a branch started from (in run.json and every checkpoint); None for a trunk
+    checkpoint_steps: frozenset[int]  # steps after which a checkpoint is written (always including train.steps)
+    val_windows: torch.Tensor  # validation windows (n, seq_len) for val/loss
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.resolved.model
+
+    def meta(self, step: int, lr: float, kind: str = "checkpoint", **extra) -> dict:
+        """The metadata saved with a checkpoint or an online average of ``step``."""
+        cfg = self.cfg
+        return {
+            "kind": kind,
+            "run": cfg.name,
+            "step": step,
+            "tokens": step * self.runtime.tokens_per_step,
+            "lr": lr,
+            "peak_lr": cfg.optim.lr,
+            "total_steps": cfg.train.steps,
+            "schedule": to_dict(cfg.schedule),
+            "config": to_dict(self.resolved),
+            "data_key": self.data.data_hash,
+            "git_sha": git_sha(),
+            "seed": cfg.seed,
+            "world_size": self.runtime.world,
+            "dist_strategy": self.runtime.strategy.name,
+            **({"parent": self.parent} if self.parent else {}),
+            **extra,
+        }
+
+    def step_row(self, step: int, lr: float) -> dict:
+        """The fields every logged row of ``step`` has."""
+        return {TRAIN_TOKENS: step * self.runtime.tokens_per_step, TRAIN_LR: lr}
+
+
+@dataclass
+class TrainState:
+    """What an optimizer step changes and a checkpoint saves."""
+
+    model: GPT  # holds the parameters the optimizer updates (under FSDP2 sharded in place)
+    train_model: nn.Module  # what the training forward runs: ``model``, compiled and/or wrapped for DDP
+    optimizer: torch.optim.Optimizer
+    lawa: OnlineLAWA | None  # online LAWA (averaging.lawa_window), None when off
+    ema: OnlineEMA | None  # online EMA (averaging.ema_decay or ema_half_life_tokens), None when off
+    step: int = 0  # optimizer steps done
+
+
 # --------------------------------------------------------------------- train
-def checkpoint_steps(cfg: RunConfig, tokens_per_step: int, start_step: int = 0) -> set[int]:
-    steps = {cfg.train.steps}
-    if cfg.train.checkpoint_every:
-        steps |= set(range(cfg.train.checkpoint_every, cfg.train.steps + 1, cfg.train.checkpoint_every))
-    for t in cfg.train.checkpoint_tokens:
-        steps.add(min(cfg.train.steps, max(1, math.ceil(t / tokens_per_step))))
-    return {s for s in steps if s > start_step}
-
-
-def _amp_dtype(cfg: RunConfig, device: torch.device) -> str:
-    if cfg.train.dtype == "auto":
-        return "bfloat16" if device.type == "cuda" else "float32"
-    return cfg.train.dtype
-
-
 def train(
     cfg: RunConfig,
     run_dir: Path | None = None,
@@ -169,279 +210,69 @@ def train(
                 that ``cfg.monitor`` describes.
     progress:   False prints nothing while training (--quiet); verbose: every logged row as a line too.
     """
+    runtime = resolve_runtime(cfg)
+    run_dir = Path(run_dir) if run_dir is not None else Path(cfg.out_dir) / cfg.name
+    source = resume or init_from
+    _check_start(cfg, run_dir, resume, init_from, overwrite, runtime.tokens_per_step, runtime.world)
+    check_destinations(cfg.log.to)  # a logger whose package is missing: one line, before anything runs
+    start_runtime(cfg, runtime)
+    run = prepare_run(cfg, run_dir, runtime, resume, parent, progress)
+
+    model = build_model(run, fresh=source is None)
+    if source is not None:
+        load_checkpoint_weights(run, model, source)  # the whole model, before any sharding
+    state = build_training_state(run, model)
+    if source is not None:
+        restore_training_state(run, state, source, exact=resume is not None)
+    if state.step >= cfg.train.steps:
+        raise QuantdynError(f"the run is already at step {state.step} >= train.steps={cfg.train.steps}; nothing to do")
+
+    # everything is checked: from here on the run directory is written
+    loggers = write_run_files(run, state.step, clear=overwrite and source is None, resuming=resume is not None)
+    _warn_if_unmonitored(run, hooks)
+    console = open_console(run, state.step, progress, verbose)
+    try:
+        throughput = Throughput(state.step, runtime.tokens_per_step)
+        model.train()
+        for step in range(state.step, cfg.train.steps):
+            due = due_after(run, step + 1, stop_after)
+            lr, loss, grad_norm = optimizer_step(run, state, step, sync_loss=due.sync_loss)
+            console.advance()
+            row = train_row(run, state.step, lr, loss, grad_norm, throughput) if due.log else None
+            due_hooks = [h for h in hooks if h.due(state.step)]  # asked on every process: all take part in gathering
+            with averaged_point(state.optimizer, due.evaluate or due.checkpoint or bool(due_hooks)):
+                if due.evaluate:
+                    row = evaluate(run, state, lr, row)
+                if due_hooks:
+                    row = run_hooks(run, state, lr, row, due_hooks)
+                if row is not None and runtime.is_main:
+                    log_all(loggers, row, state.step)
+                    console.logged(state.step, row)
+                if due.checkpoint:
+                    save_step(run, state, lr, row)
+            if stop_after is not None and state.step >= stop_after:
+                break
+    finally:
+        close_all(loggers)
+        console.close()
+    console.close(final_step=state.step)
+    return run_dir
+
+
+# -------------------------------------------------------------------- set-up
+def resolve_runtime(cfg: RunConfig) -> Runtime:
+    """This process's rank, device and parallel strategy; an optimizer the strategy cannot run is refused here
+    (and fsdp2 without torchrun says how to launch)."""
     rank, world, local_rank = dist_info()
     device = resolve_device(cfg.train.device)
     distributed = world > 1 or (cfg.dist.strategy == "fsdp2" and launched_by_torchrun())
     if distributed and device.type == "cuda":
         device = torch.device(f"cuda:{local_rank}")
         torch.cuda.set_device(device)
-    strategy = make_strategy(cfg.dist, device, world, rank)  # fsdp2 without torchrun: says how to launch
+    strategy = make_strategy(cfg.dist, device, world, rank)
     strategy.check_optimizer(cfg.optim)
-    run_dir = Path(run_dir) if run_dir is not None else Path(cfg.out_dir) / cfg.name
-    is_main = rank == 0
-    source = resume or init_from
-    tokens_per_step = cfg.tokens_per_step * world
-    _check_start(cfg, run_dir, resume, init_from, overwrite, tokens_per_step, world)
-    check_destinations(cfg.log.to)  # a logger whose package is missing: one line, before anything runs
-    if distributed:
-        init_distributed(device)
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-
-    # rank 0 tokenizes and caches the shards; the other processes wait, then open the cache
-    tty = bool(getattr(sys.stderr, "isatty", lambda: False)())
-    data = rank0_first(lambda: prepare_data(cfg.data, progress=progress and is_main and tty),
-                       timeout_min=cfg.dist.data_timeout_min, what="preparing the token shards")
-    mcfg = resolve_model_config(cfg.model, data.vocab_size)
-    if mcfg.vocab_size < data.vocab_size:
-        raise QuantdynError(
-            f"model.vocab_size={mcfg.vocab_size} is smaller than the tokenizer's {data.vocab_size} tokens; "
-            "set model.vocab_size to 0 (auto) or at least the tokenizer size"
-        )
-    if cfg.train.seq_len > mcfg.max_seq_len:
-        raise QuantdynError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={mcfg.max_seq_len}")
-    if resume is not None and resume.meta.get("data_key") is not None and not data.same_data(resume.meta["data_key"]):
-        raise QuantdynError(
-            f"checkpoint '{resume.path}' was trained on other data (data key {resume.meta['data_key']}, the "
-            f"config's data section gives {data.data_hash}); restore the run's data section to resume exactly, or "
-            "start a new run from this checkpoint's weights with init_weights=CHECKPOINT"
-        )
-    resolved = replace(cfg, model=mcfg)
-
-    seed_everything(cfg.seed)
-    model = GPT(mcfg).to(device)
-    if cfg.init_weights and resume is None and init_from is None:
-        _load_weights(model, cfg.init_weights, device)
-    if cfg.qat is not None:
-        prepare_qat(model, cfg.qat)  # same parameter names: checkpoints load into a plain GPT
-    state = None
-    if source is not None:
-        src = load_gpt(source.path, device)
-        if src.config.shape() != mcfg.shape():
-            raise QuantdynError(
-                f"checkpoint '{source.path}' has model shape {to_dict(src.config)} but the config asks for "
-                f"{to_dict(mcfg)}; resume with the run's own config.yaml"
-            )
-        model.load_state_dict(src.state_dict())  # the whole model, before any sharding
-        del src
-        state = load_training_state(source.path)
-    amp = _amp_dtype(cfg, device)
-    train_model = strategy.wrap(model, cfg.train.compile, amp)  # fsdp2: shards `model` in place
-    optimizer = build_optimizer(model, cfg.optim)
-    start_step = 0
-    lawa = OnlineLAWA(cfg.averaging.lawa_window, cfg.averaging.lawa_every) if cfg.averaging.lawa_window else None
-    ema_decay = cfg.averaging.ema_decay or (
-        0.5 ** (tokens_per_step / cfg.averaging.ema_half_life_tokens) if cfg.averaging.ema_half_life_tokens else 0.0
-    )
-    ema = OnlineEMA(ema_decay) if ema_decay else None
-
-    if source is not None:
-        try:
-            strategy.load_optimizer_state(model, optimizer, state["optimizer"])
-        except QuantdynError:
-            raise
-        except (ValueError, KeyError, RuntimeError, TypeError, IndexError) as e:
-            raise QuantdynError(
-                f"optimizer state in '{source.path}' does not fit optim.name='{cfg.optim.name}' "
-                f"({type(e).__name__}: {str(e)[:120]}); resume with the optimizer the checkpoint was trained with"
-            ) from None
-        optimizer_train_mode(optimizer)  # checkpoints hold the eval-mode point (schedule-free)
-        start_step = int(state["step"])
-        if "torch_rng" in state:
-            torch.set_rng_state(state["torch_rng"])
-        if "numpy_rng" in state:  # Kron draws from the global numpy RNG
-            set_numpy_rng(state["numpy_rng"])
-        if resume is not None:
-            if lawa is not None and "lawa" in state:
-                saved = state["lawa"]
-                lawa.load_state_dict({"steps": saved["steps"],
-                                      "states": [strategy.scatter(sd, model) for sd in saved["states"]]})
-            if ema is not None and "ema" in state:
-                ema.load_state_dict({**state["ema"], "acc": strategy.scatter(state["ema"]["acc"], model)})
-        del state
-    if start_step >= cfg.train.steps:
-        raise QuantdynError(f"the run is already at step {start_step} >= train.steps={cfg.train.steps}; nothing to do")
-
-    # everything is checked: from here on the run directory is written
-    loggers = []
-    if is_main:
-        if overwrite and resume is None and init_from is None:
-            clear_run(run_dir)
-            clear_outputs(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        remove_stale_temporaries(run_dir)
-        rd = RunDir(run_dir)
-        write_text_atomic(rd.config, dump_yaml(resolved))
-        info_path = rd.info
-        info = rd.read_info()
-        info.update(
-            {
-                "name": cfg.name,
-                "data_cache": str(data.directory),
-                "data_key": data.data_hash,
-                "tokens_per_step": tokens_per_step,
-                "world_size": world,
-                "dist_strategy": strategy.name,
-                "git_sha": git_sha(),
-                "hardware": hardware(),
-            }
-        )
-        if parent is not None:
-            info["parent"] = parent
-        if "wandb" in cfg.log.to and (resume is None or not info.get("wandb_id")):
-            info["wandb_id"] = uuid.uuid4().hex[:12]  # a resume continues the same W&B run
-        write_json_atomic(info_path, info)
-        # rows logged after the starting step (a run that crashed past its last checkpoint, or an attempt that
-        # crashed before its first one) are dropped: a resumed run logs them again, identically
-        loggers = build_loggers(cfg.log.to, RunLogContext(
-            run_dir, cfg.name, to_dict(resolved), truncate_after=start_step, wandb_id=info.get("wandb_id"),
-            wandb_project=cfg.log.wandb_project, wandb_entity=cfg.log.wandb_entity, wandb_mode=cfg.log.wandb_mode))
-
-    autocast = strategy.autocast(amp)
-    val_windows = data.eval_windows(cfg.train.seq_len, cfg.train.eval_windows)
-    ckpt_steps = checkpoint_steps(cfg, tokens_per_step, start_step)
-    T, B, A = cfg.train.seq_len, cfg.train.batch_size, cfg.train.grad_accum
-    train_tokens = data.train
-
-    def meta_for(step: int, lr: float, kind: str = "checkpoint", **extra) -> dict:
-        return {
-            "kind": kind,
-            "run": cfg.name,
-            "step": step,
-            "tokens": step * tokens_per_step,
-            "lr": lr,
-            "peak_lr": cfg.optim.lr,
-            "total_steps": cfg.train.steps,
-            "schedule": to_dict(cfg.schedule),
-            "config": to_dict(resolved),
-            "data_key": data.data_hash,
-            "git_sha": git_sha(),
-            "seed": cfg.seed,
-            "world_size": world,
-            "dist_strategy": strategy.name,
-            **({"parent": parent} if parent else {}),
-            **extra,
-        }
-
-    mode = "quiet" if not (progress and is_main) else "verbose" if verbose else "normal"
-    console = Console(cfg.name, cfg.train.steps, start_step, mode, cfg.log.print_every or cfg.train.log_every)
-    if cfg.monitor.every and not hooks and is_main:
-        # the trainer cannot build the monitor itself (it lives in a layer above); a caller that forgot it is told
-        warnings.warn(f"{cfg.name}: monitor.every={cfg.monitor.every} is set but train() got no step hooks, so "
-                      "nothing is monitored; pass hooks=quantdyn.monitor.hooks_for(cfg)", stacklevel=2)
-    console.note(f"steps {start_step} -> {cfg.train.steps}, {tokens_per_step:,} tokens/step, {device}"
-                 + (f", {world} processes ({strategy.name})" if world > 1 else ""))
-    done = start_step
-    try:
-        cuda = device.type == "cuda"
-        t_last, tok_since = time.perf_counter(), 0
-        model.train()
-        lr = lr_at(max(0, start_step - 1), cfg.optim.lr, cfg.schedule, cfg.train.steps)
-        for step in range(start_step, cfg.train.steps):
-            lr = lr_at(step, cfg.optim.lr, cfg.schedule, cfg.train.steps)
-            for g in optimizer.param_groups:
-                g["lr"] = lr * g.get("lr_scale", 1.0)
-            starts = batch_starts(len(train_tokens), T, cfg.seed, step, B * A * world)
-            loss_acc = torch.zeros((), device=device, dtype=torch.float64)
-            for micro in range(A):
-                sl = starts[(micro * world + rank) * B : (micro * world + rank + 1) * B]
-                x, y = get_batch(train_tokens, sl, T)
-                if cuda:  # pinned host memory: the copy overlaps with the GPU's work
-                    x, y = x.pin_memory(), y.pin_memory()
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                with strategy.gradient_sync(train_model, last_micro=micro == A - 1):
-                    with autocast:
-                        logits = train_model(x)
-                        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1)) / A
-                    loss.backward()
-                loss_acc += loss.detach().double()
-            gn = strategy.clip_grad_norm(model, cfg.train.grad_clip)
-            done = step + 1
-            log_due = done % cfg.train.log_every == 0 or done in ckpt_steps or done == cfg.train.steps
-            ckpt_due = done in ckpt_steps or (stop_after is not None and done == stop_after)
-            # the loss comes to the host (a GPU sync) every step on the CPU, on a GPU only when it is logged or
-            # checkpointed: a divergence is caught there at the latest, and never saved
-            if not cuda or log_due or ckpt_due:
-                loss_sum = float(loss_acc)
-                if not math.isfinite(loss_sum):
-                    raise QuantdynError(
-                        f"training diverged by step {done} (loss {loss_sum}); lower optim.lr or check the data"
-                    )
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            tok_since += tokens_per_step
-            if lawa is not None:
-                lawa.update(done, model)
-            if ema is not None:
-                ema.update(model)
-            console.advance()
-
-            row = None
-            if log_due:
-                if world > 1:
-                    loss_sum = mean_over_ranks(loss_sum, device)
-                now = time.perf_counter()
-                row = {
-                    TRAIN_TOKENS: done * tokens_per_step,
-                    TRAIN_LR: lr,
-                    TRAIN_LOSS: loss_sum,
-                    TRAIN_GRAD_NORM: float(gn),
-                    TRAIN_TOKENS_PER_S: tok_since / max(now - t_last, 1e-9),
-                }
-                t_last, tok_since = now, 0
-            want_eval = (cfg.train.eval_every and done % cfg.train.eval_every == 0) or done in ckpt_steps
-            want_ckpt = ckpt_due
-            due_hooks = [h for h in hooks if h.due(done)]  # asked on every process: all take part in gathering
-            want_monitor = bool(due_hooks)
-            if want_eval or want_ckpt or want_monitor:
-                # schedule-free optimizers evaluate and save the averaged point, not the training point
-                optimizer_eval_mode(optimizer)
-            if want_eval:  # every process evaluates (under FSDP2 each forward gathers the weights)
-                val = mean_loss(model, val_windows, batch_size=max(1, min(32, B)), dtype=amp)
-                row = {**(row or {TRAIN_TOKENS: done * tokens_per_step, TRAIN_LR: lr}), VAL_LOSS: val}
-            if want_monitor:
-                # FSDP2: the whole model is gathered on rank 0 (collective); the hooks run there
-                monitored = _whole_model(strategy, model, mcfg, device) if strategy.shards else model
-                if is_main:
-                    row = dict(row or {TRAIN_TOKENS: done * tokens_per_step, TRAIN_LR: lr})
-                    for hook in due_hooks:
-                        row.update(hook.step(monitored, done, lr=lr, tokens=done * tokens_per_step))
-                del monitored
-            if row is not None and is_main:
-                log_all(loggers, row, done)
-                console.logged(done, row)
-            if want_ckpt:
-                # gathering is collective under FSDP2: every process takes part, rank 0 writes
-                whole = _whole_model(strategy, model, mcfg, torch.device("cpu")) if strategy.shards else model
-                # weights and optimizer state are both saved in eval mode (consistent for schedule-free);
-                # a resumed run switches back to train mode after loading them
-                state = {"optimizer": strategy.optimizer_state(model, optimizer), "step": done,
-                         "torch_rng": torch.get_rng_state(), "numpy_rng": numpy_rng_state()}
-                if lawa is not None:
-                    state["lawa"] = {"steps": lawa.steps(), "states": [strategy.gather(sd, model) for sd in lawa.state_dict()["states"]]}
-                if ema is not None:
-                    state["ema"] = {**ema.state_dict(), "acc": strategy.gather(ema.state_dict()["acc"], model)}
-                averages = _online_averages(strategy, model, lawa, ema)
-                if is_main:
-                    extra = {"val_loss": row.get(VAL_LOSS)} if row else {}
-                    # the step's averages first, its checkpoint last: the checkpoint commits the step, so a kill
-                    # between the two resumes from the previous checkpoint and rewrites these averages
-                    _save_online_averages(run_dir, done, mcfg, averages, lawa, ema, meta_for, lr, data)
-                    save_checkpoint(checkpoint_dir(run_dir, done), whole, meta_for(done, lr, **extra), data.tokenizer, state)
-                del whole, state, averages
-                if world > 1:
-                    import torch.distributed as dist
-
-                    dist.barrier()
-            if want_eval or want_ckpt or want_monitor:
-                optimizer_train_mode(optimizer)
-            if stop_after is not None and done >= stop_after:
-                break
-    finally:
-        close_all(loggers)
-        console.close()
-    console.close(final_step=done)
-    return run_dir
+    amp = ("bfloat16" if device.type == "cuda" else "float32") if cfg.train.dtype == "auto" else cfg.train.dtype
+    return Runtime(rank, world, device, distributed, strategy, amp, cfg.tokens_per_step * world)
 
 
 def _check_start(cfg: RunConfig, run_dir: Path, resume, init_from, overwrite: bool, tokens_per_step: int,
@@ -485,6 +316,385 @@ def _check_start(cfg: RunConfig, run_dir: Path, resume, init_from, overwrite: bo
         )
 
 
+def start_runtime(cfg: RunConfig, runtime: Runtime) -> None:
+    """Join the process group (waits for the other processes) and set torch's thread count."""
+    if runtime.distributed:
+        init_distributed(runtime.device)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+
+
+def prepare_run(cfg: RunConfig, run_dir: Path, runtime: Runtime, resume: CheckpointInfo | None,
+                parent: dict | None, progress: bool) -> TrainingRun:
+    """The token data (rank 0 tokenizes and caches the shards; the others wait, then open the cache) and the
+    model config it implies, checked against the data and the checkpoint being resumed."""
+    tty = bool(getattr(sys.stderr, "isatty", lambda: False)())
+    data = rank0_first(lambda: prepare_data(cfg.data, progress=progress and runtime.is_main and tty),
+                       timeout_min=cfg.dist.data_timeout_min, what="preparing the token shards")
+    mcfg = resolve_model_config(cfg.model, data.vocab_size)
+    if mcfg.vocab_size < data.vocab_size:
+        raise QuantdynError(
+            f"model.vocab_size={mcfg.vocab_size} is smaller than the tokenizer's {data.vocab_size} tokens; "
+            "set model.vocab_size to 0 (auto) or at least the tokenizer size"
+        )
+    if cfg.train.seq_len > mcfg.max_seq_len:
+        raise QuantdynError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={mcfg.max_seq_len}")
+    if resume is not None and resume.meta.get("data_key") is not None and not data.same_data(resume.meta["data_key"]):
+        raise QuantdynError(
+            f"checkpoint '{resume.path}' was trained on other data (data key {resume.meta['data_key']}, the "
+            f"config's data section gives {data.data_hash}); restore the run's data section to resume exactly, or "
+            "start a new run from this checkpoint's weights with init_weights=CHECKPOINT"
+        )
+    return TrainingRun(
+        cfg=cfg, resolved=replace(cfg, model=mcfg), run_dir=run_dir, data=data, runtime=runtime, parent=parent,
+        checkpoint_steps=frozenset(checkpoint_steps(cfg, runtime.tokens_per_step)),
+        val_windows=data.eval_windows(cfg.train.seq_len, cfg.train.eval_windows),
+    )
+
+
+def build_model(run: TrainingRun, fresh: bool) -> GPT:
+    """The model at its seeded initialisation (a fresh run: ``init_weights`` when set), with QAT's
+    fake-quantized linears when ``cfg.qat`` is set (same parameter names: checkpoints load into a plain GPT)."""
+    cfg, device = run.cfg, run.runtime.device
+    seed_everything(cfg.seed)
+    model = GPT(run.model_config).to(device)
+    if cfg.init_weights and fresh:
+        src = load_gpt(cfg.init_weights, device)
+        if src.config.shape() != model.config.shape():
+            raise QuantdynError(f"init_weights '{cfg.init_weights}' has a different model shape than the config; "
+                                "use a checkpoint of the same model")
+        model.load_state_dict(src.state_dict())
+    if cfg.qat is not None:
+        prepare_qat(model, cfg.qat)
+    return model
+
+
+def build_training_state(run: TrainingRun, model: GPT) -> TrainState:
+    """The model wrapped for the strategy (FSDP2 shards ``model`` in place), its optimizer and the online
+    averages, at step 0."""
+    cfg, runtime = run.cfg, run.runtime
+    train_model = runtime.strategy.wrap(model, cfg.train.compile, runtime.amp)
+    optimizer = build_optimizer(model, cfg.optim)
+    avg = cfg.averaging
+    lawa = OnlineLAWA(avg.lawa_window, avg.lawa_every) if avg.lawa_window else None
+    ema_decay = avg.ema_decay or (
+        0.5 ** (runtime.tokens_per_step / avg.ema_half_life_tokens) if avg.ema_half_life_tokens else 0.0
+    )
+    return TrainState(model, train_model, optimizer, lawa, OnlineEMA(ema_decay) if ema_decay else None)
+
+
+def write_run_files(run: TrainingRun, start_step: int, *, clear: bool, resuming: bool) -> list:
+    """On the main process: the run directory with its config.yaml and run.json, and the metric loggers
+    (rows logged after ``start_step`` are dropped from their files). ``clear`` first deletes the checkpoints
+    and outputs of an earlier run there (--overwrite). Returns the loggers (none on the other processes)."""
+    if not run.runtime.is_main:
+        return []
+    cfg, run_dir = run.cfg, run.run_dir
+    if clear:
+        clear_run(run_dir)
+        clear_outputs(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(run_dir)
+    rd = RunDir(run_dir)
+    write_text_atomic(rd.config, dump_yaml(run.resolved))
+    info = rd.read_info()
+    info.update(
+        {
+            "name": cfg.name,
+            "data_cache": str(run.data.directory),
+            "data_key": run.data.data_hash,
+            "tokens_per_step": run.runtime.tokens_per_step,
+            "world_size": run.runtime.world,
+            "dist_strategy": run.runtime.strategy.name,
+            "git_sha": git_sha(),
+            "hardware": hardware(),
+        }
+    )
+    if run.parent is not None:
+        info["parent"] = run.parent
+    if "wandb" in cfg.log.to and (not resuming or not info.get("wandb_id")):
+        info["wandb_id"] = uuid.uuid4().hex[:12]  # a resume continues the same W&B run
+    write_json_atomic(rd.info, info)
+    # rows logged after the starting step (a run that crashed past its last checkpoint, or an attempt that
+    # crashed before its first one) are dropped: a resumed run logs them again, identically
+    return build_loggers(cfg.log.to, RunLogContext(
+        run_dir, cfg.name, to_dict(run.resolved), truncate_after=start_step, wandb_id=info.get("wandb_id"),
+        wandb_project=cfg.log.wandb_project, wandb_entity=cfg.log.wandb_entity, wandb_mode=cfg.log.wandb_mode))
+
+
+def _warn_if_unmonitored(run: TrainingRun, hooks: Sequence[StepHook]) -> None:
+    """The trainer cannot build the monitor itself (it lives in a layer above): a caller of :func:`train` that
+    forgot it is told."""
+    every = run.cfg.monitor.every
+    if every and not hooks and run.runtime.is_main:
+        warnings.warn(f"{run.cfg.name}: monitor.every={every} is set but train() got no step hooks, so nothing is "
+                      "monitored; pass hooks=quantdyn.monitor.hooks_for(cfg)", stacklevel=3)
+
+
+def open_console(run: TrainingRun, start_step: int, progress: bool, verbose: bool) -> Console:
+    """The run's console output (nothing on the other processes, or without ``progress``), started with a line
+    saying what the run does."""
+    cfg, runtime = run.cfg, run.runtime
+    mode = "quiet" if not (progress and runtime.is_main) else "verbose" if verbose else "normal"
+    console = Console(cfg.name, cfg.train.steps, start_step, mode, cfg.log.print_every or cfg.train.log_every)
+    processes = f", {runtime.world} processes ({runtime.strategy.name})" if runtime.world > 1 else ""
+    console.note(f"steps {start_step} -> {cfg.train.steps}, {runtime.tokens_per_step:,} tokens/step, "
+                 f"{runtime.device}{processes}")
+    return console
+
+
+# ------------------------------------------------------------------- restore
+def load_checkpoint_weights(run: TrainingRun, model: GPT, source: CheckpointInfo) -> None:
+    """The weights of ``source`` into ``model`` (not yet sharded); a checkpoint of another shape is refused."""
+    src = load_gpt(source.path, run.runtime.device)
+    if src.config.shape() != run.model_config.shape():
+        raise QuantdynError(
+            f"checkpoint '{source.path}' has model shape {to_dict(src.config)} but the config asks for "
+            f"{to_dict(run.model_config)}; resume with the run's own config.yaml"
+        )
+    model.load_state_dict(src.state_dict())
+
+
+def restore_training_state(run: TrainingRun, state: TrainState, source: CheckpointInfo, exact: bool) -> None:
+    """The optimizer state, step and RNG states of ``source`` into ``state`` (what :func:`training_state_dict`
+    saved); ``exact`` (a resume of the run itself): the online averages too, where a branch starts them anew."""
+    saved = load_training_state(source.path)
+    strategy, model = run.runtime.strategy, state.model
+    try:
+        strategy.load_optimizer_state(model, state.optimizer, saved["optimizer"])
+    except QuantdynError:
+        raise
+    except (ValueError, KeyError, RuntimeError, TypeError, IndexError) as e:
+        raise QuantdynError(
+            f"optimizer state in '{source.path}' does not fit optim.name='{run.cfg.optim.name}' "
+            f"({type(e).__name__}: {str(e)[:120]}); resume with the optimizer the checkpoint was trained with"
+        ) from None
+    optimizer_train_mode(state.optimizer)  # checkpoints hold the eval-mode point (schedule-free)
+    state.step = int(saved["step"])
+    if "torch_rng" in saved:
+        torch.set_rng_state(saved["torch_rng"])
+    if "numpy_rng" in saved:  # Kron draws from the global numpy RNG
+        set_numpy_rng(saved["numpy_rng"])
+    if not exact:
+        return
+    if state.lawa is not None and "lawa" in saved:
+        lawa = saved["lawa"]
+        state.lawa.load_state_dict({"steps": lawa["steps"],
+                                    "states": [strategy.scatter(sd, model) for sd in lawa["states"]]})
+    if state.ema is not None and "ema" in saved:
+        state.ema.load_state_dict({**saved["ema"], "acc": strategy.scatter(saved["ema"]["acc"], model)})
+
+
+def set_numpy_rng(d: dict) -> None:
+    np.random.set_state(("MT19937", d["keys"].numpy().astype(np.uint32), d["pos"], d["has_gauss"], d["gauss"]))
+
+
+# ---------------------------------------------------------------------- step
+@dataclass(frozen=True)
+class Due:
+    """What follows one optimizer step."""
+
+    log: bool  # log the step's training row
+    evaluate: bool  # measure val/loss
+    checkpoint: bool  # write a checkpoint (and the online averages)
+    sync_loss: bool  # bring the loss to the host and check that it is finite (a GPU sync)
+
+
+def due_after(run: TrainingRun, done: int, stop_after: int | None) -> Due:
+    """What is due once ``done`` optimizer steps are done."""
+    t = run.cfg.train
+    at_checkpoint = done in run.checkpoint_steps  # train.steps is one
+    log = done % t.log_every == 0 or at_checkpoint
+    checkpoint = at_checkpoint or (stop_after is not None and done == stop_after)
+    # the loss comes to the host (a GPU sync) every step on the CPU, on a GPU only when it is logged or
+    # checkpointed: a divergence is caught there at the latest, and never saved
+    return Due(log=log, evaluate=bool(t.eval_every and done % t.eval_every == 0) or at_checkpoint,
+               checkpoint=checkpoint, sync_loss=run.runtime.device.type != "cuda" or log or checkpoint)
+
+
+def optimizer_step(run: TrainingRun, state: TrainState, step: int,
+                   sync_loss: bool) -> tuple[float, float | None, torch.Tensor]:
+    """Optimizer step ``step`` (0-based): the schedule's LR, forward and backward over the step's micro-batches,
+    gradient clipping, the update, the online averages. Returns (LR, the step's loss when ``sync_loss``, else
+    None, the gradient norm before clipping as a device tensor)."""
+    cfg = run.cfg
+    lr = lr_at(step, cfg.optim.lr, cfg.schedule, cfg.train.steps)
+    for g in state.optimizer.param_groups:
+        g["lr"] = lr * g.get("lr_scale", 1.0)
+    loss = forward_backward(run, state, step)
+    grad_norm = run.runtime.strategy.clip_grad_norm(state.model, cfg.train.grad_clip)
+    loss_value = None
+    if sync_loss:
+        loss_value = float(loss)
+        if not math.isfinite(loss_value):
+            raise QuantdynError(
+                f"training diverged by step {step + 1} (loss {loss_value}); lower optim.lr or check the data"
+            )
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    state.step = step + 1
+    if state.lawa is not None:
+        state.lawa.update(state.step, state.model)
+    if state.ema is not None:
+        state.ema.update(state.model)
+    return lr, loss_value, grad_norm
+
+
+def forward_backward(run: TrainingRun, state: TrainState, step: int) -> torch.Tensor:
+    """Gradients of this process's part of step ``step``'s global batch, accumulated over ``grad_accum``
+    micro-batches (synchronised over the processes at the last one); returns the step's loss on this process
+    (float64 on the device)."""
+    t, runtime = run.cfg.train, run.runtime
+    B, A, world = t.batch_size, t.grad_accum, runtime.world
+    starts = batch_starts(len(run.data.train), t.seq_len, run.cfg.seed, step, B * A * world)
+    total = torch.zeros((), device=runtime.device, dtype=torch.float64)
+    autocast = runtime.strategy.autocast(runtime.amp)
+    for micro in range(A):
+        at = (micro * world + runtime.rank) * B
+        x, y = get_batch(run.data.train, starts[at : at + B], t.seq_len)
+        if runtime.device.type == "cuda":  # pinned host memory: the copy overlaps with the GPU's work
+            x, y = x.pin_memory(), y.pin_memory()
+        x, y = x.to(runtime.device, non_blocking=True), y.to(runtime.device, non_blocking=True)
+        with runtime.strategy.gradient_sync(state.train_model, last_micro=micro == A - 1):
+            with autocast:
+                logits = state.train_model(x)
+                loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1)) / A
+            loss.backward()
+        total += loss.detach().double()
+    return total
+
+
+def batch_starts(n_tokens: int, seq_len: int, seed: int, step: int, count: int) -> np.ndarray:
+    """Start offsets of the ``count`` sequences of step ``step``'s global batch: a pure function of (seed, step)."""
+    if n_tokens <= seq_len + 1:
+        raise QuantdynError(
+            f"the train split has {n_tokens} tokens, fewer than one sequence of {seq_len + 1}; "
+            "use more data or a shorter train.seq_len"
+        )
+    rng = np.random.default_rng([seed, step])
+    return rng.integers(0, n_tokens - seq_len - 1, size=count)
+
+
+def get_batch(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-token targets (len(starts), seq_len) of the sequences at ``starts``."""
+    rows = np.stack([np.asarray(tokens[s : s + seq_len + 1], dtype=np.int64) for s in starts])
+    t = torch.from_numpy(rows)
+    return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
+class Throughput:
+    """Tokens per second since the last row that reported it."""
+
+    def __init__(self, step: int, tokens_per_step: int):
+        self.step, self.tokens_per_step, self.since = step, tokens_per_step, time.perf_counter()
+
+    def rate(self, step: int) -> float:
+        """Tokens per second from the previous call (or the start) to ``step``."""
+        now = time.perf_counter()
+        rate = (step - self.step) * self.tokens_per_step / max(now - self.since, 1e-9)
+        self.step, self.since = step, now
+        return rate
+
+
+def train_row(run: TrainingRun, step: int, lr: float, loss: float, grad_norm: torch.Tensor,
+              throughput: Throughput) -> dict:
+    """The logged training metrics of ``step`` (the loss averaged over the processes: a collective)."""
+    if run.runtime.world > 1:
+        loss = mean_over_ranks(loss, run.runtime.device)
+    return {**run.step_row(step, lr), TRAIN_LOSS: loss, TRAIN_GRAD_NORM: float(grad_norm),
+            TRAIN_TOKENS_PER_S: throughput.rate(step)}
+
+
+@contextlib.contextmanager
+def averaged_point(optimizer: torch.optim.Optimizer, needed: bool) -> Iterator[None]:
+    """Inside the block (when ``needed``) the weights sit where they are evaluated and saved: schedule-free
+    optimizers' averaged point, not the training point (other optimizers: unchanged)."""
+    if not needed:
+        yield
+        return
+    optimizer_eval_mode(optimizer)
+    yield
+    optimizer_train_mode(optimizer)
+
+
+def evaluate(run: TrainingRun, state: TrainState, lr: float, row: dict | None) -> dict:
+    """``row`` (or the step's base row) with val/loss; every process evaluates (under FSDP2 each forward gathers
+    the weights)."""
+    batch_size = max(1, min(32, run.cfg.train.batch_size))
+    val = mean_loss(state.model, run.val_windows, batch_size=batch_size, dtype=run.runtime.amp)
+    return {**(row or run.step_row(state.step, lr)), VAL_LOSS: val}
+
+
+def run_hooks(run: TrainingRun, state: TrainState, lr: float, row: dict | None,
+              hooks: Sequence[StepHook]) -> dict | None:
+    """``row`` with the metrics of the due step hooks, which run on the main process with the whole model
+    (FSDP2: gathered on rank 0, collectively); the other processes return ``row`` as it was."""
+    strategy, runtime = run.runtime.strategy, run.runtime
+    monitored = _whole_model(strategy, state.model, run.model_config, runtime.device) if strategy.shards \
+        else state.model
+    if not runtime.is_main:
+        return row
+    row = dict(row or run.step_row(state.step, lr))
+    for hook in hooks:
+        row.update(hook.step(monitored, state.step, lr=lr, tokens=state.step * runtime.tokens_per_step))
+    return row
+
+
+# ---------------------------------------------------------------- checkpoint
+def checkpoint_steps(cfg: RunConfig, tokens_per_step: int) -> set[int]:
+    """Steps that end with a checkpoint: train.steps, every checkpoint_every steps, and the first step to reach
+    each of checkpoint_tokens."""
+    steps = {cfg.train.steps}
+    if cfg.train.checkpoint_every:
+        steps |= set(range(cfg.train.checkpoint_every, cfg.train.steps + 1, cfg.train.checkpoint_every))
+    for t in cfg.train.checkpoint_tokens:
+        steps.add(min(cfg.train.steps, max(1, math.ceil(t / tokens_per_step))))
+    return steps
+
+
+def save_step(run: TrainingRun, state: TrainState, lr: float, row: dict | None) -> None:
+    """Checkpoint the step just done, with the online averages of that step. Gathering is collective under
+    FSDP2: every process takes part, rank 0 writes; the processes wait for each other at the end."""
+    strategy, runtime, step = run.runtime.strategy, run.runtime, state.step
+    whole = _whole_model(strategy, state.model, run.model_config, torch.device("cpu")) if strategy.shards \
+        else state.model
+    training_state = training_state_dict(run, state)
+    averages = _online_averages(strategy, state.model, state.lawa, state.ema)
+    if runtime.is_main:
+        extra = {"val_loss": row.get(VAL_LOSS)} if row else {}
+        # the step's averages first, its checkpoint last: the checkpoint commits the step, so a kill
+        # between the two resumes from the previous checkpoint and rewrites these averages
+        _save_online_averages(run, state, lr, averages)
+        save_checkpoint(checkpoint_dir(run.run_dir, step), whole, run.meta(step, lr, **extra), run.data.tokenizer,
+                        training_state)
+    del whole, training_state, averages  # free the gathered copies before waiting for the other processes
+    if runtime.world > 1:
+        barrier()
+
+
+def training_state_dict(run: TrainingRun, state: TrainState) -> dict:
+    """What a resume needs beyond the weights: optimizer state (whole, on rank 0), step, RNG states and the
+    online averages' accumulators (gathered: collective under FSDP2)."""
+    strategy, model = run.runtime.strategy, state.model
+    # weights and optimizer state are both saved in eval mode (consistent for schedule-free);
+    # a resumed run switches back to train mode after loading them
+    saved = {"optimizer": strategy.optimizer_state(model, state.optimizer), "step": state.step,
+             "torch_rng": torch.get_rng_state(), "numpy_rng": numpy_rng_state()}
+    if state.lawa is not None:
+        saved["lawa"] = {"steps": state.lawa.steps(),
+                         "states": [strategy.gather(sd, model) for sd in state.lawa.state_dict()["states"]]}
+    if state.ema is not None:
+        saved["ema"] = {**state.ema.state_dict(), "acc": strategy.gather(state.ema.state_dict()["acc"], model)}
+    return saved
+
+
+def numpy_rng_state() -> dict:
+    """numpy's global RNG state as tensors (loadable with weights_only=True)."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
+            "gauss": float(gauss)}
+
+
 def _whole_model(strategy, model, mcfg, device) -> GPT | None:
     """A plain GPT with the gathered weights on rank 0 (None on the others); collective."""
     full = strategy.full_state(model)
@@ -507,32 +717,19 @@ def _online_averages(strategy, model, lawa, ema) -> dict:
     return out
 
 
-def _load_weights(model: GPT, path: str, device) -> None:
-    src = load_gpt(path, device)
-    if src.config.shape() != model.config.shape():
-        raise QuantdynError(
-            f"init_weights '{path}' has a different model shape than the config; use a checkpoint of the same model"
-        )
-    model.load_state_dict(src.state_dict())
-
-
-def _save_online_averages(run_dir, step, mcfg, averages, lawa, ema, meta_for, lr, data) -> None:
+def _save_online_averages(run: TrainingRun, state: TrainState, lr: float, averages: dict) -> None:
+    """Write the whole-model averages of :func:`_online_averages` as checkpoints under RUN/averages."""
+    lawa, ema, step, rd = state.lawa, state.ema, state.step, RunDir(run.run_dir)
     if "lawa" in averages:
-        avg = GPT(mcfg)
-        avg.load_state_dict(averages["lawa"])
         ingredients = [{"step": s, "weight": 1.0 / len(lawa.steps())} for s in lawa.steps()]
-        save_checkpoint(
-            RunDir(run_dir).average(f"lawa-k{lawa.window}-p{lawa.every}", step),
-            avg,
-            meta_for(step, lr, kind="lawa", ingredients=ingredients, window=lawa.window, every=lawa.every),
-            data.tokenizer,
-        )
+        _save_average(run, rd.average(f"lawa-k{lawa.window}-p{lawa.every}", step), averages["lawa"],
+                      run.meta(step, lr, kind="lawa", ingredients=ingredients, window=lawa.window, every=lawa.every))
     if "ema" in averages:
-        avg = GPT(mcfg)
-        avg.load_state_dict(averages["ema"])
-        save_checkpoint(
-            RunDir(run_dir).average(f"ema-{ema.decay:.6g}", step),
-            avg,
-            meta_for(step, lr, kind="ema", decay=ema.decay, updates=ema.t),
-            data.tokenizer,
-        )
+        _save_average(run, rd.average(f"ema-{ema.decay:.6g}", step), averages["ema"],
+                      run.meta(step, lr, kind="ema", decay=ema.decay, updates=ema.t))
+
+
+def _save_average(run: TrainingRun, directory: Path, weights: dict, meta: dict) -> None:
+    avg = GPT(run.model_config)
+    avg.load_state_dict(weights)
+    save_checkpoint(directory, avg, meta, run.data.tokenizer)
