@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from quantdyn.errors import QuantdynError
 from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config
+from quantdyn.quantize.primitives import find_params, quantize_codes, rtn_weight
 from quantdyn.train.qat import (
     GAUSSIAN_OPTIMAL_CLIP,
     QATConfig,
@@ -65,6 +66,46 @@ def test_minmax_ste_gradient_is_identity():
     x = torch.randn(4, 64, requires_grad=True)
     minmax_fake_quant(x, 4).mul(torch.arange(64.0)).sum().backward()
     torch.testing.assert_close(x.grad, torch.arange(64.0).expand(4, 64))
+
+
+def _rtn_rows(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """PTQ's round-to-nearest (quantize/primitives.py, asymmetric, one group per row) of every row of the last
+    dim: (dequantized values, uint8 codes), both shaped like ``x``."""
+    W_hat, codes, *_ = rtn_weight(x.reshape(-1, x.shape[-1]), bits, sym=False, group_size=0)
+    return W_hat.reshape(x.shape), codes.reshape(x.shape)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_minmax_qat_is_ptq_rtn_on_the_same_grid(bits):
+    """QAT's 'ste' fake quantization (weights per output row, activations per token) is PTQ's RTN grid of
+    quantize/primitives.py: the same values bit for bit and the same integer codes."""
+    torch.manual_seed(bits)
+    W = torch.randn(48, 64) * torch.logspace(-3, 1, 48).unsqueeze(1)  # rows of very different ranges
+    W[0] = 0.0  # an all-zero row
+    W[1] = W[1].abs()  # a row with no negative entry
+    x = torch.randn(2, 5, 64)  # (batch, tokens, features)
+    cfg = QATConfig(method="ste", w_bits=bits, a_bits=bits)
+    for t, qat in ((W, fake_quantize_weight(W, cfg)), (x, minmax_fake_quant(x, bits))):
+        values, codes = _rtn_rows(t, bits)
+        assert torch.equal(qat, values)
+        rows = t.reshape(-1, t.shape[-1])
+        scales, zeros = find_params(rows, bits, sym=False)
+        qat_codes = quantize_codes(qat.reshape(rows.shape), scales.unsqueeze(1), zeros.unsqueeze(1), 2**bits - 1)
+        assert torch.equal(qat_codes.to(torch.uint8).reshape(t.shape), codes)
+    lin = nn.Linear(64, 48)
+    lin.weight.data.copy_(W)
+    with torch.no_grad():  # the QAT layer is the plain linear on RTN'd inputs and weights
+        expected = F.linear(_rtn_rows(x, bits)[0], _rtn_rows(W, bits)[0], lin.bias)
+        assert torch.equal(QATLinear.from_linear(lin, cfg)(x), expected)
+
+
+def test_minmax_grid_by_hand():
+    """2 bits on [-1, 2]: scale 1, zero 1, levels -1, 0, 1, 2 (0.5 rounds to even); a row >= 0 keeps 0 as its
+    lowest level; an all-zero row stays zero."""
+    x = torch.tensor([[-1.0, 0.0, 0.5, 2.0], [0.0, 0.9, 1.6, 3.0], [0.0, 0.0, 0.0, 0.0]])
+    expected = torch.tensor([[-1.0, 0.0, 0.0, 2.0], [0.0, 1.0, 2.0, 3.0], [0.0, 0.0, 0.0, 0.0]])
+    assert torch.equal(minmax_fake_quant(x, 2), expected)
+    assert torch.equal(minmax_fake_quant(x.unsqueeze(0), 2), expected.unsqueeze(0))  # per token along the last dim
 
 
 def test_quest_trust_mask_gradient():

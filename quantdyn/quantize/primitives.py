@@ -147,7 +147,9 @@ def find_params(
     Same semantics and operation order as the reference ``Quantizer.find_params``
     with ``perchannel=True, weight=True``.
     """
-    maxq = torch.tensor(check_bits(bits), device=x.device)  # 0-dim tensor as in the reference
+    # a Python int, not the reference's 0-dim device tensor: the same bits (x / 15 rounds once either way), and
+    # on a GPU no blocking host-to-device copy (a stream sync) per call, which QAT's forward makes per linear
+    maxq = check_bits(bits)
     zeros_ = torch.zeros(x.shape[0], device=x.device, dtype=x.dtype)
     xmin = torch.minimum(x.min(1)[0], zeros_)
     xmax = torch.maximum(x.max(1)[0], zeros_)
@@ -159,7 +161,7 @@ def find_params(
     xmax = torch.where(both0, torch.full_like(xmax, 1), xmax)
     scale = (xmax - xmin) / maxq
     if sym:
-        zero = torch.full_like(scale, ((maxq + 1) / 2).item())
+        zero = torch.full_like(scale, (maxq + 1) / 2)
     else:
         zero = torch.round(-xmin / scale)
     if mse:
@@ -170,7 +172,7 @@ def find_params(
             xmax1 = p * xmax
             scale1 = (xmax1 - xmin1) / maxq
             zero1 = torch.round(-xmin1 / scale1) if not sym else zero
-            q = fake_quantize(x, scale1.unsqueeze(1), zero1.unsqueeze(1), int(maxq))
+            q = fake_quantize(x, scale1.unsqueeze(1), zero1.unsqueeze(1), maxq)
             q -= x
             q.abs_()
             q.pow_(norm)

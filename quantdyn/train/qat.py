@@ -4,8 +4,9 @@ straight-through estimator (STE).
 Two quantizers (``QATConfig.method``):
 
 * ``'ste'``: plain asymmetric min-max, per output row for weights and per token
-  for activations, ``2**bits`` levels; the gradient is the identity (the
-  min-max range covers every entry, so nothing is clipped).
+  for activations, ``2**bits`` levels on the grid of quantize/primitives.py (the
+  one RTN and GPTQ use); the gradient is the identity (the min-max range covers
+  every entry, so nothing is clipped).
 * ``'quest'``: the QuEST quantizer used for QAT in paper B (Panferov et al.
   2025): a Hadamard transform over blocks of ``hadamard_block`` input features
   (applied to the weight rows and to the activations, so ``(xH)(WH)^T = xW^T``),
@@ -46,6 +47,7 @@ import torch.nn.functional as F
 
 from quantdyn.errors import QuantdynError, unknown_name
 from quantdyn.quantize.config import BlockTransform
+from quantdyn.quantize.primitives import fake_quantize, find_params
 
 METHODS = ("ste", "quest")
 
@@ -160,15 +162,13 @@ def hadamard_transform(x: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def minmax_fake_quant(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Asymmetric min-max fake quantization over the last dim (per row / per token),
-    2**bits levels; straight-through gradient (identity)."""
-    maxq = 2**bits - 1
+    """Asymmetric min-max fake quantization over the last dim (per row / per token), 2**bits levels, on the
+    grid of quantize/primitives.py (:func:`find_params`, the grid RTN and GPTQ use); straight-through
+    gradient (identity)."""
     with torch.no_grad():
-        lo = x.amin(dim=-1, keepdim=True).clamp(max=0)
-        hi = x.amax(dim=-1, keepdim=True).clamp(min=0)
-        scale = ((hi - lo) / maxq).clamp(min=1e-12)
-        zero = torch.round(-lo / scale)
-        q = (torch.clamp(torch.round(x / scale) + zero, 0, maxq) - zero) * scale
+        rows = x.reshape(-1, x.shape[-1])
+        scale, zero = find_params(rows, bits, sym=False)
+        q = fake_quantize(rows, scale.unsqueeze(1), zero.unsqueeze(1), 2**bits - 1).reshape(x.shape)
     return x + (q - x).detach()
 
 
