@@ -34,6 +34,15 @@ def _losses(run_dir):
     return [(r["step"], r["train_loss"]) for r in read_metrics(run_dir) if "train_loss" in r]
 
 
+def _assert_same_weights(run_a, run_b, *checkpoints):
+    """The checkpoints (paths relative to the run directories) hold bit-identical weights in both runs."""
+    from safetensors.torch import load_file
+
+    for rel in checkpoints:
+        a, b = load_file(run_a / rel / "model.safetensors"), load_file(run_b / rel / "model.safetensors")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), rel
+
+
 def test_exact_resume(tmp_path, kjv_small):
     data_cfg, _ = kjv_small
     full = train(_cfg(tmp_path, data_cfg, "full"), progress=False)
@@ -44,9 +53,7 @@ def test_exact_resume(tmp_path, kjv_small):
         f.write(json.dumps({"step": 6, "train_loss": 123.0}) + "\n")
     train(_cfg(tmp_path, data_cfg, "part"), part, resume=latest_resumable(part), progress=False)
     assert _losses(part) == _losses(full)
-    a, b = load_gpt(full / "checkpoints" / "step-0000012"), load_gpt(part / "checkpoints" / "step-0000012")
-    for (k, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
-        assert torch.equal(x, y), k
+    _assert_same_weights(full, part, "checkpoints/step-0000012")
 
 
 def test_checkpoint_metadata_and_loss_falls(tmp_path, kjv_small):
@@ -240,15 +247,11 @@ def test_exact_resume_stateful_optimizers(tmp_path, kjv_small, optim):
     part = train(cfg("part"), progress=False, stop_after=4)
     train(cfg("part"), part, resume=latest_resumable(part), progress=False)
     assert _losses(part) == _losses(full)
-    a, b = load_gpt(full / "checkpoints" / "step-0000008"), load_gpt(part / "checkpoints" / "step-0000008")
-    for (k, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
-        assert torch.equal(x, y), k
+    _assert_same_weights(full, part, "checkpoints/step-0000008")
 
 
 def test_exact_resume_of_qat_with_online_averages(tmp_path, kjv_small):
     """A QAT run (min-max STE fake quantization) with LAWA and EMA resumes exactly: weights, averages, losses."""
-    from safetensors.torch import load_file
-
     data_cfg, _ = kjv_small
 
     def cfg(name):
@@ -263,9 +266,7 @@ def test_exact_resume_of_qat_with_online_averages(tmp_path, kjv_small):
     assert _losses(part) == _losses(full)
     saved = sorted(p.parent.relative_to(full) for p in full.rglob("step-0000008/model.safetensors"))
     assert len(saved) == 3  # the checkpoint, LAWA and EMA
-    for rel in saved:
-        a, b = load_file(full / rel / "model.safetensors"), load_file(part / rel / "model.safetensors")
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), rel
+    _assert_same_weights(full, part, *saved)
 
 
 def test_monitor_config_without_hooks_warns_the_caller(tmp_path, kjv_small):
@@ -358,8 +359,6 @@ def test_resume_of_a_finished_run_is_a_no_op_success(tmp_path, kjv_small, cli):
 def test_kill_between_a_steps_averages_and_its_checkpoint_resumes_exactly(tmp_path, kjv_small, monkeypatch):
     """The checkpoint commits a step: averages are written before it, so a run killed between the two
     resumes from the previous checkpoint and ends with the same weights and averages as an unbroken run."""
-    from safetensors.torch import load_file
-
     import quantdyn.train.trainer as trainer
 
     data_cfg, _ = kjv_small
@@ -389,9 +388,7 @@ def test_kill_between_a_steps_averages_and_its_checkpoint_resumes_exactly(tmp_pa
     assert latest_resumable(run).step == 2
     monkeypatch.setattr(trainer, "save_checkpoint", real)
     train(cfg("k"), run, resume=latest_resumable(run), progress=False)
-    for rel in [*averages, "checkpoints/step-0000004"]:
-        a, b = load_file(ref / rel / "model.safetensors"), load_file(run / rel / "model.safetensors")
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), rel
+    _assert_same_weights(ref, run, *averages, "checkpoints/step-0000004")
 
 
 def test_stale_checkpoint_temporaries_are_removed_at_start(tmp_path, kjv_small):
