@@ -346,47 +346,13 @@ def make_soup(
         for i, p in enumerate(paths):
             losses[i] = _loss(_load_model(p), eval_windows, batch_size)
 
-    considered = []
     if greedy:
-        order = sorted(range(len(paths)), key=lambda i: losses[i])
-        template = _load_model(paths[order[0]])
-        ref = {k: v.detach().clone() for k, v in template.state_dict().items()}  # template's own tensors change below
-        total = {k: v.detach().to(torch.float64).clone() for k, v in ref.items() if torch.is_floating_point(v)}
-        kept, soup_loss = [order[0]], losses[order[0]]
-        considered.append({"path": str(paths[order[0]].resolve()), "held_out_loss": soup_loss,
-                           "soup_loss_with": soup_loss, "accepted": True})
-        for i in order[1:]:
-            sd = _state(paths[i])
-            _check_state_match(ref, sd, paths[i], paths[order[0]])
-            cand = {k: (total[k] + sd[k].to(torch.float64)) / (len(kept) + 1) for k in total}
-            template.load_state_dict({k: cand[k].to(v.dtype) if k in cand else v for k, v in ref.items()})
-            loss = _loss(template, eval_windows, batch_size)
-            accepted = loss < soup_loss
-            considered.append({"path": str(paths[i].resolve()), "held_out_loss": losses[i],
-                               "soup_loss_with": loss, "accepted": accepted})
-            if accepted:
-                for k in total:
-                    total[k] += sd[k].to(torch.float64)
-                kept.append(i)
-                soup_loss = loss
-        state = {k: (total[k] / len(kept)).to(v.dtype) if k in total else v.detach().clone() for k, v in ref.items()}
-        weight_of = {i: 1.0 / len(kept) for i in kept}
+        template, state, weight_of, soup_loss, considered = _greedy_soup(paths, losses, eval_windows, batch_size)
         method = "greedy"
     else:
-        raw = weights if weights is not None else [1.0] * len(paths)
-        tot = sum(raw)
-        acc = _Accumulator()
-        kept = [i for i, x in enumerate(raw) if x > 0]
-        for i in kept:
-            acc.add(_state(paths[i]), raw[i] / tot, paths[i])
-        state = acc.result()
-        template = _load_model(paths[kept[-1]])
-        weight_of = {i: raw[i] / tot for i in kept}
-        method = "weighted" if weights is not None else "uniform"
-        soup_loss = None
-        if eval_windows is not None:
-            template.load_state_dict(state)
-            soup_loss = _loss(template, eval_windows, batch_size)
+        template, state, weight_of, soup_loss = _weighted_soup(paths, weights, eval_windows, batch_size)
+        method, considered = ("weighted" if weights is not None else "uniform"), []
+    kept = list(weight_of)  # in the order the ingredients were taken
 
     newest = max(kept, key=lambda i: (metas[i].get("tokens") or 0, metas[i].get("step") or 0))
     runs = {metas[i].get("run") for i in kept}
@@ -410,6 +376,55 @@ def make_soup(
                                                        "seq_len": int(eval_windows.shape[1])},
     }
     return _save(template, state, out, meta, paths[newest])
+
+
+def _greedy_soup(paths: list[Path], losses: list[float], eval_windows: torch.Tensor, batch_size: int):
+    """Wortsman et al.'s greedy soup: ingredients by held-out loss, each kept only if the uniform average of
+    those kept gets a strictly lower held-out loss. Returns (model holding the soup's architecture, soup
+    state, {kept index: weight}, soup loss, the decisions)."""
+    order = sorted(range(len(paths)), key=lambda i: losses[i])
+    template = _load_model(paths[order[0]])
+    ref = {k: v.detach().clone() for k, v in template.state_dict().items()}  # template's own tensors change below
+    total = {k: v.detach().to(torch.float64).clone() for k, v in ref.items() if torch.is_floating_point(v)}
+    kept, soup_loss = [order[0]], losses[order[0]]
+    considered = [{"path": str(paths[order[0]].resolve()), "held_out_loss": soup_loss,
+                   "soup_loss_with": soup_loss, "accepted": True}]
+    for i in order[1:]:
+        sd = _state(paths[i])
+        _check_state_match(ref, sd, paths[i], paths[order[0]])
+        cand = {k: (total[k] + sd[k].to(torch.float64)) / (len(kept) + 1) for k in total}
+        template.load_state_dict({k: cand[k].to(v.dtype) if k in cand else v for k, v in ref.items()})
+        loss = _loss(template, eval_windows, batch_size)
+        accepted = loss < soup_loss
+        considered.append({"path": str(paths[i].resolve()), "held_out_loss": losses[i],
+                           "soup_loss_with": loss, "accepted": accepted})
+        if accepted:
+            for k in total:
+                total[k] += sd[k].to(torch.float64)
+            kept.append(i)
+            soup_loss = loss
+    state = {k: (total[k] / len(kept)).to(v.dtype) if k in total else v.detach().clone() for k, v in ref.items()}
+    return template, state, {i: 1.0 / len(kept) for i in kept}, soup_loss, considered
+
+
+def _weighted_soup(paths: list[Path], weights: list[float] | None, eval_windows: torch.Tensor | None,
+                   batch_size: int):
+    """Σ w_i θ_i / Σ w_i (uniform without ``weights``; ingredients of weight 0 are left out), with its held-out
+    loss when ``eval_windows`` are given. Returns (model holding the soup, soup state, {kept index: weight},
+    soup loss or None)."""
+    raw = weights if weights is not None else [1.0] * len(paths)
+    tot = sum(raw)
+    acc = _Accumulator()
+    kept = [i for i, x in enumerate(raw) if x > 0]
+    for i in kept:
+        acc.add(_state(paths[i]), raw[i] / tot, paths[i])
+    state = acc.result()
+    template = _load_model(paths[kept[-1]])
+    soup_loss = None
+    if eval_windows is not None:
+        template.load_state_dict(state)
+        soup_loss = _loss(template, eval_windows, batch_size)
+    return template, state, {i: raw[i] / tot for i in kept}, soup_loss
 
 
 # --------------------------------------------------------- interpolation
