@@ -383,6 +383,53 @@ def build_training_state(run: TrainingRun, model: GPT) -> TrainState:
     return TrainState(model, train_model, optimizer, lawa, OnlineEMA(ema_decay) if ema_decay else None)
 
 
+# ------------------------------------------------------------------- restore
+def load_checkpoint_weights(run: TrainingRun, model: GPT, source: CheckpointInfo) -> None:
+    """The weights of ``source`` into ``model`` (not yet sharded); a checkpoint of another shape is refused."""
+    src = load_gpt(source.path, run.runtime.device)
+    if src.config.shape() != run.model_config.shape():
+        raise QuantdynError(
+            f"checkpoint '{source.path}' has model shape {to_dict(src.config)} but the config asks for "
+            f"{to_dict(run.model_config)}; resume with the run's own config.yaml"
+        )
+    model.load_state_dict(src.state_dict())
+
+
+def restore_training_state(run: TrainingRun, state: TrainState, source: CheckpointInfo, exact: bool) -> None:
+    """The optimizer state, step and RNG states of ``source`` into ``state`` (what :func:`training_state_dict`
+    saved); ``exact`` (a resume of the run itself): the online averages too, where a branch starts them anew."""
+    saved = load_training_state(source.path)
+    strategy, model = run.runtime.strategy, state.model
+    try:
+        strategy.load_optimizer_state(model, state.optimizer, saved["optimizer"])
+    except QuantdynError:
+        raise
+    except (ValueError, KeyError, RuntimeError, TypeError, IndexError) as e:
+        raise QuantdynError(
+            f"optimizer state in '{source.path}' does not fit optim.name='{run.cfg.optim.name}' "
+            f"({type(e).__name__}: {str(e)[:120]}); resume with the optimizer the checkpoint was trained with"
+        ) from None
+    optimizer_train_mode(state.optimizer)  # checkpoints hold the eval-mode point (schedule-free)
+    state.step = int(saved["step"])
+    if "torch_rng" in saved:
+        torch.set_rng_state(saved["torch_rng"])
+    if "numpy_rng" in saved:  # Kron draws from the global numpy RNG
+        set_numpy_rng(saved["numpy_rng"])
+    if not exact:
+        return
+    if state.lawa is not None and "lawa" in saved:
+        lawa = saved["lawa"]
+        state.lawa.load_state_dict({"steps": lawa["steps"],
+                                    "states": [strategy.scatter(sd, model) for sd in lawa["states"]]})
+    if state.ema is not None and "ema" in saved:
+        state.ema.load_state_dict({**saved["ema"], "acc": strategy.scatter(saved["ema"]["acc"], model)})
+
+
+def set_numpy_rng(d: dict) -> None:
+    np.random.set_state(("MT19937", d["keys"].numpy().astype(np.uint32), d["pos"], d["has_gauss"], d["gauss"]))
+
+
+# ------------------------------------------------------------- run directory
 def write_run_files(run: TrainingRun, start_step: int, *, clear: bool, resuming: bool) -> list:
     """On the main process: the run directory with its config.yaml and run.json, and the metric loggers
     (rows logged after ``start_step`` are dropped from their files). ``clear`` first deletes the checkpoints
@@ -441,52 +488,6 @@ def open_console(run: TrainingRun, start_step: int, progress: bool, verbose: boo
     console.note(f"steps {start_step} -> {cfg.train.steps}, {runtime.tokens_per_step:,} tokens/step, "
                  f"{runtime.device}{processes}")
     return console
-
-
-# ------------------------------------------------------------------- restore
-def load_checkpoint_weights(run: TrainingRun, model: GPT, source: CheckpointInfo) -> None:
-    """The weights of ``source`` into ``model`` (not yet sharded); a checkpoint of another shape is refused."""
-    src = load_gpt(source.path, run.runtime.device)
-    if src.config.shape() != run.model_config.shape():
-        raise QuantdynError(
-            f"checkpoint '{source.path}' has model shape {to_dict(src.config)} but the config asks for "
-            f"{to_dict(run.model_config)}; resume with the run's own config.yaml"
-        )
-    model.load_state_dict(src.state_dict())
-
-
-def restore_training_state(run: TrainingRun, state: TrainState, source: CheckpointInfo, exact: bool) -> None:
-    """The optimizer state, step and RNG states of ``source`` into ``state`` (what :func:`training_state_dict`
-    saved); ``exact`` (a resume of the run itself): the online averages too, where a branch starts them anew."""
-    saved = load_training_state(source.path)
-    strategy, model = run.runtime.strategy, state.model
-    try:
-        strategy.load_optimizer_state(model, state.optimizer, saved["optimizer"])
-    except QuantdynError:
-        raise
-    except (ValueError, KeyError, RuntimeError, TypeError, IndexError) as e:
-        raise QuantdynError(
-            f"optimizer state in '{source.path}' does not fit optim.name='{run.cfg.optim.name}' "
-            f"({type(e).__name__}: {str(e)[:120]}); resume with the optimizer the checkpoint was trained with"
-        ) from None
-    optimizer_train_mode(state.optimizer)  # checkpoints hold the eval-mode point (schedule-free)
-    state.step = int(saved["step"])
-    if "torch_rng" in saved:
-        torch.set_rng_state(saved["torch_rng"])
-    if "numpy_rng" in saved:  # Kron draws from the global numpy RNG
-        set_numpy_rng(saved["numpy_rng"])
-    if not exact:
-        return
-    if state.lawa is not None and "lawa" in saved:
-        lawa = saved["lawa"]
-        state.lawa.load_state_dict({"steps": lawa["steps"],
-                                    "states": [strategy.scatter(sd, model) for sd in lawa["states"]]})
-    if state.ema is not None and "ema" in saved:
-        state.ema.load_state_dict({**saved["ema"], "acc": strategy.scatter(saved["ema"]["acc"], model)})
-
-
-def set_numpy_rng(d: dict) -> None:
-    np.random.set_state(("MT19937", d["keys"].numpy().astype(np.uint32), d["pos"], d["has_gauss"], d["gauss"]))
 
 
 # ---------------------------------------------------------------------- step
