@@ -1,4 +1,5 @@
-"""quantize_model on tiny transformers models and quantdyn's GPT; adapters; saving."""
+"""quantize_model on tiny transformers models and quantdyn's GPT; adapters; quantdyn's quantized checkpoint, written
+by the engine's writer."""
 from __future__ import annotations
 
 import copy
@@ -8,7 +9,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from quantdyn.engine.walk import quantize_model, save_quantized
+from quantdyn.engine.measure import MeasureConfig, measure
+from quantdyn.engine.walk import quantize_model
+from quantdyn.engine.writer import QuantizedCheckpointWriter
 from quantdyn.errors import QuantdynError
 from quantdyn.models.adapters import ADAPTERS, adapter_for, get_weight
 from quantdyn.models.gpt import GPT, ModelConfig, logits_of, resolve_model_config
@@ -93,7 +96,22 @@ def test_gpt2_conv1d_transposition():
     assert res.rows[0]["out_features"] == 192 and res.rows[0]["output_error"] is None
 
 
+def _write_quantized(model, spec, calib_ids, out, batch_size=8):
+    """quantdyn's quantized checkpoint of ``model`` through the engine: measure(..., on_layer=writer)."""
+    writer = QuantizedCheckpointWriter(out, model, spec, "q")
+    try:
+        m = measure(model, {"q": spec}, None, calib_ids, cfg=MeasureConfig(calib_batch_size=batch_size),
+                    on_layer=writer)
+    except BaseException:
+        writer.abort()
+        raise
+    v = m.quantizations["q"]
+    return writer.close(v.rows, {"layers": len(v.rows)}, "sha"), v
+
+
 def test_true_sequential_awq_head_and_save(tmp_path):
+    from safetensors.torch import load_file
+
     from quantdyn.models.hf_io import load_gpt
 
     fp = tiny("quantdyn")
@@ -103,15 +121,48 @@ def test_true_sequential_awq_head_and_save(tmp_path):
     assert not torch.equal(q.embed_out.weight, fp.embed_out.weight)
     assert torch.equal(q.gpt_neox.embed_in.weight, fp.gpt_neox.embed_in.weight)
     assert "embed_out.awq_scales" in res.packed and res.rows[-1]["block"] == -1
-    out = save_quantized(q, res, None, tmp_path / "q")
+    # the engine's writer, fed from the untouched model, writes the model quantize_model made in place
+    out, v = _write_quantized(fp, cfg, calib(), tmp_path / "q", batch_size=3)
     files = {p.name for p in out.iterdir()}
     assert {"config.json", "model.safetensors", "quant_codes.safetensors", "quant_config.json"} <= files
     meta = json.loads((out / "quant_config.json").read_text())
-    assert meta["quantizer"]["method"] == "awq" and len(meta["rows"]) == len(res.rows)
+    assert meta["quantizer"]["method"] == "awq" and len(meta["rows"]) == len(res.rows) == len(v.rows)
+    assert meta["model_type"] == "quantdyn-gpt" and meta["config_hash"] and meta["git_sha"] == "sha"
+    codes = load_file(str(out / "quant_codes.safetensors"))
+    assert codes.keys() == res.packed.keys()
+    for k, t in res.packed.items():
+        assert torch.equal(codes[k], t), k  # the same decisions as quantize_model's
     back = load_gpt(out)
     ids = calib(2, 16, seed=1)
     with torch.no_grad():
         torch.testing.assert_close(logits_of(back, ids), logits_of(q, ids))
+
+
+def test_quantized_checkpoint_of_a_tied_head_and_of_a_lazy_checkpoint(tmp_path):
+    """GPT-2 ties its head to the embedding: quantizing the head writes it untied (the embedding stays full
+    precision); the same writer fed from the checkpoint on disk (LazyModel) writes the same tensors."""
+    import transformers as tf
+
+    from quantdyn.engine.lazy_model import LazyModel
+    from quantdyn.models.weights import CheckpointWeights
+
+    fp = tiny("gpt2")
+    cfg = QuantConfig(method="rtn", bits=4, group_size=32, quantize_head=True)
+    out, _ = _write_quantized(fp, cfg, None, tmp_path / "mem")
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    back = tf.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert torch.equal(back.transformer.wte.weight, fp.transformer.wte.weight)
+    assert not torch.equal(back.lm_head.weight, fp.lm_head.weight)
+    fp.save_pretrained(tmp_path / "fp")
+    lazy, _ = _write_quantized(LazyModel(CheckpointWeights(tmp_path / "fp")), cfg, None, tmp_path / "lazy")
+    assert sorted(p.name for p in lazy.iterdir()) == sorted(p.name for p in out.iterdir())
+    from safetensors import safe_open
+
+    for name in ("model.safetensors", "quant_codes.safetensors"):
+        with safe_open(str(lazy / name), "pt") as a, safe_open(str(out / name), "pt") as b:
+            assert a.metadata() == b.metadata() and sorted(a.keys()) == sorted(b.keys()), name
+            for k in a.keys():
+                assert torch.equal(a.get_tensor(k), b.get_tensor(k)), (name, k)
 
 
 def test_gpt2_tied_head_is_untied_when_quantized():

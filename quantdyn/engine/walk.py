@@ -31,17 +31,14 @@ streams instead of one model copy per quantizer.
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Mapping
 
 import torch
 import torch.nn as nn
 
-from quantdyn.config import config_hash, to_dict
 from quantdyn.engine.blockwise import (
     CapturedInputs,
     capture_inputs,
@@ -57,17 +54,14 @@ from quantdyn.engine.blockwise import (
 from quantdyn.engine.lazy_model import BlockSource, InMemoryModel
 from quantdyn.engine.streams import Stream, StreamStore, trim_heap
 from quantdyn.errors import QuantdynError
-from quantdyn.files import atomic_dir
 from quantdyn.models.adapters import model_type_of
-from quantdyn.models.hf_io import save_hf_into
 from quantdyn.quantize.config import QUANTIZERS, BlockTransform, QuantConfig, parse_quantizer
 from quantdyn.quantize.gptq import stats_update
 from quantdyn.quantize.primitives import QuantResult, num_threads
-from quantdyn.runtime import git_sha
 
 log = logging.getLogger("quantdyn")
 
-__all__ = ["BlockTransform", "ModelQuantization", "Walk", "WalkConfig", "quantize_model", "save_quantized", "walk", "num_threads"]
+__all__ = ["BlockTransform", "ModelQuantization", "Walk", "WalkConfig", "quantize_model", "walk", "num_threads"]
 
 
 @dataclass(frozen=True)
@@ -433,26 +427,3 @@ def quantize_model(
     w.close()
     v = w.variants[qc.name]
     return ModelQuantization(qc, v.rows, packed, time.perf_counter() - t0, model_type_of(model), v.n_calibration)
-
-
-def save_quantized(model: nn.Module, result: ModelQuantization, cfg: QuantConfig | None, out_dir: str | Path) -> Path:
-    """Atomically write an HF checkpoint of the (dequantized) model plus
-    ``quant_codes.safetensors`` (codes, scales, zeros, g_idx[, awq_scales] per layer)
-    and ``quant_config.json`` (the QuantConfig, its hash, per-layer rows, summary)."""
-    from safetensors.torch import save_file
-
-
-    cfg = result.config if cfg is None else parse_quantizer(cfg)
-    out = Path(out_dir)
-    with atomic_dir(out) as tmp:
-        save_hf_into(model, tmp)
-        save_file(result.packed, str(tmp / "quant_codes.safetensors"),
-                  metadata={"format": "quantdyn-codes", "quantizer": cfg.name})
-        meta = dict(
-            quantizer=to_dict(cfg), config_hash=config_hash(cfg), model_type=result.model_type,
-            layout="weight (out, in) = scales[:, g_idx] * (codes - zeros[:, g_idx]) [/ awq_scales]; "
-                   "GPT-2 Conv1D weights are stored transposed in the checkpoint",
-            summary=result.summary(), rows=result.rows, git_sha=git_sha(),
-        )
-        (tmp / "quant_config.json").write_text(json.dumps(meta, indent=2, default=str))
-    return out

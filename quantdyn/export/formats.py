@@ -29,15 +29,29 @@ llm-compressor, served by vLLM, read by transformers with the compressed-tensors
     ``weight_packed`` int32 (out, in*bits/32): the codes packed along the input dim -- the
     library stores signed values q - 2^(bits-1) plus an offset of 2^(bits-1), i.e. exactly
     quantdyn's unsigned codes; ``weight_scale`` (out, groups) in ``scale_dtype``;
-    ``weight_zero_point`` int32 (out*bits/32, groups), asymmetric grids only: the signed zero
-    point z - 2^(bits-1), offset and packed along the output dim; ``weight_shape`` int64
-    [out, in]. Symmetric grids (zero 2^(bits-1)) store no zero point. Bits 2..8; vLLM's
-    kernels serve 4 and 8 bits; widths that do not divide 32 (3, 5, 6, 7) use the dense
-    layout of compressed-tensors >= 0.18 (older versions packed floor(32/bits) codes per
-    word). Groups must divide in_features (the library's rule). Act-order with a permuted
-    ``g_idx`` (``actorder: group``, tensor ``weight_g_idx``) was removed from
+    ``weight_zero_point`` int32 (ceil(out*bits/32), groups), asymmetric grids only: the signed
+    zero point z - 2^(bits-1), offset and packed along the OUTPUT dim -- what the library's own
+    ``PackedQuantizationCompressor.compress`` writes (``pack_to_int32(zp, bits, packed_dim=0)``)
+    and what vLLM's WNA16 scheme allocates (``out // pack_factor`` rows, ``packed_dim=0``);
+    ``weight_shape`` int64 [out, in]. Symmetric grids (zero 2^(bits-1)) store no zero point.
+    Bits 2..8; vLLM's kernels serve 4 and 8 bits; widths that do not divide 32 (3, 5, 6, 7)
+    use the dense layout of compressed-tensors >= 0.18 (older versions packed floor(32/bits)
+    codes per word). Groups must divide in_features (the library's rule). Act-order with a
+    permuted ``g_idx`` (``actorder: group``, tensor ``weight_g_idx``) was removed from
     compressed-tensors in 0.19, so it is refused: export such quantizers as GPTQ, or
     quantize with static groups or group-aware ordering, whose groups stay contiguous.
+
+    Asymmetric exports carry ``"dequantize": true`` in their quantization_config. Without it,
+    transformers (5.x, compressed-tensors 0.19+) builds every quantized module on the meta device
+    with ``compress_model``, whose meta branch leaves ``weight_zero_point`` unpacked, (out,
+    groups) int8, so the packed tensor above -- of any asymmetric pack-quantized checkpoint,
+    llm-compressor's included -- is refused with a size mismatch (``ckpt: [48, 1] vs model:
+    [384, 1]``), while the same library's decompressor (run on the first forward) needs it packed:
+    no one tensor satisfies both. ``dequantize`` is read by transformers' CompressedTensorsConfig
+    from config.json and decompresses each layer while loading through the library's own
+    decompressor, which reads the packed zero point; vLLM and compressed-tensors ignore the key.
+    The loaded model is the same either way: transformers has no packed-int kernels for these
+    layers, and the compressed route also decompresses the whole model on its first forward.
 
 Neither format has per-input-channel scales, so quantdyn's AWQ (scales s per linear, divided
 back out of the weight) cannot be exported; neither loader quantizes the output head
@@ -46,7 +60,7 @@ through these configs, so ``quantize_head`` is refused too.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -89,6 +103,9 @@ class ExportFormat:
     """One line: what reads it."""
     check: Callable[[QuantConfig, str, torch.dtype, dict], ExportSettings]
     """(qcfg, model_type, model dtype, options) -> settings, or a QuantdynError naming what the format supports."""
+    check_layer: Callable[[str, int, int, QuantConfig], None]
+    """(layer name, out_features, in_features, qcfg) -> None, or a QuantdynError if the format cannot hold a
+    layer of that shape (known before any work: the writer is given every layer's shape when it opens)."""
     layer_tensors: Callable[[str, dict[str, torch.Tensor], QuantConfig, ExportSettings], dict[str, torch.Tensor]]
     """(layer name, quantdyn codes/scales/zeros/g_idx, qcfg, settings) -> checkpoint tensors."""
     config: Callable[[QuantConfig, list[str], ExportSettings], dict]
@@ -184,13 +201,17 @@ def _gptq_check(qcfg: QuantConfig, model_type: str, model_dtype: torch.dtype, op
     return ExportSettings(scale_dtype=dtype, checkpoint_format=ckpt, desc_act=permuted_groups(qcfg))
 
 
+def _gptq_layer(name: str, out_f: int, in_f: int, qcfg: QuantConfig) -> None:
+    if qcfg.bits == 3 and (in_f % 32 or out_f % 32):
+        raise QuantdynError(f"layer '{name}' is {out_f}x{in_f}; 3-bit GPTQ packs 32 codes into 3 words and needs in "
+                            f"and out features divisible by 32; export compressed-tensors or use 2, 4 or 8 bits")
+
+
 def _gptq_tensors(name: str, q: dict[str, torch.Tensor], qcfg: QuantConfig, st: ExportSettings) -> dict:
     codes, scales, g_idx = q["codes"], q["scales"], q["g_idx"]
     bits = qcfg.bits
     out_f, in_f = codes.shape
-    if bits == 3 and (in_f % 32 or out_f % 32):
-        raise QuantdynError(f"layer '{name}' is {out_f}x{in_f}; 3-bit GPTQ packs 32 codes into 3 words and needs in "
-                            f"and out features divisible by 32; export compressed-tensors or use 2, 4 or 8 bits")
+    _gptq_layer(name, out_f, in_f, qcfg)
     zeros = _as_int_zeros(name, q["zeros"], bits)
     natural = torch.equal(g_idx.long(), torch.arange(in_f) // qcfg.group_size) if qcfg.group_size else bool(
         (g_idx == 0).all())
@@ -242,7 +263,7 @@ def _gptq_config(qcfg: QuantConfig, layers: list[str], st: ExportSettings) -> di
 
 EXPORT_FORMATS.add("gptq", ExportFormat(
     name="gptq", summary="GPTQ qweight/qzeros/scales/g_idx (GPTQModel, AutoGPTQ, transformers+optimum, vLLM)",
-    check=_gptq_check, layer_tensors=_gptq_tensors, config=_gptq_config,
+    check=_gptq_check, check_layer=_gptq_layer, layer_tensors=_gptq_tensors, config=_gptq_config,
 ))
 
 
@@ -269,14 +290,20 @@ def _ct_check(qcfg: QuantConfig, model_type: str, model_dtype: torch.dtype, opti
     return ExportSettings(scale_dtype=dtype, checkpoint_format=None, desc_act=False)
 
 
+def _ct_layer(name: str, out_f: int, in_f: int, qcfg: QuantConfig) -> None:
+    g = qcfg.group_size
+    if g and in_f % g:
+        raise QuantdynError(f"layer '{name}' has {in_f} input features, not a multiple of group_size {g}; "
+                            f"compressed-tensors needs groups that divide in_features: quantize with a group size "
+                            f"that divides {in_f}, per channel (group 0), or export gptq")
+
+
 def _ct_tensors(name: str, q: dict[str, torch.Tensor], qcfg: QuantConfig, st: ExportSettings) -> dict:
     codes, scales, g_idx = q["codes"], q["scales"], q["g_idx"]
     bits = qcfg.bits
     out_f, in_f = codes.shape
     g = qcfg.group_size
-    if g and in_f % g:
-        raise QuantdynError(f"layer '{name}' has {in_f} input features, not a multiple of group_size {g}; "
-                            f"compressed-tensors needs groups that divide in_features (export gptq instead)")
+    _ct_layer(name, out_f, in_f, qcfg)
     want = torch.arange(in_f) // g if g else torch.zeros(in_f, dtype=torch.long)
     if not torch.equal(g_idx.long(), want):
         raise QuantdynError(f"layer '{name}' has permuted groups; compressed-tensors holds contiguous groups only")
@@ -291,7 +318,8 @@ def _ct_tensors(name: str, q: dict[str, torch.Tensor], qcfg: QuantConfig, st: Ex
         if not bool((zeros == half).all()):
             raise QuantdynError(f"layer '{name}': a symmetric quantizer must have every zero point at {half}")
     else:
-        # the library packs the signed zero point z - 2^(bits-1) plus the same offset: the unsigned z
+        # (ceil(out*bits/32), groups): the library packs the signed zero point z - 2^(bits-1) plus the same
+        # offset -- the unsigned z -- along the output dim (module docstring)
         out[f"{name}.weight_zero_point"] = pack_rows(zeros.t().contiguous(), bits).t().contiguous()
     return out
 
@@ -306,7 +334,7 @@ def _ct_config(qcfg: QuantConfig, layers: list[str], st: ExportSettings) -> dict
         "dynamic": False,
         "observer": "minmax",
     }
-    return {
+    config = {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
         "quantization_status": "compressed",
@@ -325,16 +353,29 @@ def _ct_config(qcfg: QuantConfig, layers: list[str], st: ExportSettings) -> dict
         "sparsity_config": {},
         "quantdyn": _provenance(qcfg),
     }
+    if not qcfg.sym:
+        # transformers cannot load packed zero points into the modules it builds compressed; it loads them
+        # through the library's decompressor with this key (module docstring)
+        config["dequantize"] = True
+    return config
 
 
 EXPORT_FORMATS.add("compressed-tensors", ExportFormat(
     name="compressed-tensors",
     summary="compressed-tensors pack-quantized (llm-compressor's layout; vLLM, transformers+compressed-tensors)",
-    check=_ct_check, layer_tensors=_ct_tensors, config=_ct_config,
+    check=_ct_check, check_layer=_ct_layer, layer_tensors=_ct_tensors, config=_ct_config,
 ))
 
 
 def check_exportable(fmt: str, qcfg: QuantConfig, model_type: str = "", model_dtype: torch.dtype = torch.float32,
-                     **options: Any) -> ExportSettings:
-    """Raise a one-line QuantdynError if ``fmt`` cannot hold what ``qcfg`` produces (call it before any work)."""
-    return EXPORT_FORMATS.get(fmt).check(qcfg, model_type, model_dtype, options)
+                     layers: Mapping[str, tuple[int, int]] | None = None, **options: Any) -> ExportSettings:
+    """Raise a one-line QuantdynError if ``fmt`` cannot hold what ``qcfg`` produces (call it before any work).
+
+    layers: {name: (out_features, in_features)} of the layers that will be quantized, to refuse shapes the
+    format cannot hold too (what only the codes can tell -- a GPTQ v1 zero point of 0 -- is refused when the
+    layer is added)."""
+    f = EXPORT_FORMATS.get(fmt)
+    settings = f.check(qcfg, model_type, model_dtype, options)
+    for name, (out_f, in_f) in (layers or {}).items():
+        f.check_layer(name, int(out_f), int(in_f), qcfg)
+    return settings

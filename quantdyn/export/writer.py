@@ -32,12 +32,13 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
 from quantdyn.errors import QuantdynError
-from quantdyn.export.formats import EXPORT_FORMATS, SCALE_DTYPES, ExportFormat
+from quantdyn.export.formats import EXPORT_FORMATS, SCALE_DTYPES, ExportFormat, check_exportable
+from quantdyn.export.shards import DEFAULT_SHARD_BYTES, Shards, cpu_tensor
 from quantdyn.files import atomic_dir
 from quantdyn.quantize.config import QuantConfig, parse_quantizer
 from quantdyn.quantize.primitives import n_groups
@@ -45,10 +46,7 @@ from quantdyn.runtime import git_sha
 
 PROVENANCE_FILE = "quantdyn_export.json"
 """Provenance file of an export (also how an existing export directory is recognised)."""
-WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-DEFAULT_SHARD_BYTES = 2 * 1024**3
-"""Largest shard (bytes of tensor data) held in memory before it is written."""
 
 
 class _Aborted(Exception):
@@ -72,20 +70,12 @@ def _check_out_dir(out: Path) -> None:
                             f"(an earlier quantdyn export there would be replaced)")
 
 
-def _cpu_tensor(name: str, t: Any) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise QuantdynError(f"tensor '{name}' is a {type(t).__name__}, not a torch.Tensor")
-    t = t.detach().to("cpu").contiguous()
-    if t.untyped_storage().nbytes() != t.numel() * t.element_size():  # a view: safetensors wants its own storage
-        t = t.clone()
-    return t
-
-
 class ExportWriter:
     """Writes one quantized checkpoint directory, a shard at a time; see the module docstring."""
 
     def __init__(self, fmt: str, out_dir: str | Path, source_config: dict, qcfg: QuantConfig | str | dict,
-                 model_type: str, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES, **options: Any):
+                 model_type: str, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                 layers: Mapping[str, tuple[int, int]] | None = None, **options: Any):
         self.format: ExportFormat = EXPORT_FORMATS.get(fmt)
         self.qcfg = parse_quantizer(qcfg)
         if not isinstance(source_config, dict) or not source_config.get("model_type"):
@@ -96,47 +86,23 @@ class ExportWriter:
         if max_shard_bytes < 1:
             raise QuantdynError(f"max_shard_bytes={max_shard_bytes} must be >= 1")
         self.model_type = str(model_type)
-        self.settings = self.format.check(self.qcfg, _family(self.model_type), _model_dtype(source_config), options)
+        self.settings = check_exportable(fmt, self.qcfg, _family(self.model_type), _model_dtype(source_config),
+                                         layers=layers, **options)
         self.out_dir = Path(out_dir)
         _check_out_dir(self.out_dir)
         self.source_config = json.loads(json.dumps(source_config, default=str))
-        self.max_shard_bytes = int(max_shard_bytes)
         self._layers: list[str] = []
-        self._names: set[str] = set()
         self._files: set[str] = set()
-        self._buffer: dict[str, torch.Tensor] = {}
-        self._buffer_bytes = 0
-        self._shards: list[tuple[Path, list[str]]] = []
-        self._total_bytes = 0
         self._t0 = time.time()
         self._cm = atomic_dir(self.out_dir)  # the temporary directory exists from here on
         self._tmp: Path | None = self._cm.__enter__()
+        self._shards = Shards(self._tmp, "model", max_shard_bytes)
 
     # ------------------------------------------------------------------ adding
     def _live(self) -> Path:
         if self._tmp is None:
             raise QuantdynError(f"the export to '{self.out_dir}' is already closed or aborted")
         return self._tmp
-
-    def _put(self, name: str, t: torch.Tensor) -> None:
-        if name in self._names:
-            raise QuantdynError(f"tensor '{name}' was added to the export twice")
-        nbytes = t.numel() * t.element_size()
-        if self._buffer and self._buffer_bytes + nbytes > self.max_shard_bytes:
-            self._flush()
-        self._names.add(name)
-        self._buffer[name] = t
-        self._buffer_bytes += nbytes
-        self._total_bytes += nbytes
-
-    def _flush(self) -> None:
-        from safetensors.torch import save_file
-
-        tmp = self._live()
-        path = tmp / f".shard-{len(self._shards) + 1:05d}.safetensors"
-        save_file(self._buffer, str(path), metadata={"format": "pt"})
-        self._shards.append((path, list(self._buffer)))
-        self._buffer, self._buffer_bytes = {}, 0
 
     def add_quantized(self, layer_name: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                       g_idx: torch.Tensor, bias: torch.Tensor | None = None,
@@ -147,8 +113,8 @@ class ExportWriter:
         if awq_scales is not None:
             raise QuantdynError(f"layer '{layer_name}' has AWQ input scales, which {self.format.name} checkpoints "
                                 f"cannot hold; export an rtn or gptq quantizer")
-        q = {"codes": _cpu_tensor(f"{layer_name}.codes", codes), "scales": _cpu_tensor(f"{layer_name}.scales", scales),
-             "zeros": _cpu_tensor(f"{layer_name}.zeros", zeros), "g_idx": _cpu_tensor(f"{layer_name}.g_idx", g_idx)}
+        q = {"codes": cpu_tensor(f"{layer_name}.codes", codes), "scales": cpu_tensor(f"{layer_name}.scales", scales),
+             "zeros": cpu_tensor(f"{layer_name}.zeros", zeros), "g_idx": cpu_tensor(f"{layer_name}.g_idx", g_idx)}
         if q["codes"].dim() != 2:
             raise QuantdynError(f"layer '{layer_name}': codes must be (out, in), got shape {tuple(q['codes'].shape)}")
         out_f, in_f = q["codes"].shape
@@ -163,18 +129,18 @@ class ExportWriter:
                                 f"that produced them")
         tensors = self.format.layer_tensors(layer_name, q, self.qcfg, self.settings)
         if bias is not None:
-            tensors[f"{layer_name}.bias"] = _cpu_tensor(f"{layer_name}.bias", bias)
+            tensors[f"{layer_name}.bias"] = bias
         for k in tensors:
-            if k in self._names:
+            if k in self._shards.names:
                 raise QuantdynError(f"tensor '{k}' was added to the export twice")
         for k, t in tensors.items():
-            self._put(k, t)
+            self._shards.add(k, t)
         self._layers.append(layer_name)
 
     def add_tensor(self, name: str, tensor: torch.Tensor) -> None:
         """Add a tensor that stays as it is (embeddings, norms, biases, the head), under its checkpoint name."""
         self._live()
-        self._put(name, _cpu_tensor(name, tensor))
+        self._shards.add(name, tensor)
 
     def add_file(self, name: str, source: str | Path | bytes) -> None:
         """Copy a file (tokenizer, generation config, README) into the export under ``name``."""
@@ -217,17 +183,8 @@ class ExportWriter:
         return self.out_dir
 
     def _finish(self, tmp: Path) -> None:
-        if self._buffer or not self._shards:
-            self._flush()
-        n = len(self._shards)
-        weight_map: dict[str, str] = {}
-        for i, (path, names) in enumerate(self._shards, 1):
-            final = WEIGHTS if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
-            path.rename(tmp / final)
-            weight_map.update(dict.fromkeys(names, final))
-        if n > 1:
-            index = {"metadata": {"total_size": self._total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-            (tmp / INDEX).write_text(json.dumps(index, indent=2))
+        weight_map = self._shards.finish()
+        n = len(set(weight_map.values()))
         qconfig = self.format.config(self.qcfg, self._layers, self.settings)
         config = dict(self.source_config)
         config["quantization_config"] = qconfig
@@ -236,7 +193,7 @@ class ExportWriter:
             (tmp / "quantize_config.json").write_text(json.dumps(qconfig, indent=2))
         provenance = dict(
             format=self.format.name, model_type=self.model_type, quantizer=qconfig.get("meta", {}).get("quantdyn")
-            or qconfig.get("quantdyn"), layers=self._layers, tensors=len(weight_map), bytes=self._total_bytes,
+            or qconfig.get("quantdyn"), layers=self._layers, tensors=len(weight_map), bytes=self._shards.total_bytes,
             shards=n, scale_dtype=str(self.settings.scale_dtype).replace("torch.", ""),
             checkpoint_format=self.settings.checkpoint_format, git_sha=git_sha(),
             created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), seconds=time.time() - self._t0,
@@ -248,7 +205,7 @@ class ExportWriter:
         if self._tmp is None:
             return
         self._tmp = None
-        self._buffer, self._buffer_bytes = {}, 0
+        self._shards.drop()
         self._cm.__exit__(_Aborted, _Aborted("export aborted"), None)
 
     def __enter__(self) -> "ExportWriter":
@@ -269,6 +226,8 @@ def open_export(fmt: str, out_dir: str | Path, source_config: dict, qcfg: QuantC
     qcfg: the QuantConfig the codes come from; model_type: 'quantdyn-gpt' or the HF model_type.
     options: ``scale_dtype`` ('float16' | 'bfloat16' | 'float32'; GPTQ: float16 only; compressed-tensors:
     default the model's dtype), ``checkpoint_format`` (GPTQ: 'gptq' (v1, default) | 'gptq_v2'),
-    ``max_shard_bytes``. Everything the format cannot hold is refused here, before anything is written.
+    ``max_shard_bytes``, ``layers`` ({name: (out_features, in_features)} of the layers to come). Everything the
+    format cannot hold is refused here, before anything is written -- except what only the codes tell (a GPTQ
+    v1 zero point of 0), refused by :meth:`ExportWriter.add_quantized` (abort then leaves nothing behind).
     """
     return ExportWriter(fmt, out_dir, source_config, qcfg, model_type, **options)
