@@ -32,6 +32,10 @@ def test_sweep_with_analysis_and_predictor_report(tmp_path, kjv_small):
     assert h["hessian_trace"] > 0 and h["hessian_trace_se"] > 0 and h["hessian_top_eig"] > 0
     assert an[(16, "outliers")]["weight_mmr_max"] >= an[(16, "outliers")]["weight_mmr_mean"] >= 1
     assert an[(16, "propagation")]["prop_R_final__rtn2"] > 0
+    from quantdyn.results.schema import undocumented
+
+    for r in rows:  # every field the sweep wrote is described in the row schema, under its kind
+        assert undocumented(r) == [], r["kind"]
     assert run_sweep(cfg, progress=False)["written"] == 0  # idempotent, analysis included
     from quantdyn.report.html import write_report
     from quantdyn.report.predictors import predictor_rows

@@ -160,8 +160,11 @@ def test_interpolation_endpoints_and_rows(lawa_run):
     windows = prepare_data(data_config_of(a), progress=False).eval_windows(32, 8)
     assert rows[0]["ce_fp"] == pytest.approx(mean_loss(load_gpt(a), windows), rel=1e-6)
     assert rows[-1]["ce_fp"] == pytest.approx(mean_loss(load_gpt(b), windows), rel=1e-6)
+    from quantdyn.results.schema import undocumented
+
     for r in rows:
         assert r["quantizer"] == "rtn4" and r["bits"] == 4 and r["delta_ce"] == pytest.approx(r["ce_q"] - r["ce_fp"], abs=1e-9)
+        assert undocumented(r) == []  # the row schema covers every field
     m = read_meta(paths[1])
     assert m["kind"] == "interpolation" and m["alpha"] == 0.5
     assert [i["step"] for i in m["ingredients"]] == [4, 12]

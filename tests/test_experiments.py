@@ -131,41 +131,6 @@ def _ptq(run, branch, step, q, dce, wd=None, **kw):
     return r
 
 
-def test_paired_difference_pairs_windows_and_adds_the_run_to_run_part():
-    rng = np.random.default_rng(0)
-    base = rng.normal(0.05, 0.02, 50)  # window difficulty, shared by both checkpoints
-    a = _ptq("r", "a", 1, "gptq3", float((base + 0.01).mean()), base + 0.01 + rng.normal(0, 1e-4, 50), se=0.003)
-    b = _ptq("r", "b", 1, "gptq3", float(base.mean()), base, se=0.003)
-    p = fd.paired_difference(a, b)
-    assert p["paired"] and p["difference"] == pytest.approx(0.01, abs=1e-4)
-    assert p["eval_se"] < 1e-4 < math.hypot(0.003, 0.003)  # pairing removes the shared window difficulty
-    assert p["run_se"] is None and p["se"] == pytest.approx(p["eval_se"])
-    a2 = {**a, "quant_repeats": 4, "delta_ce_run_sd": 0.004}
-    b2 = {**b, "quant_repeats": 2, "delta_ce_run_sd": 0.002}
-    p2 = fd.paired_difference(a2, b2)
-    assert p2["run_se"] == pytest.approx(math.hypot(0.004 / 2, 0.002 / math.sqrt(2)))
-    assert p2["se"] == pytest.approx(math.hypot(p2["eval_se"], p2["run_se"]))
-    # another set of windows: not paired, the SEs in quadrature
-    p3 = fd.paired_difference(a, {**b, "eval_hash": "other"})
-    assert not p3["paired"] and p3["eval_se"] == pytest.approx(math.hypot(0.003, 0.003))
-    # CE of the quantized model: FP window CE + window delta, paired when the FP windows are known
-    fp = {a["checkpoint"]: list(4.0 + base * 10), b["checkpoint"]: list(4.0 + base * 10 + 0.02)}
-    pq = fd.paired_difference(a, b, "ce_q", fp)
-    assert pq["paired"] and pq["difference"] == pytest.approx(a["ce_q"] - b["ce_q"])
-    unpaired = fd.paired_difference({**a, "ce_fp_se": 0.05}, {**b, "ce_fp_se": 0.05}, "ce_q")
-    assert not unpaired["paired"] and unpaired["eval_se"] == pytest.approx(math.hypot(0.05, 0.05))
-
-
-def test_combine_seeds_takes_the_larger_of_within_and_between():
-    e = fd.combine_seeds([{"difference": 0.02, "eval_se": 0.003, "run_se": 0.004},
-                          {"difference": -0.01, "eval_se": 0.004, "run_se": None}])
-    assert e.effect == pytest.approx(0.005) and e.n_seeds == 2
-    assert e.se_windows == pytest.approx(0.0025) and e.se_run == pytest.approx(0.002)
-    assert e.se_seeds == pytest.approx(0.015) and e.se == pytest.approx(0.015) and not e.same_sign
-    one = fd.combine_seeds([{"difference": 0.02, "eval_se": 0.003, "run_se": 0.004}])
-    assert one.se_seeds is None and one.se == pytest.approx(0.005)
-
-
 def _decay_rows(run, diff, se=0.001, q="gptq3"):
     rng = np.random.default_rng(abs(hash(run)) % 1000)
     w = rng.normal(0.05, 0.01, 40)

@@ -510,10 +510,10 @@ def test_trajectory_figures_from_rows(tmp_path):
         error_vs_tokens,
         families_side_by_side,
         lr_curves,
-        rel_delta_ce,
         sections,
         soup_vs_ingredients,
     )
+    from quantdyn.results.schema import rel_delta_ce
 
     pythia = _rows_of("pythia-160m", ("step1000", "step36000", "step72000", "step143000"), with_fields=False)
     pythia[0]["rel_delta_ce"] = 0.123  # written by newer sweeps; older rows fall back to delta_ce / ce_fp

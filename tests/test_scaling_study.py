@@ -29,6 +29,9 @@ def test_scaling_fits_recover_rho_per_optimizer(tmp_path):
     assert fits[("shampoo", "qat")]["rho"] == pytest.approx(0.8, rel=0.02)
     assert fits[("adamw", "fp")]["rho"] == 1.0
     assert len([r for r in st.rows() if r["kind"] == "scaling"]) == 4
+    from quantdyn.results.schema import undocumented
+
+    assert all(undocumented(r) == [] for r in st.rows() if r["kind"] == "scaling")  # the row schema covers them
     from quantdyn.report.html import write_report
 
     page = write_report(tmp_path / "st", tmp_path / "rep")

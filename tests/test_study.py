@@ -6,7 +6,7 @@ import yaml
 from conftest import tiny_run_dict
 
 from quantdyn.errors import QuantdynError
-from quantdyn.report.figures import stable_jitter
+from quantdyn.results.stats import stable_jitter
 from quantdyn.results.store import ResultStore
 from quantdyn.studies.findings import seed_summary
 from quantdyn.studies.pipeline import run_study

@@ -51,6 +51,10 @@ def test_sweep_rows_idempotent_and_report(small_run, tmp_path):
         assert abs(r["delta_ce"] - (r["ce_q"] - r["ce_fp"])) < 1e-9 and len(r["window_delta"]) == 12
     branches = {r["branch"] for r in rows}
     assert branches == {"main", "cooldown-s8-d4-linear", "control-s8-d4"}
+    from quantdyn.results.schema import undocumented
+
+    for r in rows:  # every field the sweep wrote is described in the row schema, under its kind
+        assert undocumented(r) == [], r["kind"]
     # adding a quantizer only computes the new one
     more = run_sweep(_cfg(small_run, store, quantizers=["rtn4", "gptq3", "rtn2"]), progress=False)
     assert more["written"] == 5

@@ -15,7 +15,7 @@ Definitions:
   Generator seeded with ``seed``), both statistics recomputed on each (ranks
   recomputed per resample); the CI is the (α/2, 1−α/2) percentile interval
   of the resamples where the statistic is defined (degenerate resamples with a
-  constant column are dropped and counted).
+  constant column are dropped and counted): ``results.stats.bootstrap_intervals``.
 
 Rows where the metric or the target is missing (None, nan) are dropped per
 metric (pairwise deletion).  No scipy or pandas needed.
@@ -29,6 +29,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from quantdyn.errors import QuantdynError, did_you_mean
+from quantdyn.results.stats import bootstrap_intervals
 
 Table = Sequence[Mapping[str, object]] | Mapping[str, Sequence[object]]
 
@@ -140,7 +141,6 @@ def correlate(
             if m not in cols:
                 raise QuantdynError(f"correlate: no metric column '{m}'{did_you_mean(m, cols)}")
     rng = np.random.default_rng(cfg.seed)
-    alpha = 1.0 - cfg.ci
     out = []
     for m in metrics:
         x_all = np.array([_as_float(v) for v in cols[m]])
@@ -156,14 +156,9 @@ def correlate(
         row["spearman"] = spearman(x, y)
         row["pearson"] = pearson(x, y)
         if cfg.n_boot:
-            idx = rng.integers(0, n, size=(cfg.n_boot, n))
-            sp = np.array([spearman(x[i], y[i]) for i in idx])
-            pe = np.array([pearson(x[i], y[i]) for i in idx])
-            for name, vals in (("spearman", sp), ("pearson", pe)):
-                ok = vals[~np.isnan(vals)]
-                lo, hi = (np.quantile(ok, [alpha / 2, 1 - alpha / 2]) if ok.size else (math.nan, math.nan))
-                row[f"{name}_lo"], row[f"{name}_hi"] = float(lo), float(hi)
-            row["n_boot_valid"] = int((~np.isnan(sp)).sum())
+            (sp_lo, sp_hi, valid), (pe_lo, pe_hi, _) = bootstrap_intervals(
+                [lambda i: spearman(x[i], y[i]), lambda i: pearson(x[i], y[i])], n, cfg.n_boot, cfg.ci, rng)
+            row.update(spearman_lo=sp_lo, spearman_hi=sp_hi, pearson_lo=pe_lo, pearson_hi=pe_hi, n_boot_valid=valid)
         else:
             row.update(spearman_lo=math.nan, spearman_hi=math.nan, pearson_lo=math.nan, pearson_hi=math.nan, n_boot_valid=0)
         out.append(row)

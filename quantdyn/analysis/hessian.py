@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from quantdyn.errors import QuantdynError, unknown_name
 from quantdyn.models.gpt import logits_of
+from quantdyn.results.stats import mean_se
 
 Tensors = list[torch.Tensor]
 HVPFn = Callable[[Tensors], Tensors]
@@ -200,17 +201,15 @@ def hutchinson_trace(
             converged = True
             break
         prev = mean
-    out = {**_mean_se(samples), "probes": len(samples), "converged": converged, "samples": samples}
+    out = {**_trace_se(samples), "probes": len(samples), "converged": converged, "samples": samples}
     if groups is not None:
-        out["groups"] = [_mean_se(s) for s in group_samples]
+        out["groups"] = [_trace_se(s) for s in group_samples]
     return out
 
 
-def _mean_se(samples: list[float]) -> dict:
-    n = len(samples)
-    mean = sum(samples) / n
-    var = sum((s - mean) ** 2 for s in samples) / (n - 1) if n > 1 else float("nan")
-    return {"trace": mean, "se": math.sqrt(var / n) if n > 1 else float("nan")}
+def _trace_se(samples: list[float]) -> dict:
+    mean, se = mean_se(samples)
+    return {"trace": mean, "se": se}
 
 
 def top_eigenvalues(

@@ -1,18 +1,16 @@
-"""Result rows of measurements: idempotency keys, calibration identity, quantizer fields.
+"""A Measurement turned into result-row fields.
 
-Every command that stores measurements builds its rows here, so a row means the same thing
-whichever command wrote it, and a rerun finds the rows it already wrote:
+Every command that stores measurements builds its PTQ fields here, so a row means the same thing
+whichever command wrote it; what each field means, the row keys (``row_key``) and the calibration
+identity (``calib_hash``) live in :mod:`quantdyn.results.schema`:
 
-* ``row_key(checkpoint hash, what, eval hash)`` — the one hasher of row keys
-  (sha256, 24 hex digits); ``what`` names the measurement (``fp``, ``ptq:<config hash>:<calib
-  hash>``, ``interp:<alpha>|...``, ``analysis:...``);
-* ``calib_hash(data hash, samples, seq_len, seed)`` — the identity of a calibration set;
+* ``ptq_what`` — the ``what`` of a PTQ row's key (quantizer config, calibration set, repeats);
+* ``calibration_draws`` / ``repeat_labels`` — the calibration sets and engine labels of R repeats;
 * ``quantizer_fields`` / ``ptq_fields`` — what a PTQ row says about its quantizer, its error
   and how it was computed (batch size and threads while calibrating, timings).
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import statistics
 
@@ -23,16 +21,8 @@ from quantdyn.engine.measure import MeasureConfig, Measurement
 from quantdyn.errors import unknown_name
 from quantdyn.quantize.config import QuantConfig
 from quantdyn.quantize.config import row_fields as quantizer_fields
-
-
-def row_key(ckpt_hash: str, what: str, eval_hash: str) -> str:
-    """Idempotency key of a result row."""
-    return hashlib.sha256(f"{ckpt_hash}|{what}|{eval_hash}".encode()).hexdigest()[:24]
-
-
-def calib_hash(data_hash: str, samples: int, seq_len: int, seed: int) -> str:
-    """Identity of a calibration set drawn from a token cache (``TokenData.calib_windows``)."""
-    return hashlib.sha1(f"{data_hash}:{samples}:{seq_len}:{seed}".encode()).hexdigest()[:12]
+from quantdyn.results.schema import EVAL, combined_se, dominant
+from quantdyn.results.stats import mean_se
 
 
 REPEAT_VARY = ("draw", "order", "both")
@@ -72,7 +62,7 @@ def _combine_repeats(ms: list[dict]) -> dict:
     dce = [m["delta_ce"] for m in ms]
     mean = statistics.fmean(dce)
     run_sd = statistics.stdev(dce)
-    se = float(wd.std(unbiased=True) / math.sqrt(len(wd))) if len(wd) > 1 else float("nan")
+    se = mean_se(wd)[1]
     ce_q = statistics.fmean(m["ce_q"] for m in ms)
     return {
         "ce_fp": ce_fp, "ce_q": ce_q, "delta_ce": mean, "delta_ce_se": se,
@@ -82,8 +72,8 @@ def _combine_repeats(ms: list[dict]) -> dict:
         "top1_agree": statistics.fmean(m["top1_agree"] for m in ms), "n_windows": ms[0]["n_windows"],
         "window_delta": [round(float(v), 7) for v in wd],
         "delta_ce_repeats": dce, "delta_ce_run_sd": run_sd, "kl_run_sd": statistics.stdev(m["kl"] for m in ms),
-        "quant_repeats": R, "delta_ce_total_se": math.sqrt(se**2 + run_sd**2 / R),
-        "uncertainty_dominant": "evaluation windows" if se >= run_sd / math.sqrt(R) else "quantization run",
+        "quant_repeats": R, "delta_ce_total_se": combined_se(se, run_sd, R),
+        "uncertainty_dominant": dominant(se, run_sd / math.sqrt(R)),
     }
 
 
@@ -104,7 +94,7 @@ def ptq_fields(label: str, qc: QuantConfig, m: Measurement, cfg: MeasureConfig, 
         errors = _combine_repeats([m.metrics[x] for x in labels])
     else:
         errors = {**m.metrics[label], "quant_repeats": 1, "delta_ce_run_sd": None,
-                  "delta_ce_total_se": m.metrics[label]["delta_ce_se"], "uncertainty_dominant": "evaluation windows"}
+                  "delta_ce_total_se": m.metrics[label]["delta_ce_se"], "uncertainty_dominant": EVAL}
     return {
         **quantizer_fields(label, qc),
         **errors,

@@ -20,10 +20,7 @@ import torch.nn.functional as F
 
 from quantdyn.evaluate.loss import autocast_for, ce_of_log_probs, model_device, window_losses
 from quantdyn.models.gpt import logits_of
-
-
-def _se(x: torch.Tensor) -> float:
-    return float(x.std(unbiased=True) / math.sqrt(len(x))) if len(x) > 1 else float("nan")
+from quantdyn.results.stats import mean_se
 
 
 @torch.no_grad()
@@ -76,11 +73,11 @@ def summarize(fp_ce: torch.Tensor, q_ce: torch.Tensor, kl: torch.Tensor, agree: 
         "ce_fp": ce_fp,
         "ce_q": ce_q,
         "delta_ce": float(delta.mean()),
-        "delta_ce_se": _se(delta),
+        "delta_ce_se": mean_se(delta)[1],
         "rel_delta_ce": float(delta.mean()) / ce_fp if ce_fp else None,
         "delta_ppl": math.exp(ce_q) - math.exp(ce_fp),
         "kl": float(kl.mean()),
-        "kl_se": _se(kl),
+        "kl_se": mean_se(kl)[1],
         "top1_agree": float(agree.mean()),
         "n_windows": len(q_ce),
         "window_delta": [round(float(v), 7) for v in delta],
@@ -127,5 +124,5 @@ def compare_many(
 
 def fp_metrics(model: nn.Module, windows: torch.Tensor, batch_size: int = 16, dtype: str = "float32") -> dict:
     ce = window_losses(model, windows, batch_size, dtype)
-    return {"ce_fp": float(ce.mean()), "ce_fp_se": _se(ce), "ppl_fp": math.exp(float(ce.mean())),
+    return {"ce_fp": float(ce.mean()), "ce_fp_se": mean_se(ce)[1], "ppl_fp": math.exp(float(ce.mean())),
             "n_windows": len(windows), "window_ce": [round(float(v), 7) for v in ce]}

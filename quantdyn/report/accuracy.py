@@ -13,13 +13,13 @@ rows match (other calibration or evaluation sets), the first one written is used
 """
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from pathlib import Path
 
 from quantdyn.report.output import panel_grid, save_figure
 from quantdyn.report.palette import quantizer_color
-from quantdyn.report.uncertainty import total_se
+from quantdyn.results.schema import total_se
+from quantdyn.results.stats import se_of_mean
 
 MARKERS = "osD^v<>pP*hX"
 MEAN_TASK = "mean over tasks"
@@ -62,7 +62,8 @@ def accuracy_dce_table(rows: list[dict]) -> list[dict]:
 
 
 def _with_means(table: list[dict]) -> list[dict]:
-    """Add, per (checkpoint, quantizer) seen on every task, the mean drop over tasks (SE: root mean square / k)."""
+    """Add, per (checkpoint, quantizer) seen on every task, the mean drop over tasks (SE: sqrt(Σ SE²) / k, the
+    tasks' examples being independent)."""
     tasks = sorted({t["task"] for t in table})
     if len(tasks) < 2:
         return table
@@ -77,7 +78,7 @@ def _with_means(table: list[dict]) -> list[dict]:
         out.append({**ts[0], "task": MEAN_TASK, "metric": "mean",
                     "acc_fp": sum(t["acc_fp"] for t in ts) / len(ts), "acc_q": sum(t["acc_q"] for t in ts) / len(ts),
                     "acc_drop": sum(t["acc_drop"] for t in ts) / len(ts),
-                    "acc_drop_se": math.sqrt(sum(s * s for s in ses)) / len(ts) if len(ses) == len(ts) else None})
+                    "acc_drop_se": se_of_mean(ses) if len(ses) == len(ts) else None})
     return out
 
 

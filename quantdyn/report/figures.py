@@ -11,8 +11,9 @@ numbers behind it; every figure is page-wide and written as PNG (print dpi) and 
   averaging_vs_decay  Δ CE of the decayed endpoint against averaged checkpoints
 
 Colours come from :mod:`quantdyn.report.palette` (one per quantizer, one per branch, the same in every
-figure).  Error bars are the combined uncertainty of :mod:`quantdyn.report.uncertainty` (evaluation windows
-and, where the quantization was repeated, the run-to-run spread), except in ``seeds`` (SD over seeds).
+figure).  Error bars are the combined uncertainty of a row (:mod:`quantdyn.results.schema`: evaluation
+windows and, where the quantization was repeated, the run-to-run spread), except in ``seeds`` (SD over
+seeds); the cooldown table is :func:`quantdyn.results.stats.decay_table`, with its verdicts.
 """
 from __future__ import annotations
 
@@ -30,7 +31,9 @@ from matplotlib.ticker import FuncFormatter
 
 from quantdyn.report import uncertainty
 from quantdyn.report.output import LR_STYLE, PAGE_WIDTH, overlay_lr, panel_grid, save_figure, tokens_axis
-from quantdyn.report.palette import FP_COLOR, Palette, control_of, is_control, ordered_colors
+from quantdyn.report.palette import FP_COLOR, Palette, ordered_colors
+from quantdyn.results.schema import MAIN, control_of, is_control, rel_delta_ce, rel_delta_ce_se, total_se
+from quantdyn.results.stats import decay_table
 
 MARKERS = "osD^v<>pP*hX"
 
@@ -49,20 +52,6 @@ def _style(ax) -> None:
 
 
 # --------------------------------------------------------------------------- metric panels
-def rel_delta_ce(p: dict) -> float | None:
-    """Δ CE / CE(FP): the row's ``rel_delta_ce``, else computed from ``delta_ce`` and ``ce_fp``."""
-    v = p.get("rel_delta_ce")
-    if v is not None:
-        return float(v)
-    d, fp = p.get("delta_ce"), p.get("ce_fp")
-    return float(d) / float(fp) if d is not None and fp else None
-
-
-def _rel_se(p: dict) -> float:
-    fp = p.get("ce_fp")
-    return uncertainty.total_se(p) / float(fp) if fp else 0.0
-
-
 @dataclass(frozen=True)
 class Metric:
     """One panel of :func:`metric_panels`."""
@@ -80,10 +69,10 @@ class Metric:
 
 
 METRICS: tuple[Metric, ...] = (
-    Metric("delta_ce", "Δ CE (nats)", lambda p: p.get("delta_ce"), uncertainty.total_se),
-    Metric("rel_delta_ce", "Δ CE / CE(FP)", rel_delta_ce, _rel_se),
+    Metric("delta_ce", "Δ CE (nats)", lambda p: p.get("delta_ce"), total_se),
+    Metric("rel_delta_ce", "Δ CE / CE(FP)", rel_delta_ce, rel_delta_ce_se),
     Metric("delta_ppl", "Δ PPL", lambda p: p.get("delta_ppl")),
-    Metric("kl", "KL(FP ‖ Q) (nats/token)", lambda p: p.get("kl"), lambda p: uncertainty.total_se(p, "kl")),
+    Metric("kl", "KL(FP ‖ Q) (nats/token)", lambda p: p.get("kl"), lambda p: total_se(p, "kl")),
     Metric("top1_agree", "top-1 agreement with FP", lambda p: p.get("top1_agree"), log_ok=False),
 )
 """The error metrics a PTQ row stores, in panel order."""
@@ -119,7 +108,7 @@ def trajectory_table_row(q: str, p: dict) -> dict:
     row = {"quantizer": q, "step": p.get("step"), "tokens": p.get("tokens"), "lr": p.get("lr"),
            "decaying": p.get("decaying"), "ce_fp": p.get("ce_fp"), "delta_ce": p.get("delta_ce"),
            **uncertainty.columns(p), "rel_delta_ce": rel_delta_ce(p), "delta_ppl": p.get("delta_ppl"),
-           "kl": p.get("kl"), "kl_se": p.get("kl_se"), "kl_total_se": uncertainty.total_se(p, "kl")
+           "kl": p.get("kl"), "kl_se": p.get("kl_se"), "kl_total_se": total_se(p, "kl")
            if p.get("kl") is not None else None, "top1_agree": p.get("top1_agree")}
     for k in ("quantizer_spec", "checkpoint", "eval_hash", "calib_hash"):
         if p.get(k) is not None:
@@ -204,7 +193,7 @@ def trajectory(rows: list[dict], run: str, lr_curve: list[tuple[int, float]], ou
                palette: Palette | None = None) -> list[dict]:
     """The main trajectory of ``run``: FP loss and every stored error metric per quantizer against tokens,
     with the LR (:func:`metric_panels`)."""
-    main = [r for r in rows if r.get("run") == run and (r.get("branch") or "main") == "main"]
+    main = [r for r in rows if r.get("run") == run and (r.get("branch") or MAIN) == MAIN]
     fps = sorted((r for r in main if r.get("kind") == "fp"), key=lambda r: r.get("tokens") or 0)
     series = {q: sorted((r for r in main if r.get("kind") == "ptq" and r["quantizer"] == q),
                         key=lambda r: r.get("tokens") or 0) for q in _qorder(main)}
@@ -213,16 +202,27 @@ def trajectory(rows: list[dict], run: str, lr_curve: list[tuple[int, float]], ou
 
 
 # --------------------------------------------------------------------------- cooldowns vs controls
-def paired_difference(a: dict, b: dict) -> tuple[float, float]:
-    """Mean and combined SE of (Δ CE_a − Δ CE_b): paired over the same evaluation windows, plus both rows'
-    run-to-run spread when their quantization was repeated (:func:`uncertainty.paired_difference`)."""
-    d = uncertainty.paired_difference(a, b)
-    return d["difference"], d["difference_se"]
-
-
 def _branch_line(ax, seq, color, fmt, label, alpha=1.0, lw=1.3):
-    ax.errorbar([r["tokens"] for r in seq], [r["delta_ce"] for r in seq], yerr=[uncertainty.total_se(r) for r in seq],
+    ax.errorbar([r["tokens"] for r in seq], [r["delta_ce"] for r in seq], yerr=[total_se(r) for r in seq],
                 fmt=fmt, color=color, ms=3, lw=lw, capsize=1.5, alpha=alpha, label=label)
+
+
+def _delta_ce_panel(ax, q: str, handles: dict) -> None:
+    """Finish one quantizer's Δ CE-against-tokens panel; its legend entries join ``handles`` (label -> handle)."""
+    for h, lab in zip(*ax.get_legend_handles_labels()):
+        handles.setdefault(lab, h)
+    ax.set_ylabel(f"Δ CE {q}", fontsize=8)
+    _style(ax)
+    tokens_axis(ax)
+
+
+def _titled_with_legend(fig, title: str, handles: dict, out: Path, legend_height: float) -> None:
+    """Title, the shared legend under the panels (when there is one) and the files."""
+    fig.suptitle(title, fontsize=10, y=0.995)
+    if handles:
+        fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(3, len(handles)), fontsize=7,
+                   frameon=False)
+    save_figure(fig, out, bottom=legend_height)
 
 
 def rainbow(rows: list[dict], run: str, out: Path, palette: Palette | None = None) -> list[dict]:
@@ -255,68 +255,17 @@ def rainbow(rows: list[dict], run: str, out: Path, palette: Palette | None = Non
             if ctrl:
                 _branch_line(ax, ([start] if start else []) + ctrl, col, "^--", f"{ctrl_name} (constant LR)",
                              alpha=0.75, lw=1.0)
-        for h, lab in zip(*ax.get_legend_handles_labels()):
-            handles.setdefault(lab, h)
-        ax.set_ylabel(f"Δ CE {q}", fontsize=8)
-        _style(ax)
-        tokens_axis(ax)
+        _delta_ce_panel(ax, q, handles)
     for ax in axes[-cols:]:
         ax.set_xlabel("tokens", fontsize=8)
-    fig.suptitle(f"{run}: cooldown branches (solid) vs constant-LR controls (dashed)", fontsize=10, y=0.995)
-    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(3, len(handles)), fontsize=7,
-               frameon=False)
-    save_figure(fig, out, bottom=leg_h)
-    return rainbow_table(rows, run)
+    _titled_with_legend(fig, f"{run}: cooldown branches (solid) vs constant-LR controls (dashed)", handles, out, leg_h)
+    return decay_table(rows, run)
 
 
-def stable_jitter(rows: list[dict]) -> float | None:
-    """Checkpoint-to-checkpoint scatter of Δ CE over the main run's stable phase (peak LR, after warmup,
-    not decaying): the SD of the residuals about a least-squares line in tokens (n − 2 degrees of freedom).
-
-    Δ CE drifts over the stable phase (at constant LR it usually grows with tokens); the line removes
-    that drift, which the constant-LR control already carries in a decayed-minus-control difference, so
-    what is left is the noise that such a difference must exceed.  None with fewer than 4 checkpoints."""
-    main = [r for r in rows if r.get("branch") == "main" and r.get("lr") is not None and not r.get("decaying")
-            and r.get("tokens") is not None]
-    if not main:
-        return None
-    peak = max(r["lr"] for r in main)
-    pts = [(float(r["tokens"]), r["delta_ce"]) for r in main if r["lr"] >= peak * (1 - 1e-6)]
-    if len(pts) < 4:
-        return None
-    n = len(pts)
-    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
-    sxx = sum((x - mx) ** 2 for x, _ in pts)
-    slope = sum((x - mx) * (y - my) for x, y in pts) / sxx if sxx > 0 else 0.0
-    res = [y - my - slope * (x - mx) for x, y in pts]
-    return math.sqrt(sum(e * e for e in res) / (n - 2))
-
-
-def rainbow_table(rows: list[dict], run: str) -> list[dict]:
-    """The endpoint table of :func:`rainbow` without drawing: per quantizer and cooldown branch, the decayed
-    endpoint minus its constant-LR control at the same tokens, with its uncertainty split into the paired
-    evaluation SE and the run-to-run part (``uncertainty.paired_difference``), z = difference / combined SE,
-    whether |z| > 2, which part dominates, and the quantizer's stable-phase jitter."""
-    mine = [r for r in rows if r.get("run") == run and r["kind"] == "ptq"]
-    table = []
-    for q in _qorder(mine):
-        jitter = stable_jitter([r for r in mine if r["quantizer"] == q])
-        for b in sorted({r["branch"] for r in mine if r.get("ckpt_kind") == "cooldown"}):
-            pts = sorted((r for r in mine if r["quantizer"] == q and r["branch"] == b), key=lambda r: r["tokens"])
-            ctrl_name = control_of(b)
-            ctrl = sorted((r for r in mine if r["quantizer"] == q and r["branch"] == ctrl_name), key=lambda r: r["tokens"])
-            if pts and ctrl and pts[-1]["tokens"] == ctrl[-1]["tokens"]:
-                d = uncertainty.paired_difference(pts[-1], ctrl[-1])
-                table.append({"quantizer": q, "branch": b, "tokens": pts[-1]["tokens"],
-                              "delta_ce_decayed": pts[-1]["delta_ce"], "delta_ce_control": ctrl[-1]["delta_ce"],
-                              "difference": d["difference"], "difference_se": d["difference_se"],
-                              "difference_eval_se": d["difference_eval_se"],
-                              "difference_run_se": d["difference_run_se"],
-                              "quant_repeats": min(uncertainty.repeats(pts[-1]), uncertainty.repeats(ctrl[-1])),
-                              "z": d["z"], "exceeds_uncertainty": uncertainty.exceeds(d["difference"],
-                                                                                      d["difference_se"]),
-                              "dominant": d["dominant"], "stable_jitter": jitter})
-    return table
+rainbow_table = decay_table
+"""The endpoint table of :func:`rainbow` without drawing: :func:`quantdyn.results.stats.decay_table` (per
+quantizer and cooldown branch, the decayed endpoint minus its constant-LR control, its uncertainty in parts
+with the stable-phase jitter, z and the verdict)."""
 
 
 # --------------------------------------------------------------------------- across runs
@@ -354,7 +303,7 @@ def loss_vs_dce(rows: list[dict], out: Path, color_key: str = "run", palette: Pa
             if not pts:
                 continue
             ax.errorbar([r["ce_fp"] for r in pts], [r["delta_ce"] for r in pts],
-                        yerr=[uncertainty.total_se(r) for r in pts], fmt=MARKERS[k % len(MARKERS)], ms=3.5,
+                        yerr=[total_se(r) for r in pts], fmt=MARKERS[k % len(MARKERS)], ms=3.5,
                         capsize=1.5, ls="none", color=colors[g], mfc="none" if is_control(g) else colors[g], label=g)
             table += [{"quantizer": q, color_key: g, "run": r.get("run"), "branch": r.get("branch"),
                        "step": r.get("step"), "tokens": r.get("tokens"), "ce_fp": r["ce_fp"],
@@ -435,7 +384,7 @@ def seeds(rows: list[dict], family: str, runs: list[str], out: Path, palette: Pa
     error bars = SD over seeds (n − 1), faint lines = the single seeds."""
     mine = [r for r in rows if r.get("kind") == "ptq" and r.get("run") in runs]
     qs = _qorder(mine)
-    branches = sorted({r["branch"] for r in mine}, key=lambda b: (b != "main", b.startswith("control-"), b))
+    branches = sorted({r["branch"] for r in mine}, key=lambda b: (b != MAIN, is_control(b), b))
     if not qs:
         return []
     palette = palette or Palette.for_rows(rows)
@@ -479,19 +428,11 @@ def seeds(rows: list[dict], family: str, runs: list[str], out: Path, palette: Pa
                               "delta_ce_min": min(vals), "delta_ce_max": max(vals)})
             ax.errorbar(xs, ms, yerr=sds, fmt=style, color=col, ms=3, lw=1.2, capsize=2,
                         alpha=0.8 if is_control(b) else 1.0, label=b)
-        for h, lab in zip(*ax.get_legend_handles_labels()):
-            handles.setdefault(lab, h)
-        ax.set_ylabel(f"Δ CE {q}", fontsize=8)
-        _style(ax)
-        tokens_axis(ax)
+        _delta_ce_panel(ax, q, handles)
     for ax in axes[-cols:]:
         ax.set_xlabel("tokens", fontsize=8)
-    fig.suptitle(f"{family}: mean over {len(runs)} seeds (error bars: SD over seeds; faint: each seed)",
-                 fontsize=10, y=0.995)
-    if handles:
-        fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(3, len(handles)), fontsize=7,
-                   frameon=False)
-    save_figure(fig, out, bottom=leg_h)
+    _titled_with_legend(fig, f"{family}: mean over {len(runs)} seeds (error bars: SD over seeds; faint: each seed)",
+                        handles, out, leg_h)
     return table
 
 
@@ -503,13 +444,10 @@ __all__ = [
     "loss_vs_dce",
     "metric_panels",
     "overlay_lr",
-    "paired_difference",
     "rainbow",
     "rainbow_table",
-    "rel_delta_ce",
     "seed_families",
     "seeds",
-    "stable_jitter",
     "trajectory",
     "varied_key",
 ]

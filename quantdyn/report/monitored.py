@@ -4,19 +4,20 @@ The in-training monitor (``monitor: {every: N, quantizers: [...]}``) writes, on 
 ``dce_<quantizer>`` and ``dce_<quantizer>_se``; loggers that follow the shared metric names write
 ``ptq/<quantizer>/<metric>`` (``delta_ce``, ``delta_ce_se``, ``rel_delta_ce``, ``kl``, ``kl_se``,
 ``top1_agree``, ``delta_ppl``, ...).  Both are accepted (the ``ptq/`` name wins where a step has both).
-The FP loss is the step's ``val_loss`` (or ``val/loss``), the LR its ``lr`` (or ``train/lr``).
+The FP loss is the step's ``val_loss`` (or ``val/loss``), the LR its ``lr`` (or ``train/lr``). A value is
+read as a stored number is (``results.schema.number``: finite reals only).
 
 :func:`monitored_points` turns them into the points :func:`quantdyn.report.figures.metric_panels` draws,
 so a monitored run and a sweep over its checkpoints get the same figure.
 """
 from __future__ import annotations
 
-import math
 import re
 from pathlib import Path
 
 from quantdyn.errors import QuantdynError
 from quantdyn.quantize.config import parse_quantizer
+from quantdyn.results.schema import number
 from quantdyn.train.checkpoint import read_metrics
 
 _PTQ = re.compile(r"^ptq/(.+)/([A-Za-z0-9_]+)$")
@@ -33,15 +34,9 @@ def canonical(spec: str) -> str:
         return spec
 
 
-def _num(v) -> float | None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
-    return None if math.isnan(v) else float(v)
-
-
 def _first(row: dict, *keys):
     for k in keys:
-        if _num(row.get(k)) is not None:
+        if number(row.get(k)) is not None:
             return float(row[k])
     return None
 
@@ -54,7 +49,7 @@ def monitored_points(metrics: list[dict]) -> tuple[list[dict], dict[str, list[di
     with both (step where tokens are missing)."""
     fp, series, lr = [], {}, []
     for row in metrics:
-        step = _num(row.get("step"))
+        step = number(row.get("step"))
         if step is None:
             continue
         tokens = _first(row, "tokens", "train/tokens")
@@ -68,7 +63,7 @@ def monitored_points(metrics: list[dict]) -> tuple[list[dict], dict[str, list[di
         found: dict[str, dict] = {}
         legacy: dict[str, dict] = {}
         for k, v in row.items():
-            if _num(v) is None:
+            if number(v) is None:
                 continue
             m = _PTQ.match(k)
             if m:

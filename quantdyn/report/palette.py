@@ -9,7 +9,7 @@ Quantizers
 Branches
     ``main`` is black.  Cooldown branches take colours along a rainbow ordered by the step they start from
     (then decay length, then shape), so early branches are violet and late ones red; a constant-LR control
-    (``control-s<step>-d<decay>``) shares the colour of its cooldown twin and is drawn dashed.  Averaged
+    shares the colour of its cooldown twin and is drawn dashed (branch names: ``results/schema.py``).  Averaged
     checkpoints (LAWA, EMA, soups), stage-2 ingredients and anything else take a qualitative palette in
     name order.  The mapping depends on the set of branches, so a report builds one :class:`Palette` from
     all its rows and hands it to every figure; a figure drawn alone builds one from its own rows.
@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import colorsys
 import hashlib
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from quantdyn.results.schema import MAIN, control_of, is_cooldown, parse_branch
 
 QUANTIZER_COLORS: dict[str, str] = {
     # GPTQ: warm colours
@@ -52,10 +53,6 @@ QUALITATIVE = ("#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02",
                "#1f78b4", "#b2df8a", "#fb9a99", "#cab2d6")
 """Colours of averaged checkpoints, ingredients and other branches (ColorBrewer Dark2 + Paired), in name order."""
 
-_COOLDOWN = re.compile(r"^cooldown-s(\d+)-d(\d+)(?:-(.*))?$")
-_CONTROL = re.compile(r"^control-s(\d+)-d(\d+)$")
-
-
 def _hex(rgb: tuple[float, float, float]) -> str:
     return "#" + "".join(f"{round(max(0.0, min(1.0, c)) * 255):02x}" for c in rgb)
 
@@ -76,16 +73,6 @@ def quantizer_color(label: str) -> str:
     return QUANTIZER_COLORS.get(label) or hashed_color(label)
 
 
-def control_of(branch: str) -> str:
-    """The constant-LR control twin of a cooldown branch (``cooldown-s8-d4-linear`` -> ``control-s8-d4``)."""
-    m = _COOLDOWN.match(branch)
-    return f"control-s{m.group(1)}-d{m.group(2)}" if m else branch.replace("cooldown-", "control-").rsplit("-", 1)[0]
-
-
-def is_control(branch: str) -> bool:
-    return str(branch).startswith("control-")
-
-
 def _rainbow(x: float) -> str:
     from matplotlib import colormaps  # matplotlib is the report's plotting library; imported on use
 
@@ -102,14 +89,13 @@ class Palette:
     @classmethod
     def for_branches(cls, names: Iterable[str]) -> Palette:
         names = sorted({str(n) for n in names if n is not None})
-        colors = {"main": MAIN_COLOR}
-        cooldowns = sorted((b for b in names if _COOLDOWN.match(b)),
-                           key=lambda b: (int(_COOLDOWN.match(b).group(1)), int(_COOLDOWN.match(b).group(2)), b))
+        colors = {MAIN: MAIN_COLOR}
+        parsed = {b: p for b in names if (p := parse_branch(b)) is not None}
+        cooldowns = [b for b in parsed if is_cooldown(b)]
         # controls without a cooldown twin in these rows still belong on the rainbow, at their start step
         twins = {control_of(b) for b in cooldowns}
-        lone = [b for b in names if _CONTROL.match(b) and b not in twins]
-        ordered = sorted(cooldowns + lone, key=lambda b: (int(re.search(r"-s(\d+)", b).group(1)),
-                                                          int(re.search(r"-d(\d+)", b).group(1)), b))
+        lone = [b for b in parsed if not is_cooldown(b) and b not in twins]
+        ordered = sorted(cooldowns + lone, key=lambda b: (parsed[b].from_step, parsed[b].decay_steps, b))
         for k, b in enumerate(ordered):
             colors[b] = _rainbow(k / max(1, len(ordered) - 1)) if len(ordered) > 1 else _rainbow(0.0)
             if b in cooldowns:
@@ -121,11 +107,11 @@ class Palette:
 
     @classmethod
     def for_rows(cls, rows: Iterable[dict]) -> Palette:
-        return cls.for_branches(r.get("branch") or "main" for r in rows)
+        return cls.for_branches(r.get("branch") or MAIN for r in rows)
 
     def branch(self, name: str | None) -> str:
         """The colour of a branch (one not seen when the palette was built: a hash of its name)."""
-        name = name or "main"
+        name = name or MAIN
         return self.branches.get(name) or hashed_color(name)
 
     @staticmethod

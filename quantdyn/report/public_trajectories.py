@@ -11,8 +11,8 @@ of numbers behind it.
 The LR overlay is drawn from the preset's schedule (the functions quantdyn trains with); without a preset
 it joins the rows' own ``lr`` values.  The relative error is the row's ``rel_delta_ce`` or, for rows written
 before it existed, ``delta_ce / ce_fp``.  Quantizer and branch colours come from ``palette.py`` (the same as
-in every other figure of the report), error bars from ``uncertainty.py`` (combined with the run-to-run
-spread where the quantization was repeated).
+in every other figure of the report), error bars and the relative error from ``results/schema.py`` (combined
+with the run-to-run spread where the quantization was repeated).
 """
 from __future__ import annotations
 
@@ -23,21 +23,11 @@ from quantdyn.errors import QuantdynError
 from quantdyn.report import uncertainty
 from quantdyn.report.output import overlay_lr, panel_grid, save_figure, tokens_axis
 from quantdyn.report.palette import Palette, quantizer_color
+from quantdyn.results.schema import rel_delta_ce, rel_delta_ce_se, total_se
 from quantdyn.sources.presets import Preset, get_preset, preset_for_repo
 from quantdyn.train.schedules import PhaseSchedule, schedule_curve
 
 PUBLIC_KINDS = ("hub", "soup")
-
-
-def rel_delta_ce(row: dict) -> float | None:
-    """Δ CE / CE(FP) of a row: its ``rel_delta_ce``, else computed from ``delta_ce`` and ``ce_fp``."""
-    v = row.get("rel_delta_ce")
-    if v is not None:
-        return float(v)
-    d, fp = row.get("delta_ce"), row.get("ce_fp")
-    if d is None or not fp:
-        return None
-    return float(d) / float(fp)
 
 
 def preset_of_rows(rows: Iterable[dict]) -> Preset | None:
@@ -159,16 +149,11 @@ def _table_row(run: str, pre: Preset | None, branch: str, q: str, r: dict) -> di
             "kl": r.get("kl"), "top1_agree": r.get("top1_agree")}
 
 
-def _rel_se(r: dict) -> float:
-    fp = r.get("ce_fp")
-    return uncertainty.total_se(r) / float(fp) if fp else 0.0
-
-
 PANELS = (
-    ("delta_ce", "Δ CE (nats)", lambda r: r.get("delta_ce"), uncertainty.total_se),
-    ("rel_delta_ce", "Δ CE / CE(FP)", rel_delta_ce, _rel_se),
+    ("delta_ce", "Δ CE (nats)", lambda r: r.get("delta_ce"), total_se),
+    ("rel_delta_ce", "Δ CE / CE(FP)", rel_delta_ce, rel_delta_ce_se),
     ("delta_ppl", "Δ PPL", lambda r: r.get("delta_ppl"), None),
-    ("kl", "KL(FP ‖ Q) (nats/token)", lambda r: r.get("kl"), lambda r: uncertainty.total_se(r, "kl")),
+    ("kl", "KL(FP ‖ Q) (nats/token)", lambda r: r.get("kl"), lambda r: total_se(r, "kl")),
     ("top1_agree", "top-1 agreement with FP", lambda r: r.get("top1_agree"), None),
 )
 """(key, label, value, error bar) of the panels of :func:`error_vs_tokens`; Δ CE and Δ CE / CE(FP) always,

@@ -17,7 +17,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from quantdyn.studies.findings import NOT_RESOLVED, OPPOSITE, REPRODUCED
+from quantdyn.results.schema import MAIN, is_cooldown, parse_branch
+from quantdyn.results.stats import NOT_RESOLVED, OPPOSITE, REPRODUCED
 
 _MARKERS = "osD^v<>pP*hX"
 
@@ -116,12 +117,13 @@ def sharpness(detail: list[dict], out: Path) -> bool:
         branches = sorted({d["branch"] for d in pts})
         for b in branches:
             seq = sorted((d for d in pts if d["branch"] == b), key=lambda d: d["tokens"] or 0)
-            if b != "main":
-                start = next((d for d in pts if d["branch"] == "main" and d["step"] is not None
-                              and seq and d["step"] == _parent_step(b)), None)
+            parsed = parse_branch(b)
+            if parsed is not None:
+                start = next((d for d in pts if d["branch"] == MAIN and d["step"] is not None
+                              and seq and d["step"] == parsed.from_step), None)
                 seq = ([start] if start else []) + seq
-            style = dict(color="k", ls="-") if b == "main" else \
-                dict(color="C3", ls="-") if b.startswith("cooldown") else dict(color="C0", ls="--")
+            style = dict(color="k", ls="-") if b == MAIN else \
+                dict(color="C3", ls="-") if is_cooldown(b) else dict(color="C0", ls="--")
             x = [d["tokens"] for d in seq]
             axes[0, c].errorbar(x, [d["hessian_trace"] for d in seq],
                                 yerr=[d.get("hessian_trace_se") or 0 for d in seq], marker="o", ms=2.5,
@@ -140,13 +142,6 @@ def sharpness(detail: list[dict], out: Path) -> bool:
     axes[0, 0].legend(fontsize=6)
     _save(fig, out)
     return True
-
-
-def _parent_step(branch: str) -> int | None:
-    try:
-        return int(branch.split("-s", 1)[1].split("-", 1)[0])
-    except (IndexError, ValueError):
-        return None
 
 
 def predictors(findings: list[dict], out: Path) -> bool:

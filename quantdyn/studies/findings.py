@@ -2,17 +2,18 @@
 
 Pure functions of rows (dicts as the results store returns them); nothing here trains, reads
 checkpoints or draws.  Every finding row says what was compared, the measured effect, its uncertainty
-in parts and a verdict that follows from the numbers:
+in parts and a verdict that follows from the numbers, by the one rule of :mod:`quantdyn.results.stats`
+(differences paired over evaluation windows, combined with the run-to-run spread of the quantization,
+the stable-phase jitter where a decayed endpoint is compared with its control, and the seeds' spread):
 
-* ``se_windows``: paired SE over the evaluation windows (both sides measured on the same windows;
-  per-window deltas differenced window by window), averaged over seeds as sqrt(sum SE_i^2) / k;
+* ``se_windows``: paired SE over the evaluation windows, combined over seeds as sqrt(sum SE_i^2) / k;
 * ``se_run``: run-to-run SE of the quantization itself, sqrt(SD_a^2/R_a + SD_b^2/R_b) from rows that
   repeated their quantization R > 1 times (None when R = 1: not measured);
+* ``se_jitter``: the stable-phase jitter of Δ CE (decay findings only; None elsewhere);
 * ``se_seeds``: SD of the per-seed effects / sqrt(k) (None with one seed);
-* ``se``: the uncertainty the verdict uses, max(sqrt(se_windows^2 + se_run^2), se_seeds) — the seeds'
-  spread already contains the other two, and taking the larger keeps a few seeds from over-claiming.
+* ``se``: the uncertainty the verdict uses, max(sqrt(se_windows^2 + se_run^2 + se_jitter^2), se_seeds).
 
-Verdict (``z`` = FindingsSpec.z, default 2): an effect with |effect| <= z * se is "not resolved at this
+Verdict (``z`` = FindingsSpec.z, default 2): an effect with |effect / se| <= z is "not resolved at this
 scale", whatever its sign; beyond it, "reproduced" when its sign is the one the paper reports,
 "opposite" otherwise.  Correlations carry a percentile-bootstrap interval instead of an SE: resolved
 when the interval excludes 0.
@@ -25,163 +26,54 @@ from __future__ import annotations
 import math
 import re
 import statistics
-from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
 from quantdyn.analysis.correlate import CorrelateConfig, correlate, spearman
-from quantdyn.report import uncertainty
-from quantdyn.report.figures import stable_jitter
-
-REPRODUCED = "reproduced"
-OPPOSITE = "opposite"
-NOT_RESOLVED = "not resolved at this scale"
+from quantdyn.results.schema import control_of, is_cooldown, number, total_se, uncertainty
+from quantdyn.results.stats import (  # the verdict words are the findings' too: fd.REPRODUCED ...
+    NOT_RESOLVED,
+    OPPOSITE,
+    REPRODUCED,  # noqa: F401
+    Z,
+    Difference,
+    Effect,
+    bootstrap_intervals,
+    claim_verdict,
+    combine,
+    decay_table,
+    decay_verdict,
+    format_estimate,
+    format_interval,
+    interval_sign,
+    mean_se,
+    paired_difference,
+    same_windows,
+    verdict_sign,
+)
 
 _SEED_SUFFIX = re.compile(r"-s(\d+)$")
 
 
-# ------------------------------------------------------------------ uncertainty and verdicts
-def verdict(effect: float | None, se: float | None, expected: int, z: float = 2.0) -> str:
+# ------------------------------------------------------------------ verdicts (the rule: results/stats.py)
+def verdict(effect: float | None, se: float | None, expected: int, z: float = Z) -> str:
     """reproduced / opposite / not resolved at this scale for an effect with uncertainty ``se``.
 
     ``expected`` is the sign the paper reports (+1 or -1).  An effect inside z·se, or one whose
     uncertainty is unknown (None, nan, <= 0), is not resolved."""
-    if effect is None or se is None or not math.isfinite(effect) or not math.isfinite(se) or se <= 0:
-        return NOT_RESOLVED
-    if abs(effect) <= z * se:
-        return NOT_RESOLVED
-    return REPRODUCED if (effect > 0) == (expected > 0) else OPPOSITE
+    return claim_verdict(verdict_sign(effect, se, z), expected)
 
 
 def interval_verdict(lo: float | None, hi: float | None, expected: int) -> str:
     """The verdict of a quantity known by an interval [lo, hi]: resolved when it excludes 0."""
-    if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
-        return NOT_RESOLVED
-    if lo > 0:
-        return REPRODUCED if expected > 0 else OPPOSITE
-    if hi < 0:
-        return REPRODUCED if expected < 0 else OPPOSITE
-    return NOT_RESOLVED
+    return claim_verdict(interval_sign(lo, hi), expected)
 
 
 def null_verdict(lo: float | None, hi: float | None) -> str:
     """For a claim of *no* association (paper B: MMR/kurtosis do not predict): an interval that excludes 0
     contradicts it; one that includes 0 does not establish it either (not resolved)."""
-    if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
-        return NOT_RESOLVED
-    return OPPOSITE if lo > 0 or hi < 0 else NOT_RESOLVED
-
-
-def _num(v) -> float | None:
-    if v is None or isinstance(v, bool):
-        return None
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return None
-    return f if math.isfinite(f) else None
-
-
-def run_se(row: Mapping) -> float | None:
-    """The run-to-run SE of a row's mean Δ CE: delta_ce_run_sd / sqrt(R) when R > 1, else None
-    (report/uncertainty.py's definition)."""
-    return uncertainty.parts(dict(row)).run_se
-
-
-def total_se(row: Mapping) -> float:
-    """A row's combined uncertainty of Δ CE, sqrt(SE_eval² + SD_run²/R) (report/uncertainty.py's)."""
-    return uncertainty.total_se(dict(row))
-
-
-def _windows(row: Mapping, metric: str, fp_windows: Mapping[str, Sequence[float]] | None):
-    wd = row.get("window_delta")
-    if not wd:
-        return None
-    if metric == "delta_ce":
-        return np.asarray(wd, dtype=np.float64)
-    fp = (fp_windows or {}).get(str(row.get("checkpoint")))
-    if fp is None or len(fp) != len(wd):
-        return None
-    return np.asarray(fp, dtype=np.float64) + np.asarray(wd, dtype=np.float64)
-
-
-def _value(row: Mapping, metric: str) -> float:
-    if metric == "delta_ce":
-        return float(row["delta_ce"])
-    if metric == "ce_q":
-        return float(row["ce_q"])
-    raise ValueError(metric)
-
-
-def paired_difference(a: Mapping, b: Mapping, metric: str = "delta_ce",
-                      fp_windows: Mapping[str, Sequence[float]] | None = None) -> dict:
-    """``metric`` of row a minus row b, with the window SE and the run-to-run SE.
-
-    metric = delta_ce: per-window Δ CE (``window_delta``) differenced window by window when both rows
-    carry them for the same windows (``eval_hash``), else the two SEs in quadrature.
-    metric = ce_q (the quantized model's CE, what a user deploys): per-window CE(q) = FP window CE
-    (``fp_windows[checkpoint]``) + window_delta, paired the same way; without FP windows the FP CE's
-    own SEs (``ce_fp_se``, window-to-window spread, much larger than a paired SE) stand in.
-    The run-to-run part is sqrt(run_se(a)^2 + run_se(b)^2) (independent quantizations); None when
-    neither row repeated its quantization."""
-    d = _value(a, metric) - _value(b, metric)
-    wa, wb = _windows(a, metric, fp_windows), _windows(b, metric, fp_windows)
-    same = a.get("eval_hash") is None or a.get("eval_hash") == b.get("eval_hash")
-    paired = wa is not None and wb is not None and len(wa) == len(wb) and len(wa) > 1 and same
-    if paired:
-        diffs = wa - wb
-        eval_se = float(diffs.std(ddof=1) / math.sqrt(len(diffs)))
-    elif metric == "delta_ce":
-        eval_se = math.hypot(_num(a.get("delta_ce_se")) or 0.0, _num(b.get("delta_ce_se")) or 0.0)
-    else:
-        eval_se = math.hypot(_num(a.get("ce_fp_se")) or 0.0, _num(b.get("ce_fp_se")) or 0.0)
-    runs = [x for x in (run_se(a), run_se(b)) if x is not None]
-    rse = math.sqrt(sum(x * x for x in runs)) if runs else None
-    return {"difference": d, "eval_se": eval_se, "run_se": rse, "se": math.hypot(eval_se, rse or 0.0),
-            "paired": paired}
-
-
-@dataclass(frozen=True)
-class SeedEffect:
-    """An effect averaged over seeds, with its uncertainty in parts (see the module docstring)."""
-
-    effect: float
-    se_windows: float
-    se_run: float | None
-    se_seeds: float | None
-    se: float
-    n_seeds: int
-    per_seed: tuple[float, ...]
-
-    @property
-    def z(self) -> float:
-        return self.effect / self.se if self.se > 0 else float("nan")
-
-    @property
-    def same_sign(self) -> bool:
-        return all(x > 0 for x in self.per_seed) or all(x < 0 for x in self.per_seed)
-
-    def fields(self) -> dict:
-        return {"effect": self.effect, "se": self.se, "se_windows": self.se_windows, "se_run": self.se_run,
-                "se_seeds": self.se_seeds, "z": self.z, "n_seeds": self.n_seeds,
-                "per_seed": list(self.per_seed)}
-
-
-def combine_seeds(per_seed: Sequence[Mapping]) -> SeedEffect:
-    """Mean of per-seed differences (dicts with difference, eval_se, run_se) and its uncertainty."""
-    k = len(per_seed)
-    if k == 0:
-        raise ValueError("combine_seeds needs at least one seed")
-    diffs = [float(p["difference"]) for p in per_seed]
-    mean = statistics.fmean(diffs)
-    within = math.sqrt(sum(float(p["eval_se"]) ** 2 for p in per_seed)) / k
-    runs = [p.get("run_se") for p in per_seed]
-    rse = math.sqrt(sum(float(x) ** 2 for x in runs if x is not None)) / k if any(x is not None for x in runs) \
-        else None
-    between = statistics.stdev(diffs) / math.sqrt(k) if k >= 2 else None
-    se = max(math.hypot(within, rse or 0.0), between or 0.0)
-    return SeedEffect(mean, within, rse, between, se, k, tuple(diffs))
+    return OPPOSITE if interval_sign(lo, hi) != 0 else NOT_RESOLVED
 
 
 def family_of(run: str) -> str:
@@ -190,12 +82,12 @@ def family_of(run: str) -> str:
 
 
 def finding_row(finding: str, family: str, quantizer: str | None, comparison: str, metric: str,
-                eff: SeedEffect, expected: int, z: float, figure: str, **extra) -> dict:
+                eff: Effect, expected: int, z: float, figure: str, **extra) -> dict:
     """One line of the findings table for an SE-based effect."""
     return {"finding": finding, "family": family, "quantizer": quantizer, "comparison": comparison,
             "metric": metric, **eff.fields(), "interval_lo": None, "interval_hi": None,
             "expected": "+" if expected > 0 else "-", "verdict": verdict(eff.effect, eff.se, expected, z),
-            "figure": figure, **extra}
+            "z_threshold": z, "figure": figure, **extra}
 
 
 def correlation_row(finding: str, family: str, quantizer: str | None, comparison: str, metric: str,
@@ -203,9 +95,9 @@ def correlation_row(finding: str, family: str, quantizer: str | None, comparison
                     **extra) -> dict:
     """One line of the findings table for a correlation with a bootstrap interval."""
     return {"finding": finding, "family": family, "quantizer": quantizer, "comparison": comparison,
-            "metric": metric, "effect": rho, "se": None, "se_windows": None, "se_run": None, "se_seeds": None,
-            "z": None, "n_seeds": None, "per_seed": None, "interval_lo": lo, "interval_hi": hi, "n": n,
-            "expected": "0" if null else ("+" if expected > 0 else "-"),
+            "metric": metric, "effect": rho, "se": None, "se_windows": None, "se_run": None, "se_jitter": None,
+            "se_seeds": None, "z": None, "n_seeds": None, "per_seed": None, "interval_lo": lo, "interval_hi": hi,
+            "n": n, "expected": "0" if null else ("+" if expected > 0 else "-"),
             "verdict": null_verdict(lo, hi) if null else interval_verdict(lo, hi, expected), "figure": figure,
             **extra}
 
@@ -225,7 +117,7 @@ def dedupe(rows: Iterable[Mapping], repeats: int | None = None) -> list[dict]:
             continue
 
         def rank(x):
-            match = repeats is not None and int(_num(x.get("quant_repeats")) or 1) == repeats
+            match = repeats is not None and uncertainty(x).repeats == repeats
             return (match, str(x.get("time") or ""))
 
         if rank(r) > rank(old):
@@ -260,39 +152,15 @@ def _last(rows: list[dict]) -> dict | None:
 
 
 # ------------------------------------------------------------------ (a) decay vs control
-def control_of(branch: str) -> str:
-    """The control twin's branch name of a cooldown branch (cooldown-sS-dD-shape -> control-sS-dD)."""
-    return branch.replace("cooldown-", "control-").rsplit("-", 1)[0]
+def _table_difference(t: Mapping) -> Difference:
+    """The difference of one line of a decay table (older tables may carry only difference and its SE)."""
+    return Difference(t["difference"], t.get("difference_eval_se", t.get("difference_se")),
+                      t.get("difference_run_se"), t.get("stable_jitter"), bool(t.get("paired")))
 
 
-def decay_table(rows: list[dict], run: str) -> list[dict]:
-    """Per quantizer and cooldown branch of ``run``: decayed endpoint minus its constant-LR control at equal
-    tokens (paired over windows, plus the run-to-run part), and the quantizer's stable-phase jitter."""
-    mine = _ptq(rows, run=run)
-    table = []
-    for q in quantizers_of(mine):
-        jitter = stable_jitter([r for r in mine if r["quantizer"] == q])
-        for b in sorted({r["branch"] for r in mine if r.get("ckpt_kind") == "cooldown"}):
-            end = _last(_ptq(mine, branch=b, quantizer=q))
-            ctrl = _last(_ptq(mine, branch=control_of(b), quantizer=q))
-            if end is None or ctrl is None or end["tokens"] != ctrl["tokens"]:
-                continue
-            p = paired_difference(end, ctrl)
-            table.append({"run": run, "quantizer": q, "branch": b, "from_step": end.get("parent_step"),
-                          "step": end.get("step"), "tokens": end["tokens"],
-                          "delta_ce_decayed": end["delta_ce"], "delta_ce_control": ctrl["delta_ce"],
-                          "ce_fp_decayed": end["ce_fp"], "ce_fp_control": ctrl["ce_fp"],
-                          "difference": p["difference"], "difference_eval_se": p["eval_se"],
-                          "difference_run_se": p["run_se"], "difference_se": p["se"],
-                          "z": p["difference"] / p["se"] if p["se"] > 0 else float("nan"),
-                          "quant_repeats": int(_num(end.get("quant_repeats")) or 1),
-                          "stable_jitter": jitter})
-    return table
-
-
-def seed_summary(tables: list[dict]) -> list[dict]:
+def seed_summary(tables: list[dict], z: float = Z) -> list[dict]:
     """Per (run family, quantizer, branch) over runs that differ only by seed: the mean decayed-minus-control
-    difference and its uncertainty (combine_seeds).  Empty unless two runs share one."""
+    difference and its uncertainty (results.stats.combine).  Empty unless two runs share one."""
     groups: dict[tuple, list[dict]] = {}
     for t in tables:
         groups.setdefault((family_of(t.get("run", "")), t["quantizer"], t["branch"]), []).append(t)
@@ -300,19 +168,18 @@ def seed_summary(tables: list[dict]) -> list[dict]:
     for (fam, q, b), ts in groups.items():
         if len(ts) < 2:
             continue
-        eff = combine_seeds([{"difference": t["difference"], "eval_se": t.get("difference_eval_se",
-                                                                              t["difference_se"]),
-                              "run_se": t.get("difference_run_se")} for t in ts])
+        eff = combine([_table_difference(t) for t in ts])
         out.append({"family": fam, "quantizer": q, "branch": b, "n_seeds": eff.n_seeds, "difference": eff.effect,
                     "difference_se": eff.se, "within_se": eff.se_windows, "run_se": eff.se_run,
-                    "between_se": eff.se_seeds, "z": eff.z, "min": min(eff.per_seed), "max": max(eff.per_seed),
-                    "same_sign": eff.same_sign})
+                    "jitter_se": eff.se_jitter, "between_se": eff.se_seeds, "z": eff.z, "min": min(eff.per_seed),
+                    "max": max(eff.per_seed), "same_sign": eff.same_sign,
+                    "verdict": decay_verdict(verdict_sign(eff.effect, eff.se, z), z)})
     return out
 
 
-def decay_findings(rows: list[dict], runs: Sequence[str], quantizers: Sequence[str] = (), z: float = 2.0):
+def decay_findings(rows: list[dict], runs: Sequence[str], quantizers: Sequence[str] = (), z: float = Z):
     """Paper A (a): the decayed endpoint quantizes worse than its same-token constant-LR control."""
-    tables = [t for run in runs for t in decay_table(rows, run)]
+    tables = [t for run in runs for t in decay_table(rows, run, z)]
     qs = quantizers_of(rows, quantizers)
     groups: dict[tuple, list[dict]] = {}
     for t in tables:
@@ -320,8 +187,7 @@ def decay_findings(rows: list[dict], runs: Sequence[str], quantizers: Sequence[s
             groups.setdefault((family_of(t["run"]), t["quantizer"], t["branch"]), []).append(t)
     out = []
     for (fam, q, b), ts in sorted(groups.items(), key=lambda kv: (kv[0][0], qs.index(kv[0][1]), kv[0][2])):
-        eff = combine_seeds([{"difference": t["difference"], "eval_se": t["difference_eval_se"],
-                              "run_se": t["difference_run_se"]} for t in ts])
+        eff = combine([_table_difference(t) for t in ts])
         first = sorted(ts, key=lambda t: t["run"])[0]["run"]
         out.append(finding_row(
             "A(a) LR decay raises the quantization error", "decay", q,
@@ -359,14 +225,15 @@ def interpolate_at_loss(pts: list[dict], loss: float) -> dict | None:
             wa, wb = a.get("window_delta"), b.get("window_delta")
             wd = ((1 - w) * np.asarray(wa, dtype=np.float64) + w * np.asarray(wb, dtype=np.float64)
                   if wa and wb and len(wa) == len(wb) else None)
-            ra, rb = run_se(a), run_se(b)
+            ra, rb = uncertainty(a).run_se, uncertainty(b).run_se
             rse = math.hypot((1 - w) * (ra or 0.0), w * (rb or 0.0)) if (ra is not None or rb is not None) else None
-            se = math.hypot((1 - w) * (_num(a.get("delta_ce_se")) or 0.0), w * (_num(b.get("delta_ce_se")) or 0.0))
+            se = math.hypot((1 - w) * (number(a.get("delta_ce_se")) or 0.0), w * (number(b.get("delta_ce_se")) or 0.0))
             return {"delta_ce": (1 - w) * a["delta_ce"] + w * b["delta_ce"], "window_delta": wd, "run_se": rse,
                     "eval_se": se, "weight": w, "steps": (a["step"], b["step"]), "eval_hash": a.get("eval_hash")}
         if la == lb == loss:
             return {"delta_ce": a["delta_ce"], "window_delta": np.asarray(a["window_delta"], dtype=np.float64)
-                    if a.get("window_delta") else None, "run_se": run_se(a), "eval_se": _num(a.get("delta_ce_se")),
+                    if a.get("window_delta") else None, "run_se": uncertainty(a).run_se,
+                    "eval_se": number(a.get("delta_ce_se")),
                     "weight": 0.0, "steps": (a["step"], a["step"]), "eval_hash": a.get("eval_hash")}
     if len(pts) == 1 and pts[0]["ce_fp"] == loss:
         return interpolate_at_loss(pts * 2, loss)
@@ -387,8 +254,10 @@ def matched_levels(curves: Sequence[list[dict]], n: int) -> list[float]:
     return [lo + (hi - lo) * j / (n - 1) for j in range(n)]
 
 
-def matched_difference(hi_pts: list[dict], lo_pts: list[dict], levels: Sequence[float]) -> dict | None:
-    """Mean over ``levels`` of Δ CE(hi run) − Δ CE(lo run) at matched FP loss, paired over windows."""
+def matched_difference(hi_pts: list[dict], lo_pts: list[dict], levels: Sequence[float]) -> Difference | None:
+    """Mean over ``levels`` of Δ CE(hi run) − Δ CE(lo run) at matched FP loss, paired over windows (the
+    per-window differences averaged over the levels, then their SE) when every level's two points carry
+    window deltas of the same windows."""
     a = [interpolate_at_loss(hi_pts, L) for L in levels]
     b = [interpolate_at_loss(lo_pts, L) for L in levels]
     if any(x is None for x in a + b):
@@ -396,23 +265,21 @@ def matched_difference(hi_pts: list[dict], lo_pts: list[dict], levels: Sequence[
     d = statistics.fmean(x["delta_ce"] - y["delta_ce"] for x, y in zip(a, b))
     wins = [x["window_delta"] - y["window_delta"] for x, y in zip(a, b)
             if x["window_delta"] is not None and y["window_delta"] is not None
-            and len(x["window_delta"]) == len(y["window_delta"]) and x["eval_hash"] == y["eval_hash"]]
-    if len(wins) == len(levels) and len(wins[0]) > 1:
-        w = np.mean(wins, axis=0)
-        eval_se = float(w.std(ddof=1) / math.sqrt(len(w)))
+            and len(x["window_delta"]) == len(y["window_delta"]) and same_windows(x, y)]
+    paired = len(wins) == len(levels) and len(wins[0]) > 1
+    if paired:
+        eval_se = mean_se(np.mean(wins, axis=0))[1]
     else:  # unpaired: conservative
         eval_se = statistics.fmean(math.hypot(x["eval_se"] or 0.0, y["eval_se"] or 0.0) for x, y in zip(a, b))
     rs = [math.hypot(x["run_se"] or 0.0, y["run_se"] or 0.0) for x, y in zip(a, b)
           if x["run_se"] is not None or y["run_se"] is not None]
     # levels share checkpoints, so their run-to-run errors are correlated: average (not sqrt-sum) them
     rse = statistics.fmean(rs) if rs else None
-    return {"difference": d, "eval_se": eval_se, "run_se": rse,
-            "per_level": [x["delta_ce"] - y["delta_ce"] for x, y in zip(a, b)],
-            "hi": [x["delta_ce"] for x in a], "lo": [y["delta_ce"] for y in b]}
+    return Difference(d, eval_se, rse, None, paired)
 
 
 def _run_lr(rows: list[dict], run: str) -> float | None:
-    return next((_num(r.get("peak_lr")) for r in rows if r.get("run") == run and _num(r.get("peak_lr"))), None)
+    return next((number(r.get("peak_lr")) for r in rows if r.get("run") == run and number(r.get("peak_lr"))), None)
 
 
 def _run_seed(rows: list[dict], run: str):
@@ -472,7 +339,7 @@ def peak_lr_findings(rows: list[dict], runs: Sequence[str], quantizers: Sequence
                 if all(e is not None for e in ends) and ends[0]["step"] == ends[1]["step"]:
                     equal.append(paired_difference(ends[0], ends[1]))
             if per_seed:
-                eff = combine_seeds(per_seed)
+                eff = combine(per_seed)
                 out.append(finding_row(title, "peak_lr", q, f"{name} at {len(lv)} matched FP losses "
                                        f"{lv[0]:.3f}–{lv[-1]:.3f}", "Δ CE", eff, -1, z, "findings_peak_lr.png",
                                        levels=lv, lr_hi=hi, lr_lo=lo))
@@ -482,7 +349,7 @@ def peak_lr_findings(rows: list[dict], runs: Sequence[str], quantizers: Sequence
                             "effect": None, "se": None, "verdict": NOT_RESOLVED, "expected": "-",
                             "figure": "findings_peak_lr.png", "lr_hi": hi, "lr_lo": lo})
             if equal:
-                eff = combine_seeds(equal)
+                eff = combine(equal)
                 out.append(finding_row(title + " (equal steps, for comparison)", "peak_lr", q,
                                        f"{name} at the final checkpoint (equal tokens, FP losses differ)", "Δ CE",
                                        eff, -1, z, "findings_peak_lr.png", lr_hi=hi, lr_lo=lo))
@@ -549,8 +416,8 @@ def averaging_findings(rows: list[dict], runs: Sequence[str], reference_branch: 
                 dq = paired_difference(r, ref, "ce_q", fp_windows)
                 detail.append({"run": run, "quantizer": q, "checkpoint": name, "tokens": tokens, "ce_fp": r["ce_fp"],
                                "ce_q": r["ce_q"], "delta_ce": r["delta_ce"], "delta_ce_se": total_se(r),
-                               "d_delta_ce": dd["difference"], "d_delta_ce_se": dd["se"],
-                               "d_ce_q": dq["difference"], "d_ce_q_se": dq["se"], "d_ce_q_paired": dq["paired"],
+                               "d_delta_ce": dd.difference, "d_delta_ce_se": dd.se,
+                               "d_ce_q": dq.difference, "d_ce_q_se": dq.se, "d_ce_q_paired": dq.paired,
                                "d_ce_fp": r["ce_fp"] - ref["ce_fp"]})
                 g = groups.setdefault((q, name), {"dce": [], "ceq": [], "fp": []})
                 g["dce"].append(dd)
@@ -560,11 +427,11 @@ def averaging_findings(rows: list[dict], runs: Sequence[str], reference_branch: 
         if name.startswith("main"):
             continue  # context only (the decay finding's own comparison), in the detail table
         fp = statistics.fmean(g["fp"])
-        e1 = combine_seeds(g["dce"])
+        e1 = combine(g["dce"])
         out.append(finding_row("A(c) weight averaging matches or beats LR decay", "averaging", q,
                                f"{name} − decayed endpoint (equal tokens)", "Δ CE", e1, -1, z,
                                "findings_averaging.png", d_ce_fp=fp))
-        e2 = combine_seeds(g["ceq"])
+        e2 = combine(g["ceq"])
         out.append(finding_row("A(c) weight averaging matches or beats LR decay", "averaging", q,
                                f"{name} − decayed endpoint (equal tokens)", "CE(quantized)", e2, -1, z,
                                "findings_averaging.png", d_ce_fp=fp))
@@ -591,7 +458,7 @@ def sharpness_findings(rows: list[dict], runs: Sequence[str], quantizers: Sequen
     detail: list[dict] = []
     per: dict[tuple, list] = {}
     for run in runs:
-        branches = sorted({k[1] for k in hs if k[0] == run and k[1].startswith("cooldown-")})
+        branches = sorted({k[1] for k in hs if k[0] == run and is_cooldown(k[1])})
         for b in branches:
             ends = [v for k, v in hs.items() if k[0] == run and k[1] == b]
             ctrls = [v for k, v in hs.items() if k[0] == run and k[1] == control_of(b)]
@@ -600,20 +467,18 @@ def sharpness_findings(rows: list[dict], runs: Sequence[str], quantizers: Sequen
                 continue
             start = hs.get((run, "main", end.get("parent_step")))
             for metric, se_key in (("hessian_trace", "hessian_trace_se"), ("hessian_top_eig", None)):
-                a, c = _num(end.get(metric)), _num(ctrl.get(metric))
+                a, c = number(end.get(metric)), number(ctrl.get(metric))
                 if a is None or c is None:
                     continue
-                se = math.hypot(_num(end.get(se_key)) or 0.0, _num(ctrl.get(se_key)) or 0.0) if se_key else 0.0
-                per.setdefault((family_of(run), b, metric, "control"), []).append(
-                    {"difference": a - c, "eval_se": se, "run_se": None})
-                if start is not None and _num(start.get(metric)) is not None:
-                    s0 = _num(start.get(metric))
-                    se0 = math.hypot(_num(end.get(se_key)) or 0.0, _num(start.get(se_key)) or 0.0) if se_key else 0.0
-                    per.setdefault((family_of(run), b, metric, "start"), []).append(
-                        {"difference": a - s0, "eval_se": se0, "run_se": None})
+                se = math.hypot(number(end.get(se_key)) or 0.0, number(ctrl.get(se_key)) or 0.0) if se_key else 0.0
+                per.setdefault((family_of(run), b, metric, "control"), []).append(Difference(a - c, se))
+                if start is not None and number(start.get(metric)) is not None:
+                    s0 = number(start.get(metric))
+                    se0 = math.hypot(number(end.get(se_key)) or 0.0, number(start.get(se_key)) or 0.0) if se_key else 0.0
+                    per.setdefault((family_of(run), b, metric, "start"), []).append(Difference(a - s0, se0))
     labels = {"hessian_trace": "Hessian trace", "hessian_top_eig": "top Hessian eigenvalue"}
     for (fam, b, metric, vs), ps in sorted(per.items()):
-        eff = combine_seeds(ps)
+        eff = combine(ps)
         what = "constant-LR control" if vs == "control" else "the branch's start checkpoint"
         row = finding_row("A(d) Hessian trace and top eigenvalue surge during the decay", "sharpness", None,
                           f"{fam}: decayed endpoint − {what}, {b}", labels[metric], eff, +1, z,
@@ -630,12 +495,12 @@ def sharpness_findings(rows: list[dict], runs: Sequence[str], quantizers: Sequen
                 h = hs.get((run, r.get("branch"), r.get("step")))
                 if h is None:
                     continue
-                table.append({"delta_ce": r["delta_ce"], "hessian_trace": _num(h.get("hessian_trace")),
-                              "hessian_top_eig": _num(h.get("hessian_top_eig"))})
+                table.append({"delta_ce": r["delta_ce"], "hessian_trace": number(h.get("hessian_trace")),
+                              "hessian_top_eig": number(h.get("hessian_top_eig"))})
                 detail.append({"quantizer": q, "run": run, "branch": r.get("branch"), "step": r.get("step"),
                                "tokens": r.get("tokens"), "lr": r.get("lr"), "delta_ce": r["delta_ce"],
                                "delta_ce_se": total_se(r), "ce_fp": r["ce_fp"], **table[-1],
-                               "hessian_trace_se": _num(h.get("hessian_trace_se"))})
+                               "hessian_trace_se": number(h.get("hessian_trace_se"))})
         if len(table) < cfg.min_rows:
             continue
         for c in correlate(table, "delta_ce", ["hessian_trace", "hessian_top_eig"], cfg):
@@ -670,28 +535,22 @@ def final_points(rows: list[dict], runs: Sequence[str], quantizer: str) -> list[
                 if k.startswith("prop_"):
                     base, _, q = k.partition("__")
                     if q == quantizer:
-                        row[base] = _num(v)
+                        row[base] = number(v)
                 elif k in OUTLIER_METRICS or k.startswith(("weight_", "act_")):
-                    row[k] = _num(v)
+                    row[k] = number(v)
         out.append(row)
     return out
 
 
-def _paired_bootstrap(x1, x2, y, cfg: CorrelateConfig) -> tuple[float, float, float]:
-    """ρ(x1, y) − ρ(x2, y) with a percentile interval from resampling rows (the same resamples for both)."""
+def _spearman_difference(x1, x2, y, cfg: CorrelateConfig) -> tuple[float, float, float]:
+    """ρ(x1, y) − ρ(x2, y) with a percentile bootstrap interval (the same resamples for both correlations)."""
     x1, x2, y = (np.asarray(v, dtype=np.float64) for v in (x1, x2, y))
     d = spearman(x1, y) - spearman(x2, y)
     if not cfg.n_boot:
         return d, math.nan, math.nan
-    rng = np.random.default_rng(cfg.seed)
-    idx = rng.integers(0, len(y), size=(cfg.n_boot, len(y)))
-    vals = np.array([spearman(x1[i], y[i]) - spearman(x2[i], y[i]) for i in idx])
-    vals = vals[~np.isnan(vals)]
-    if not vals.size:
-        return d, math.nan, math.nan
-    a = 1.0 - cfg.ci
-    lo, hi = np.quantile(vals, [a / 2, 1 - a / 2])
-    return d, float(lo), float(hi)
+    ((lo, hi, _),) = bootstrap_intervals([lambda i: spearman(x1[i], y[i]) - spearman(x2[i], y[i])], len(y),
+                                         cfg.n_boot, cfg.ci, np.random.default_rng(cfg.seed))
+    return d, lo, hi
 
 
 def predictor_findings(rows: list[dict], runs: Sequence[str], quantizers: Sequence[str] = (),
@@ -728,7 +587,7 @@ def predictor_findings(rows: list[dict], runs: Sequence[str], quantizers: Sequen
                 both = [p for p in pts if p.get(m) is not None and p.get(PROPAGATION_METRIC) is not None]
                 if len(both) < cfg.min_rows:
                     continue
-                d, lo, hi = _paired_bootstrap([p[PROPAGATION_METRIC] for p in both], [p[m] for p in both],
+                d, lo, hi = _spearman_difference([p[PROPAGATION_METRIC] for p in both], [p[m] for p in both],
                                               [p["delta_ce"] for p in both], cfg)
                 out.append(correlation_row(
                     "B R_L predicts PTQ error where MMR/kurtosis do not", "predictors", q,
@@ -745,19 +604,25 @@ def _g(v: float, signed: bool = False) -> str:
     return f"{v:+.4f}" if signed else f"{v:.4f}"
 
 
+def estimate_text(effect: float, se: float | None, z: float = Z) -> str:
+    """'+0.0123 ± 0.0031 (z +3.9)': an effect, its combined uncertainty and z with the digits that make the
+    printed numbers agree with the verdict (results.stats.format_estimate)."""
+    e, s, t = format_estimate(effect, se, z)
+    return f"{e} ± {s}" + (f" (z {t})" if t != "n/a" else "")
+
+
 def format_effect(f: Mapping) -> str:
-    """'+0.0123 ± 0.0031' (SE-based) or '+0.45 [+0.12, +0.71]' (interval), 'n/a' without an effect."""
-    e = _num(f.get("effect"))
+    """'+0.0123 ± 0.0031 (z +3.9)' (SE-based) or '+0.45 [+0.12, +0.71]' (interval), 'n/a' without an effect."""
+    e = number(f.get("effect"))
     if e is None:
         return "n/a"
     if f.get("interval_lo") is not None or f.get("se") is None:
-        lo, hi = _num(f.get("interval_lo")), _num(f.get("interval_hi"))
-        return f"{e:+.2f} [{lo:+.2f}, {hi:+.2f}]" if lo is not None and hi is not None else f"{e:+.2f} [n/a]"
-    return f"{_g(e, True)} ± {_g(float(f['se']))}"
+        return format_interval(e, f.get("interval_lo"), f.get("interval_hi"))
+    return estimate_text(e, f["se"], number(f.get("z_threshold")) or Z)
 
 
 def format_parts(f: Mapping) -> str:
-    """The uncertainty's parts: windows, seeds, run-to-run (or the bootstrap's size)."""
+    """The uncertainty's parts: windows, seeds, run-to-run, jitter (or the bootstrap's size)."""
     if f.get("se") is None:
         return f"bootstrap over {f['n']} points" if f.get("interval_lo") is not None and f.get("n") else ""
     parts = [f"windows {_g(float(f['se_windows']))}" if f.get("se_windows") is not None else "windows n/a"]
@@ -765,6 +630,8 @@ def format_parts(f: Mapping) -> str:
                  else f"seeds n/a (k={f.get('n_seeds', 1)})")
     parts.append(f"run-to-run {_g(float(f['se_run']))}" if f.get("se_run") is not None
                  else "run-to-run not measured (R=1)")
+    if f.get("se_jitter") is not None:
+        parts.append(f"stable-phase jitter {_g(float(f['se_jitter']))}")
     return ", ".join(parts)
 
 
@@ -786,4 +653,47 @@ def format_table(findings: Sequence[Mapping]) -> list[str]:
         parts = format_parts(f)
         lines.append(f"    {'':<{w_q}} {'':<{w_m}} {'':>{w_e}}  " + (f"({parts}; " if parts else "(")
                      + f"figure {f.get('figure') or '-'})")
+    return lines
+
+
+def _aligned(header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int] = ()) -> list[str]:
+    """Text columns, each as wide as its widest cell (``right``: right-aligned column indices)."""
+    widths = [max(len(r[c]) for r in (header, *rows)) for c in range(len(header))]
+    return ["  " + " ".join(cell.rjust(w) if c in right else cell.ljust(w)
+                            for c, (cell, w) in enumerate(zip(r, widths))).rstrip() for r in (header, *rows)]
+
+
+def _part(v) -> str:
+    return "-" if number(v) is None else _g(float(v))
+
+
+def format_decay_table(tables: Sequence[Mapping], across: Sequence[Mapping] = (), z: float = Z) -> list[str]:
+    """The decayed-minus-control comparison as text lines (what `quantdyn demo` and `quantdyn study` print):
+    per run, quantizer and cooldown branch, from ``decay_table``; then, from ``seed_summary``, the mean over
+    seeds. Every line gives the difference ± its combined uncertainty, z, the parts and the verdict of the
+    one rule (results/stats.py), its numbers with the digits that make z and the verdict agree."""
+    if not tables:
+        return []
+    lines = ["", "Decayed endpoint minus its constant-LR control (same tokens); ± is the combined uncertainty",
+             "√(windows² + run-to-run² + jitter²): the paired SE over evaluation windows, the run-to-run SD of the",
+             "quantization when it was repeated (R > 1; '-': not measured) and the stable-phase jitter (SD of Δ CE",
+             "about a line through the run's constant-LR checkpoints; '-': fewer than 4). Verdict: |z| > "
+             f"{z:g}, z = difference / uncertainty:"]
+    body = [[str(t["run"]), str(t["quantizer"]), str(t["branch"]), f"{t['delta_ce_decayed']:.4f}",
+             f"{t['delta_ce_control']:.4f}", estimate_text(t["difference"], t["difference_se"], z),
+             _part(t.get("difference_eval_se")), _part(t.get("difference_run_se")), _part(t.get("stable_jitter")),
+             decay_verdict(verdict_sign(t["difference"], t["difference_se"], z), z)] for t in tables]
+    lines += _aligned(["run", "quantizer", "branch", "ΔCE decayed", "ΔCE control", "difference ± uncertainty (z)",
+                       "windows", "run-to-run", "jitter", "verdict"], body, right=(3, 4, 5, 6, 7, 8))
+    if across:
+        lines += ["", "Across seeds: the mean difference ± the larger of the within-seed uncertainty (its parts",
+                  "combined over seeds, sqrt(Σ part²) / k) and the between-seed SE (SD over seeds / √k):"]
+        body = [[str(a["family"]), str(a["quantizer"]), str(a["branch"]), str(a["n_seeds"]),
+                 estimate_text(a["difference"], a["difference_se"], z), _part(a.get("within_se")),
+                 _part(a.get("run_se")), _part(a.get("jitter_se")), _part(a.get("between_se")),
+                 f"{a['min']:+.4f} .. {a['max']:+.4f}",
+                 decay_verdict(verdict_sign(a["difference"], a["difference_se"], z), z)
+                 + ("" if a["same_sign"] else " (seeds disagree in sign)")] for a in across]
+        lines += _aligned(["family", "quantizer", "branch", "k", "difference ± uncertainty (z)", "windows",
+                           "run-to-run", "jitter", "between", "seeds", "verdict"], body, right=(3, 4, 5, 6, 7, 8))
     return lines

@@ -219,39 +219,13 @@ def compute_findings(spec: StudySpec, rows: list[dict], runs: list[str],
     return out, details
 
 
-def _print_decay(rows: list[dict], runs: list[str], echo: Echo) -> tuple[list[dict], list[dict]]:
-    tables = [t for run in runs for t in fd.decay_table(rows, run)]
-    if not tables:
-        return [], []
-    echo("")
-    echo("Decayed endpoint minus its constant-LR control (same tokens, paired over eval windows; ± includes the")
-    echo("run-to-run SD of the quantization when R > 1); jitter = SD of Δ CE about a line through the run's")
-    echo("stable-phase checkpoints:")
-    echo(f"  {'run':<14} {'quantizer':<9} {'branch':<24} {'ΔCE decayed':>12} {'ΔCE control':>12} {'difference':>20}"
-         f" {'jitter':>8}  verdict")
-    for t in tables:
-        jit = f"{t['stable_jitter']:.4f}" if t.get("stable_jitter") is not None else "-"
-        echo(f"  {t['run']:<14} {t['quantizer']:<9} {t['branch']:<24} {t['delta_ce_decayed']:>12.4f} "
-             f"{t['delta_ce_control']:>12.4f} {t['difference']:>+10.4f} ± {t['difference_se']:.4f} {jit:>8}  "
-             f"{verdict_text(t['z'])}")
-    across = fd.seed_summary(tables)
-    if across:
-        echo("")
-        echo("Across seeds: mean difference ± the larger of the within-seed SE (windows, and run-to-run when R > 1)"
-             " and the between-seed SE (seed spread):")
-        for a in across:
-            run = f", run-to-run {a['run_se']:.4f}" if a.get("run_se") is not None else ""
-            echo(f"  {a['family']:<12} {a['quantizer']:<9} {a['branch']:<24} {a['difference']:>+10.4f} ± "
-                 f"{a['difference_se']:.4f}  (k={a['n_seeds']}: within {a['within_se']:.4f}{run}, between "
-                 f"{a['between_se']:.4f}; seeds {a['min']:+.4f} .. {a['max']:+.4f})  {verdict_text(a['z'])}"
-                 + ("" if a["same_sign"] else "  (seeds disagree in sign)"))
+def _print_decay(rows: list[dict], runs: list[str], echo: Echo, z: float) -> tuple[list[dict], list[dict]]:
+    """Echo the decayed-minus-control table and its means over seeds; return both tables."""
+    tables = [t for run in runs for t in fd.decay_table(rows, run, z)]
+    across = fd.seed_summary(tables, z)
+    for line in fd.format_decay_table(tables, across, z):
+        echo(line)
     return tables, across
-
-
-def verdict_text(z: float) -> str:
-    """The decay table's wording for a decayed-minus-control z (|z| <= 2: within the uncertainty)."""
-    return ("decay raises the error" if z > 2 else "decay lowers the error" if z < -2
-            else "within uncertainty (|z| <= 2)")
 
 
 def run_study(spec: StudySpec | dict, progress: bool = True, echo: Echo = print) -> dict:
@@ -325,7 +299,7 @@ def run_study(spec: StudySpec | dict, progress: bool = True, echo: Echo = print)
         echo(f"  result rows: {len(mine)} ({s['counts']['written']} new)")
     echo(f"results store: {store}")
     echo(f"report:        {page}")
-    tables, across = _print_decay(rows, runs, echo)
+    tables, across = _print_decay(rows, runs, echo, spec.findings.z)
     echo("")
     echo(f"Findings (verdict: |effect| > {spec.findings.z:g} x uncertainty, or a bootstrap interval excluding 0; "
          f"quantization repeats R = {spec.sweep.quant_repeats}):")

@@ -24,12 +24,13 @@ from quantdyn.studies.spec import StudySpec
 
 BEGIN, END = "<!-- quantdyn findings -->", "<!-- /quantdyn findings -->"
 COLUMNS = ("finding", "quantizer", "comparison", "metric", "effect ± uncertainty", "uncertainty parts", "verdict",
-           "figure", "expected", "effect", "se", "se_windows", "se_seeds", "se_run", "interval_lo", "interval_hi",
-           "n_seeds", "z")
+           "figure", "expected", "effect", "se", "se_windows", "se_seeds", "se_run", "se_jitter", "interval_lo",
+           "interval_hi", "n_seeds", "z")
 
-CAPTION = ("Each of the papers' findings measured in this study. Effect ± uncertainty: the uncertainty is the "
+CAPTION = ("Each of the papers' findings measured in this study. Effect ± uncertainty (z): the uncertainty is the "
            "larger of the within-seed SE (paired over evaluation windows, plus the run-to-run SD of the "
-           "quantization when it was repeated R > 1 times) and the between-seed SE (SD over seeds / √k); "
+           "quantization when it was repeated R > 1 times, plus the stable-phase jitter of Δ CE where a decayed "
+           "endpoint is compared with its control, all in quadrature) and the between-seed SE (SD over seeds / √k); "
            "correlations carry a 95 % percentile-bootstrap interval. Verdict: an effect inside its uncertainty "
            "(|effect| ≤ z·SE, or an interval containing 0) is 'not resolved at this scale', never a direction; "
            "beyond it, 'reproduced' when its sign is the paper's, 'opposite' otherwise. Computed from the rows.")

@@ -36,6 +36,7 @@ from quantdyn.config import apply_overrides, from_dict, load_yaml, parse_overrid
 from quantdyn.errors import QuantdynError, unknown_name
 from quantdyn.launch.grid import parse_vary
 from quantdyn.quantize.config import parse_quantizer
+from quantdyn.results.schema import control_branch, cooldown_branch
 from quantdyn.sources.trajectory import TrajectoryConfig
 from quantdyn.studies.scales import SCALES, apply_scale
 from quantdyn.sweep.sweep import SweepConfig
@@ -96,11 +97,12 @@ class CooldownSpec:
         return self.decay_steps or self.end_step - from_step
 
     def branch_name(self, from_step: int) -> str:
-        """Directory name of that branch (train/branches.py names it so)."""
-        return f"cooldown-s{from_step}-d{self.decay_of(from_step)}-{self.shape}"
+        """Directory name of that branch (results.schema.cooldown_branch, as train/branches.py names it)."""
+        return cooldown_branch(from_step, self.decay_of(from_step), self.shape)
 
     def control_name(self, from_step: int) -> str:
-        return f"control-s{from_step}-d{self.decay_of(from_step)}"
+        """Directory name of its constant-LR control twin (results.schema.control_branch)."""
+        return control_branch(from_step, self.decay_of(from_step))
 
 
 @dataclass(frozen=True)

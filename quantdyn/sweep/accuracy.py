@@ -21,7 +21,6 @@ import torch.nn as nn
 
 from quantdyn.data.prepare import DataConfig, prepare_data
 from quantdyn.engine.measure import MeasureConfig, measure
-from quantdyn.engine.rows import calib_hash as calib_identity
 from quantdyn.errors import QuantdynError
 from quantdyn.evaluate.lm_eval_tasks import (
     hf_lm,
@@ -37,6 +36,8 @@ from quantdyn.evaluate.lm_eval_tasks import (
 from quantdyn.evaluate.tasks import BUILTIN_TASKS
 from quantdyn.models.hf_io import checkpoint_hash
 from quantdyn.quantize.config import parse_quantizer, row_fields
+from quantdyn.results.schema import calib_hash as calib_identity
+from quantdyn.results.stats import mean_se
 from quantdyn.runtime import provenance, resolve_device
 
 
@@ -158,15 +159,6 @@ def _lm_eval_version() -> str | None:
     return getattr(lm_eval, "__version__", None)
 
 
-def _mean_se(x: list[float]) -> tuple[float, float]:
-    n = len(x)
-    mean = sum(x) / n
-    if n < 2:
-        return mean, float("nan")
-    var = sum((v - mean) ** 2 for v in x) / (n - 1)
-    return mean, math.sqrt(var / n)
-
-
 def state_hash(model: nn.Module) -> str:
     """Content hash of an in-memory model's weights (for models that came from no checkpoint)."""
     h = hashlib.sha256()
@@ -252,7 +244,7 @@ def accuracy_rows_for_point(
         m, v_fp, agg_fp = per_example(fp, task, metric)
         version = fp.get("versions", {}).get(task)
         ids = sorted(v_fp)
-        acc_fp, se_fp = _mean_se([v_fp[i] for i in ids])
+        acc_fp, se_fp = mean_se([v_fp[i] for i in ids])
         common = {
             "kind": "accuracy", **base, "task": task, "task_version": version, **ident.get(task, {}),
             "metric": m, "n": len(ids), "num_fewshot": num_fewshot, "limit": limit, "seed": seed,
@@ -269,8 +261,8 @@ def accuracy_rows_for_point(
                 m_q, v_q, agg_q = per_example(qs[label], task, m)
                 if sorted(v_q) != ids:
                     raise QuantdynError(f"task '{task}': the quantized run saw other examples than the FP run")
-                acc_q, se_q = _mean_se([v_q[i] for i in ids])
-                drop, se_drop = _mean_se([v_fp[i] - v_q[i] for i in ids])
+                acc_q, se_q = mean_se([v_q[i] for i in ids])
+                drop, se_drop = mean_se([v_fp[i] - v_q[i] for i in ids])
                 row.update(acc_q=acc_q, acc_q_se=se_q, acc_drop=drop, acc_drop_se=se_drop, metrics_q=agg_q)
             else:
                 row.update(acc_q=None, acc_q_se=None, acc_drop=None, acc_drop_se=None)

@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Sequence
 
 from quantdyn.engine.measure import MeasureConfig, measure
-from quantdyn.engine.rows import calib_hash as calib_identity
-from quantdyn.engine.rows import ptq_fields, ptq_what, row_key
+from quantdyn.engine.rows import ptq_fields, ptq_what
 from quantdyn.errors import QuantdynError
-from quantdyn.evaluate.quant_error import _se
 from quantdyn.models.hf_io import checkpoint_hash
 from quantdyn.quantize.config import parse_quantizer
+from quantdyn.results.schema import calib_hash as calib_identity
+from quantdyn.results.schema import row_key
+from quantdyn.results.stats import mean_se
 from quantdyn.runtime import provenance, resolve_device
 from quantdyn.train.offline_averaging import (
     _as_ckpt,
@@ -109,7 +110,7 @@ def interpolate_checkpoints(
         base = {
             "kind": "interpolation", "alpha": alpha, "run": run_name, "branch": out.name, "checkpoint": str(path),
             "checkpoint_hash": h, "endpoint_a": str(a), "endpoint_b": str(b), "ce_fp": float(fp_ce.mean()),
-            "ce_fp_se": _se(fp_ce), "eval_hash": eval_hash, "calib_hash": calib, "data_key": td.data_hash,
+            "ce_fp_se": mean_se(fp_ce)[1], "eval_hash": eval_hash, "calib_hash": calib, "data_key": td.data_hash,
             **provenance(),
         }
         if not qcfgs:

@@ -29,13 +29,14 @@ import torch
 from quantdyn.config import config_hash, from_dict, to_dict
 from quantdyn.data.prepare import DataConfig, TokenData, prepare_data
 from quantdyn.engine.measure import MeasureConfig, measure
-from quantdyn.engine.rows import REPEAT_VARY, calibration_draws, ptq_fields, ptq_what, repeat_labels, row_key
-from quantdyn.engine.rows import calib_hash as calib_identity
+from quantdyn.engine.rows import REPEAT_VARY, calibration_draws, ptq_fields, ptq_what, repeat_labels
 from quantdyn.errors import QuantdynError, unknown_name
-from quantdyn.evaluate.quant_error import _se
 from quantdyn.models.hf_io import checkpoint_hash, load_causal_lm
 from quantdyn.progress import progress as counted
 from quantdyn.quantize.config import parse_quantizer
+from quantdyn.results.schema import calib_hash as calib_identity
+from quantdyn.results.schema import row_key
+from quantdyn.results.stats import mean_se
 from quantdyn.results.store import ResultStore, StoreWriteError
 from quantdyn.runtime import provenance, resolve_device
 from quantdyn.sources.hub import evict_revision, open_checkpoint
@@ -372,7 +373,8 @@ def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
         rows = []
         if g == 0 and fp_pending:
             fp_ce = m.fp_window_ce
-            rows.append({"key": fp_key, "kind": "fp", **base, "ce_fp": float(fp_ce.mean()), "ce_fp_se": _se(fp_ce),
+            rows.append({"key": fp_key, "kind": "fp", **base, "ce_fp": float(fp_ce.mean()),
+                         "ce_fp_se": mean_se(fp_ce)[1],
                          "n_windows": len(fp_ce), "compute_dtype": m.dtype, **provenance()})
         if "__qat__" in variants:
             tr = variants["__qat__"]

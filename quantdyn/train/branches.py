@@ -15,6 +15,7 @@ from typing import Sequence
 
 from quantdyn.config import from_dict, load_yaml
 from quantdyn.errors import QuantdynError
+from quantdyn.results.schema import control_branch, cooldown_branch
 from quantdyn.train.checkpoint import (
     CheckpointInfo,
     RunDir,
@@ -38,7 +39,7 @@ def load_run_config(run_dir: Path) -> RunConfig:
 
 
 def branch_configs(parent: RunConfig, from_step: int, decay_steps: int, shape: str) -> tuple[RunConfig, RunConfig]:
-    """(cooldown, control) configs for one decay length."""
+    """(cooldown, control) configs for one decay length, named as results.schema names branches."""
     total = parent.train.steps
     warmup = _steps(parent.schedule.warmup, total)
     peak = parent.optim.lr
@@ -53,8 +54,8 @@ def branch_configs(parent: RunConfig, from_step: int, decay_steps: int, shape: s
     train = replace(parent.train, steps=steps, checkpoint_tokens=())
     sched = ScheduleConfig(name="wsd", warmup=warmup, decay=decay_steps, decay_start=from_step,
                            decay_shape=shape, lr_end=parent.schedule.lr_end)
-    cool = replace(parent, name=f"cooldown-s{from_step}-d{decay_steps}-{shape}", schedule=sched, train=train)
-    ctrl = replace(parent, name=f"control-s{from_step}-d{decay_steps}",
+    cool = replace(parent, name=cooldown_branch(from_step, decay_steps, shape), schedule=sched, train=train)
+    ctrl = replace(parent, name=control_branch(from_step, decay_steps),
                    schedule=ScheduleConfig(name="constant", warmup=warmup), train=train)
     return cool, ctrl
 

@@ -1,0 +1,503 @@
+"""The result rows: which kinds the store holds, what every field means, how a row is keyed, how cooldown
+branches are named, and the quantities every reader derives from a row the same way.
+
+A row is one JSON object in the store (``results/store.py`` owns the files). This module is the one place
+to look a field up: :data:`ROW_KINDS` lists the kinds (``ptq``, ``fp``, ``qat``, ``analysis``,
+``accuracy``, ``interpolation``, ``scaling``) with their fields, :data:`FIELDS` says what each field
+means, and :func:`describe` answers for one name (``describe("delta_ce_total_se").meaning``).
+
+Reading rules (every reader keeps them, so old stores stay readable):
+  * only ``key`` and ``kind`` are sure to be there; any other field may be missing from rows written
+    before it existed (``window_delta``, ``eval_hash``, ``quant_repeats``, ``delta_ce_total_se``,
+    ``decaying`` ...). Read fields with ``row.get(name)`` (None when absent), never ``row[name]``, unless
+    the row kind has always had them (a ptq row's ``delta_ce``, ``ce_fp``, ``tokens``).
+  * a stored number is read with :func:`number`: a finite real number, or None for anything else
+    (missing, null, a bool, text, NaN, ±inf). NaN is what a writer stores for a quantity it could not
+    define (the SE of one window), so "not a finite number" and "not measured" read the same.
+  * fields are only ever added; a field keeps its name and meaning (the writers' job).
+
+Keys: :func:`row_key` is the idempotency key of a measured row, a hash of (checkpoint, what was
+measured, evaluation windows); :func:`calib_hash` names a calibration set. A rerun skips every key
+already stored.
+
+Branch names (:func:`cooldown_branch`, :func:`control_branch`, :func:`parse_branch`, :func:`control_of`):
+a cooldown branch from step S decaying over D steps with shape X is ``cooldown-sS-dD-X`` and its
+constant-LR control twin ``control-sS-dD`` (X may itself hold dashes: ``1-sqrt``).
+
+Derived quantities: :func:`rel_delta_ce` (Δ CE / CE(FP)) and the combined uncertainty of a Δ CE
+(:func:`uncertainty`, :func:`total_se`): SE_total = sqrt(SE_eval² + SD_run² / R), see :class:`Uncertainty`.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import numbers
+import re
+from dataclasses import dataclass
+
+from quantdyn.errors import QuantdynError, did_you_mean
+
+# ------------------------------------------------------------------ the field table
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of a result row."""
+
+    name: str
+    """The field's name in the row; ``<...>`` marks a part that varies (``prop_R_final__<quantizer>``)."""
+    type: str
+    """Its JSON type as Python spells it (``float``, ``int | None``, ``list[float]``, ``dict`` ...)."""
+    meaning: str
+    """What it is, with its unit."""
+
+
+def _table(text: str) -> tuple[Field, ...]:
+    """Fields from a text table, a field a line: name, type and meaning, separated by two or more spaces (a
+    name has none, a type and a meaning single ones); an indented line continues the meaning above it."""
+    out: list[list[str]] = []
+    for line in text.strip("\n").splitlines():
+        line = line[4:]
+        if line.startswith(" "):
+            out[-1][2] += " " + line.strip()
+        else:
+            out.append(re.split(r" {2,}", line.strip(), maxsplit=2))
+    return tuple(Field(*f) for f in out)
+
+
+IDENTITY = _table("""
+    key   str  Idempotency key (row_key for measured rows): a rerun skips every key already stored.
+    kind  str  The row kind (ROW_KINDS): ptq, fp, qat, analysis, accuracy, interpolation or scaling.
+""")
+PROVENANCE = _table("""
+    git_sha   str | None  git commit of quantdyn that wrote the row.
+    hardware  str         Machine that computed it (CPU model, GPU).
+    time      str         Local time the row was computed, YYYY-MM-DDTHH:MM:SS.
+""")
+CHECKPOINT = _table("""
+    run              str           Training run (its directory name, or the hub repo of a public trajectory).
+    branch           str           Branch of the run: main, a cooldown or control branch (see cooldown_branch), an
+                                   average (lawa-..., ema, soup-...), an ingredient or an interpolation.
+    ckpt_kind        str           What the checkpoint is: checkpoint (main run), cooldown, control, lawa, ema,
+                                   soup, hub ...
+    checkpoint       str           Where the checkpoint was read: a directory, or repo@revision.
+    checkpoint_hash  str           Content hash of the checkpoint's weights.
+    step             int | None    Optimizer step of the checkpoint.
+    tokens           int | None    Training tokens seen at the checkpoint.
+    lr               float | None  Learning rate at the checkpoint's step.
+    decaying         bool | None   Whether the LR is in a decay phase at the checkpoint (None: unknown).
+    peak_lr          float | None  The run's peak learning rate.
+    seed             int | None    The run's seed (initialisation and data order).
+    parent_step      int | None    Step of the main-run checkpoint a branch starts from (None on main).
+    optimizer        str | None    The run's optimizer name.
+    weight_decay     float | None  The run's weight decay.
+    qat              str | None    Quantization-aware training of the run, e.g. quest-w4a4 (None: full precision).
+    n_params         int           Non-embedding parameters of the model.
+    preset           str | None    Public-trajectory preset the checkpoint comes from.
+    family           str | None    Model family of the preset (pythia, olmo, ...).
+    phase            str | None    Schedule phase of a preset checkpoint (warmup, stable, decay ...).
+    revision         str | None    Hub revision of a preset checkpoint.
+    stage            str | None    Training stage of a preset checkpoint (OLMo-2 stage 1/2).
+    ingredient       str | None    Which stage-2 ingredient (soup member) a preset checkpoint is.
+""")
+DATA = _table("""
+    eval_hash      str         Identity of the evaluation windows (token data, sequence length, count): rows with
+                               equal eval_hash were measured on the same windows and pair window by window.
+    calib_hash     str | None  Identity of the calibration set (calib_hash()).
+    data_key       str         Hash of the token data the windows were drawn from.
+    n_windows      int         Evaluation windows the CE values average.
+    compute_dtype  str         dtype the measurement computed in.
+""")
+QUANTIZER = _table("""
+    quantizer          str | None   Canonical quantizer label (gptq3, rtn4g64 ...): one spelling per configuration.
+    quantizer_spec     str          The quantizer as the user wrote it.
+    method             str          Quantization method: rtn, gptq, awq (qat-<method> on qat rows).
+    bits               int          Weight bits.
+    group_size         int          Quantization group size (0: per channel).
+    quant_config       dict | None  The full quantizer config.
+    quant_config_hash  str | None   Hash of quant_config; rows are keyed by it, never by a label.
+""")
+ERRORS = _table("""
+    ce_fp                 float         Mean next-token cross-entropy of the full-precision model on the evaluation
+                                        windows (nats).
+    ce_fp_se              float         SE of ce_fp over windows (window-to-window spread; not a paired SE).
+    ce_q                  float         Mean CE of the quantized model on the same windows (nats).
+    delta_ce              float         Δ CE = CE(quantized) − CE(FP), paper A's quantization error (nats); with R >
+                                        1 repeats the mean over them.
+    delta_ce_se           float         Paired SE of delta_ce over evaluation windows (SE_eval).
+    rel_delta_ce          float | None  Δ CE / CE(FP) (rel_delta_ce() for rows written before the field).
+    delta_ppl             float         exp CE(quantized) − exp CE(FP).
+    kl                    float         KL(P_FP ‖ P_Q) per token (nats), mean over windows.
+    kl_se                 float         SE of kl over windows.
+    top1_agree            float         Fraction of tokens whose top-1 prediction is the same in both models.
+    window_delta          list[float]   Per-window Δ CE (7 decimals), in window order: what paired differences pair.
+    quant_repeats         int           R, how many times the quantization was repeated (1 when absent).
+    repeat_vary           str | None    What changed between repeats: draw (calibration windows), order, both.
+    delta_ce_repeats      list[float]   Δ CE of each repeat (R > 1 only).
+    delta_ce_run_sd       float | None  SD of Δ CE over the R repeats: what re-quantizing changes (None when R = 1).
+    kl_run_sd             float         SD of kl over the R repeats (R > 1 only).
+    delta_ce_total_se     float         The combined uncertainty of delta_ce, sqrt(SE_eval² + SD_run²/R)
+                                        (Uncertainty).
+    uncertainty_dominant  str           Which part of delta_ce_total_se is the larger: 'evaluation windows' or
+                                        'quantization run'.
+    layer_loss_sum        float | None  Sum over layers of the quantizer's own layer objective (GPTQ's loss).
+    n_calibration         int           Calibration sequences the quantizer saw.
+    t_quantize            float         Seconds spent quantizing (all repeats).
+    t_eval                float         Seconds spent evaluating, this quantizer's share.
+    t_load                float         Seconds spent opening the checkpoint.
+    eval_group            int           Quantizers measured in one pass with this one.
+    calib_batch_size      int           Calibration batch size.
+    quantize_threads      int           CPU threads while quantizing (0: on an accelerator).
+""")
+QUANTIZE_COMMAND = _table("""
+    calib_data     str         Calibration token source of `quantdyn quantize`.
+    calib_samples  int         Calibration sequences of `quantdyn quantize`.
+    calib_seq_len  int         Their length in tokens.
+    eval_data      str         Evaluation token source of `quantdyn quantize`.
+    streams        str         Where the engine kept its activation streams (memory, disk).
+    layers         list[dict]  Per-layer quantization diagnostics (loss, output error, condition ...).
+    export         dict        The export written: format, path (and hub repo).
+""")
+QAT = _table("""
+    a_bits  int  Activation bits of the deployed QAT model (0: full-precision activations).
+""")
+ANALYSIS = _table("""
+    analysis                     str           Which analysis: hessian, outliers or propagation.
+    hessian_trace                float         Hutchinson estimate of the trace of the Hessian of the held-out loss.
+    hessian_trace_se             float         SE of hessian_trace over the Hutchinson probes.
+    hessian_trace_probes         int           Probes used.
+    hessian_top_eig              float | None  Top Hessian eigenvalue (power iteration; no SE).
+    hessian_seconds              float         Seconds the Hessian analysis took.
+    n_layers                     int           Linear layers the outlier metrics aggregate.
+    weight_<metric>_<mean|max>   float         Weight outlier metric (mmr, kurtosis, excess_kurtosis, max_abs), mean
+                                               or max over linear layers.
+    act_<metric>_<mean|max>      float         Input-activation outlier metric (mmr, mmr_token, kurtosis,
+                                               excess_kurtosis, max_abs) on calibration tokens, mean or max over
+                                               layers.
+    prop_R_final__<quantizer>    float         Paper B's R_L: the propagated relative output error after the last
+                                               block.
+    prop_gain_mean__<quantizer>  float | None  Mean per-block gain of the propagated error.
+    prop_B_sum__<quantizer>      float         New error introduced per block, summed over blocks.
+""")
+ACCURACY = _table("""
+    task             str               lm-eval task (or a built-in generated task).
+    task_version     str | int | None  The task's version.
+    task_data        str               Built-in tasks: hash of the token data they were generated from.
+    task_seed        int               Built-in tasks: generation seed.
+    task_n           int               Built-in tasks: examples generated.
+    task_files_hash  str               Built-in tasks: hash of the generated files.
+    metric           str               The task metric (acc, acc_norm ...).
+    n                int               Examples scored.
+    num_fewshot      int               Few-shot examples.
+    limit            int | None        Example limit (None: all).
+    backend          str               Which evaluator ran the task.
+    lm_eval_version  str | None        lm-eval's version.
+    acc_fp           float             Accuracy of the full-precision model.
+    acc_fp_se        float             Its SE over examples.
+    acc_q            float | None      Accuracy of the quantized model (None on an FP-only row).
+    acc_q_se         float | None      Its SE over examples.
+    acc_drop         float | None      acc_fp − acc_q, paired over examples.
+    acc_drop_se      float | None      Paired SE of acc_drop.
+    metrics_fp       dict              lm-eval's aggregate metrics of the FP model.
+    metrics_q        dict              lm-eval's aggregate metrics of the quantized model.
+    sweep_acc_key    str               Marks accuracy rows a sweep wrote for one (checkpoint, quantizer).
+""")
+INTERPOLATION = _table("""
+    alpha       float  interpolation rows: the weight of endpoint B, (1 − alpha)·A + alpha·B; scaling rows: the
+                       fitted exponent α of N.
+    endpoint_a  str    Checkpoint A.
+    endpoint_b  str    Checkpoint B.
+""")
+SCALING = _table("""
+    by                         str         The grouping of the fit (optimizer).
+    group                      str         The group's value.
+    precision                  str         fp or qat: which losses were fitted.
+    A                          float       Scaling law L = A·(ρN)^−α + B·D^−β + E: A.
+    B                          float       B.
+    beta                       float       β.
+    E                          float       E, the irreducible loss.
+    rho                        float       ρ, the effective-parameter multiplier of the precision.
+    objective                  float       The fit's final objective.
+    n_points                   int         Points fitted.
+    <A|alpha|B|beta|E|rho>_lo  float       Lower end of the bootstrap interval of a fitted parameter.
+    <A|alpha|B|beta|E|rho>_hi  float       Upper end of the bootstrap interval of a fitted parameter.
+    points                     list[dict]  The (N, D, loss) points fitted.
+""")
+
+GROUPS: tuple[tuple[Field, ...], ...] = (IDENTITY, PROVENANCE, CHECKPOINT, DATA, QUANTIZER, ERRORS, QUANTIZE_COMMAND,
+                                         QAT, ANALYSIS, ACCURACY, INTERPOLATION, SCALING)
+FIELDS: dict[str, Field] = {f.name: f for group in GROUPS for f in group}
+"""Every field of every row kind, by name."""
+
+
+def _names(*groups: tuple[Field, ...], only: tuple[str, ...] = ()) -> tuple[str, ...]:
+    return tuple(f.name for g in groups for f in g) + only
+
+
+@dataclass(frozen=True)
+class RowKind:
+    """One kind of result row."""
+
+    name: str
+    """The row's ``kind``."""
+    meaning: str
+    """What one row of this kind is."""
+    written_by: str
+    """The module(s) that write it."""
+    key: str
+    """How its key is made (the ``what`` of row_key)."""
+    fields: tuple[str, ...]
+    """The fields it may carry (names in FIELDS)."""
+
+
+_MEASURED = (IDENTITY, PROVENANCE, CHECKPOINT, DATA)
+ROW_KINDS: dict[str, RowKind] = {k.name: k for k in (
+    RowKind("ptq", "One quantizer applied to one checkpoint: its error against full precision on the evaluation "
+                   "windows (R repeats of the quantization averaged when quant_repeats > 1).",
+            "sweep/sweep.py, sweep/quantize_one.py (engine/rows.py ptq_fields)",
+            "row_key(checkpoint, ptq_what = 'ptq:<config hash>:<calib hash>[:R<R>:<vary>]', eval_hash)",
+            _names(*_MEASURED, QUANTIZER, ERRORS, QUANTIZE_COMMAND)),
+    RowKind("fp", "The full-precision CE of one checkpoint on the evaluation windows.", "sweep/sweep.py",
+            "row_key(checkpoint, 'fp', eval_hash)", _names(*_MEASURED, only=("ce_fp", "ce_fp_se"))),
+    RowKind("qat", "A QAT run's checkpoint deployed with its own fake quantization (W and A), against FP.",
+            "sweep/sweep.py", "row_key(checkpoint, 'qat:<config hash>', eval_hash)",
+            _names(*_MEASURED, QUANTIZER, ERRORS, QAT)),
+    RowKind("analysis", "One analysis of one checkpoint: Hessian, outlier or propagation metrics.",
+            "sweep/sweep.py (sweep/analysis_rows.py)",
+            "row_key(checkpoint, 'analysis:<name>:<budget hash>[:<quantizers hash>]', eval_hash)",
+            _names(*_MEASURED, ANALYSIS)),
+    RowKind("accuracy", "Downstream accuracy of one task, FP and (optionally) one quantizer, paired over examples.",
+            "sweep/accuracy.py", "accuracy_row_key(checkpoint, task, version, task identity, few-shot, limit, seed, "
+                                 "quantizer hash, calib hash, metric, backend)",
+            _names(*_MEASURED, QUANTIZER, ACCURACY)),
+    RowKind("interpolation", "A checkpoint on the line between two endpoints (weight interpolation): FP CE, and "
+                             "a PTQ error per quantizer.", "sweep/interpolation.py",
+            "row_key(interpolated checkpoint, 'interp:<alpha>|fp' or 'interp:<alpha>|<ptq_what>', eval_hash)",
+            _names(*_MEASURED, QUANTIZER, ERRORS, INTERPOLATION)),
+    RowKind("scaling", "A scaling-law fit of FP or QAT losses over model sizes and token budgets.",
+            "studies/scaling.py", "sha256 of (group, precision, the fitted points)",
+            _names(IDENTITY, PROVENANCE, SCALING, only=("alpha",))),
+)}
+"""The row kinds the store holds."""
+
+
+def _pattern(name: str) -> re.Pattern:
+    """``<a|b>`` in a field name stands for a or b, any other ``<...>`` for any text."""
+    parts = re.split(r"(<[^>]*>)", name)
+    return re.compile("^" + "".join(
+        ("(?:" + "|".join(map(re.escape, p[1:-1].split("|"))) + ")" if "|" in p else ".+") if p.startswith("<")
+        else re.escape(p) for p in parts) + "$")
+
+
+_PATTERNS = [(_pattern(n), f) for n, f in FIELDS.items() if "<" in n]
+"""The varying fields (``prop_R_final__<quantizer>``) as patterns."""
+
+
+def describe(name: str) -> Field:
+    """The field called ``name`` (a varying one matches its pattern: ``prop_R_final__gptq3``)."""
+    f = FIELDS.get(name)
+    if f is not None:
+        return f
+    for pat, f in _PATTERNS:
+        if pat.match(name):
+            return f
+    raise QuantdynError(f"no result-row field '{name}'{did_you_mean(name, FIELDS)}; "
+                        "quantdyn.results.schema.FIELDS lists them")
+
+
+def undocumented(row: dict) -> list[str]:
+    """The fields of ``row`` that the schema does not describe for its kind: not in FIELDS, or (for a known
+    ``kind``) not among that kind's fields — a writer added a field without saying what it is."""
+    kind = ROW_KINDS.get(row.get("kind"))
+    out = []
+    for k in row:
+        try:
+            f = describe(k)
+        except QuantdynError:
+            out.append(k)
+            continue
+        if kind is not None and f.name not in kind.fields:
+            out.append(k)
+    return out
+
+
+# ------------------------------------------------------------------ keys
+
+
+def row_key(ckpt_hash: str, what: str, eval_hash: str) -> str:
+    """Idempotency key of a measured row: sha256 of ``checkpoint|what|eval windows``, 24 hex digits.
+
+    ``what`` names the measurement (``fp``, ``ptq:<config hash>:<calib hash>``, ``interp:<alpha>|...``,
+    ``analysis:...``; ROW_KINDS gives each kind's)."""
+    return hashlib.sha256(f"{ckpt_hash}|{what}|{eval_hash}".encode()).hexdigest()[:24]
+
+
+def calib_hash(data_hash: str, samples: int, seq_len: int, seed: int) -> str:
+    """Identity of a calibration set drawn from a token cache (``TokenData.calib_windows``): sha1, 12 hex digits."""
+    return hashlib.sha1(f"{data_hash}:{samples}:{seq_len}:{seed}".encode()).hexdigest()[:12]
+
+
+# ------------------------------------------------------------------ branch names
+
+MAIN = "main"
+COOLDOWN = "cooldown"
+CONTROL = "control"
+_BRANCH = re.compile(r"^(cooldown|control)-s(\d+)-d(\d+)(?:-(.+))?$")
+
+
+@dataclass(frozen=True)
+class BranchName:
+    """A cooldown or control branch name, parsed."""
+
+    kind: str
+    """'cooldown' or 'control'."""
+    from_step: int
+    """The main-run step it starts from."""
+    decay_steps: int
+    """Its length in steps (the decay's, for a control its twin's)."""
+    shape: str | None
+    """The decay shape of a cooldown (linear, cosine, 1-sqrt; None on a control or an old unshaped name)."""
+
+
+def cooldown_branch(from_step: int, decay_steps: int, shape: str) -> str:
+    """The name of a cooldown branch: ``cooldown-s<from_step>-d<decay_steps>-<shape>``."""
+    if not shape:
+        raise QuantdynError("a cooldown branch needs a decay shape (linear, cosine, 1-sqrt)")
+    return f"{COOLDOWN}-s{int(from_step)}-d{int(decay_steps)}-{shape}"
+
+
+def control_branch(from_step: int, decay_steps: int) -> str:
+    """The name of the constant-LR control twin of the cooldowns from ``from_step`` over ``decay_steps``:
+    ``control-s<from_step>-d<decay_steps>`` (one control serves every shape of that start and length)."""
+    return f"{CONTROL}-s{int(from_step)}-d{int(decay_steps)}"
+
+
+def parse_branch(name: str | None) -> BranchName | None:
+    """The parts of a cooldown or control branch name; None for any other branch (main, averages ...)."""
+    m = _BRANCH.match(str(name or ""))
+    if m is None:
+        return None
+    kind, s, d, shape = m.groups()
+    if kind == CONTROL and shape is not None:
+        return None
+    return BranchName(kind, int(s), int(d), shape)
+
+
+def control_of(branch: str | None) -> str | None:
+    """The control twin of a cooldown branch (``cooldown-s8-d4-1-sqrt`` -> ``control-s8-d4``); None when
+    ``branch`` is not a cooldown branch."""
+    b = parse_branch(branch)
+    return control_branch(b.from_step, b.decay_steps) if b is not None and b.kind == COOLDOWN else None
+
+
+def is_cooldown(branch: str | None) -> bool:
+    """Whether ``branch`` is named as a cooldown branch."""
+    b = parse_branch(branch)
+    return b is not None and b.kind == COOLDOWN
+
+
+def is_control(branch: str | None) -> bool:
+    """Whether ``branch`` is named as a constant-LR control twin."""
+    b = parse_branch(branch)
+    return b is not None and b.kind == CONTROL
+
+
+# ------------------------------------------------------------------ reading numbers
+
+
+def number(v) -> float | None:
+    """A stored value as a number: a finite real (int or float, numpy scalars included) as float; None for
+    anything else — missing, null, a bool, text, NaN or ±inf (see the module docstring)."""
+    if v is None or isinstance(v, bool) or not isinstance(v, numbers.Real):
+        return None
+    f = float(v)
+    return f if math.isfinite(f) else None
+
+
+# ------------------------------------------------------------------ derived quantities
+
+
+def rel_delta_ce(row: dict) -> float | None:
+    """Δ CE / CE(FP): the row's ``rel_delta_ce``, else ``delta_ce / ce_fp`` (rows written before the field);
+    None when neither can be read."""
+    v = number(row.get("rel_delta_ce"))
+    if v is not None:
+        return v
+    d, fp = number(row.get("delta_ce")), number(row.get("ce_fp"))
+    return d / fp if d is not None and fp else None
+
+
+EVAL = "evaluation windows"
+"""``uncertainty_dominant`` when the evaluation windows' SE is the larger part."""
+RUN = "quantization run"
+"""``uncertainty_dominant`` when the run-to-run part SD_run/√R is the larger."""
+
+
+def combined_se(eval_se: float, run_sd: float | None, repeats: int) -> float:
+    """sqrt(SE_eval² + SD_run² / R): the uncertainty of a Δ CE averaged over R quantizations (SD_run None:
+    not measured, the evaluation SE alone)."""
+    return math.sqrt(eval_se ** 2 + (run_sd or 0.0) ** 2 / repeats)
+
+
+def dominant(eval_se: float, run_se: float | None) -> str:
+    """Which part of an uncertainty is the larger: RUN when run_se exceeds eval_se, else EVAL (also when the
+    run-to-run part was not measured)."""
+    return RUN if run_se is not None and run_se > eval_se else EVAL
+
+
+def repeats(row: dict) -> int:
+    """R, the number of quantizations the row's Δ CE averages (1 when absent)."""
+    r = number(row.get("quant_repeats"))
+    return int(r) if r and r >= 1 else 1
+
+
+@dataclass(frozen=True)
+class Uncertainty:
+    """The parts of a Δ CE's uncertainty and their combination.
+
+    A ptq row's ``delta_ce_se`` is the paired SE over evaluation windows; it is blind to what re-quantizing
+    the same checkpoint changes (calibration draw, float order), which a row measures when it repeats the
+    quantization R times (``quant_repeats``, ``delta_ce_run_sd``). The uncertainty of the mean is
+    SE_total = sqrt(SE_eval² + SD_run² / R); every error bar and every verdict uses it."""
+
+    eval_se: float
+    """Paired SE over evaluation windows (``<prefix>_se``; 0 when missing)."""
+    run_sd: float | None
+    """SD over the R repeated quantizations (None when R = 1: not measured)."""
+    repeats: int
+    """R."""
+    total_se: float
+    """The combined SE: the row's stored ``<prefix>_total_se`` when it has one, else combined_se()."""
+
+    @property
+    def run_se(self) -> float | None:
+        """The run-to-run part of the SE of the mean, SD_run / √R (None when not measured)."""
+        return None if self.run_sd is None else self.run_sd / math.sqrt(self.repeats)
+
+    @property
+    def dominant(self) -> str:
+        """RUN when SD_run/√R exceeds the evaluation SE, else EVAL."""
+        return dominant(self.eval_se, self.run_se)
+
+
+def uncertainty(row: dict, prefix: str = "delta_ce") -> Uncertainty:
+    """The uncertainty of ``row[prefix]`` (``delta_ce``, or ``kl`` with ``kl_se``/``kl_run_sd``).
+
+    A stored ``<prefix>_total_se`` is taken as it is (the writer's own combination); otherwise it is
+    combined from the parts, missing parts counting as 0 (a verdict treats a total of 0 as unknown)."""
+    eval_se = number(row.get(f"{prefix}_se")) or 0.0
+    R = repeats(row)
+    sd = number(row.get(f"{prefix}_run_sd")) if R > 1 else None
+    stored = number(row.get(f"{prefix}_total_se"))
+    return Uncertainty(eval_se, sd, R, stored if stored is not None else combined_se(eval_se, sd, R))
+
+
+def total_se(row: dict, prefix: str = "delta_ce") -> float:
+    """The error bar of ``row[prefix]``: its combined uncertainty (:class:`Uncertainty`)."""
+    return uncertainty(row, prefix).total_se
+
+
+def rel_delta_ce_se(row: dict) -> float:
+    """The error bar of rel_delta_ce: total_se / CE(FP) (0 without CE(FP))."""
+    fp = number(row.get("ce_fp"))
+    return total_se(row) / fp if fp else 0.0

@@ -1,0 +1,122 @@
+"""results/schema.py: the field table covers what the writers write, keys and calibration identity are the
+ones stored rows already carry, one builder and one parser of branch names, the one rule for reading a
+stored number, rel_delta_ce and the combined SE — and old rows read without an error."""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from quantdyn.errors import QuantdynError
+from quantdyn.results import schema
+from quantdyn.results.schema import (
+    cooldown_branch,
+    control_branch,
+    control_of,
+    describe,
+    is_control,
+    is_cooldown,
+    number,
+    parse_branch,
+    undocumented,
+)
+from quantdyn.train.schedules import DECAY_SHAPES
+
+
+# ------------------------------------------------------------------ the field table
+def test_every_kind_lists_documented_fields_and_no_name_means_two_things():
+    names = [f.name for g in schema.GROUPS for f in g]
+    assert len(names) == len(set(names)) == len(schema.FIELDS)
+    assert set(schema.ROW_KINDS) == {"ptq", "fp", "qat", "analysis", "accuracy", "interpolation", "scaling"}
+    for kind in schema.ROW_KINDS.values():
+        assert {"key", "kind"} <= set(kind.fields) and kind.meaning and kind.written_by and kind.key
+        for name in kind.fields:
+            assert describe(name).meaning
+    assert all(f.meaning.strip() and f.type.strip() for f in schema.FIELDS.values())
+
+
+def test_varying_fields_match_their_patterns_and_unknown_names_are_refused():
+    assert describe("prop_R_final__gptq3g64").name == "prop_R_final__<quantizer>"
+    assert describe("act_mmr_token_max").name == "act_<metric>_<mean|max>"
+    assert describe("beta_lo").name.endswith("_lo")
+    assert undocumented({"weight_mmr_median": 1, "x_lo": 2, "delta_ce": 0.1}) == ["weight_mmr_median", "x_lo"]
+    assert undocumented({"kind": "fp", "ce_fp": 4.0, "delta_ce": 0.1, "hessian_trace": 1.0}) == ["delta_ce", "hessian_trace"]
+    assert undocumented({"kind": "analysis", "act_kurtosis_max": 3.0, "prop_B_sum__rtn2": 0.1}) == []
+    with pytest.raises(QuantdynError, match="did you mean 'delta_ce'"):
+        describe("delta_cee")
+
+
+def test_ptq_fields_of_a_measurement_are_all_documented():
+    from quantdyn.engine.rows import ptq_fields
+    from quantdyn.engine.measure import MeasureConfig
+    from quantdyn.quantize.config import parse_quantizer
+
+    w = torch.linspace(0.01, 0.05, 8, dtype=torch.float64)
+    metrics = {"ce_fp": 4.0, "ce_q": 4.03, "delta_ce": 0.03, "delta_ce_se": 0.002, "rel_delta_ce": 0.0075,
+               "delta_ppl": 1.6, "kl": 0.02, "kl_se": 0.001, "top1_agree": 0.95, "n_windows": 8,
+               "window_delta": [float(v) for v in w]}
+    quant = SimpleNamespace(rows=[{"loss": 1.0}], seconds=0.5, n_calibration=4)
+    labels = ["gptq3", "gptq3#r1", "gptq3#r2"]
+    m = SimpleNamespace(metrics={x: {**metrics, "delta_ce": 0.03 + 0.001 * k} for k, x in enumerate(labels)},
+                        quantizations={x: quant for x in labels}, t_eval=1.0, dtype="float32")
+    qc = parse_quantizer("gptq3")
+    for R in (1, 3):
+        row = {"key": "k", "kind": "ptq", **ptq_fields("gptq3", qc, m, MeasureConfig(), 2, R)}
+        assert undocumented(row) == []
+    assert row["delta_ce_total_se"] == pytest.approx(schema.combined_se(row["delta_ce_se"], 0.001, 3))
+    assert row["uncertainty_dominant"] == schema.EVAL  # SD 0.001 / √3 < SE of the windows
+
+
+# ------------------------------------------------------------------ keys
+def test_keys_and_calibration_identity_are_those_stored_rows_carry():
+    # literal values: a change here would make every stored row unreachable by reruns
+    assert schema.row_key("abc123", "ptq:deadbeef:0123456789ab", "e0") == "96da8b3e91862d9934a7c192"
+    assert schema.calib_hash("d4t4", 128, 2048, 0) == "95a2fbde708f"
+    assert schema.row_key("a", "fp", "e") != schema.row_key("a", "fp", "f")
+
+
+# ------------------------------------------------------------------ branch names
+@pytest.mark.parametrize("shape", sorted(DECAY_SHAPES))
+def test_one_builder_and_one_parser_of_branch_names(shape):
+    for s, d in ((1, 1), (200, 100), (143000, 7)):
+        name, ctrl = cooldown_branch(s, d, shape), control_branch(s, d)
+        assert parse_branch(name) == schema.BranchName("cooldown", s, d, shape)
+        assert parse_branch(ctrl) == schema.BranchName("control", s, d, None)
+        assert control_of(name) == ctrl and control_of(ctrl) is None
+        assert is_cooldown(name) and not is_control(name) and is_control(ctrl) and not is_cooldown(ctrl)
+    assert cooldown_branch(8, 4, "1-sqrt") == "cooldown-s8-d4-1-sqrt"
+
+
+def test_names_that_are_not_cooldowns_or_controls_parse_to_none():
+    for name in ("main", "lawa-k4-p2-offline", "soup-cooldowns", "ema", "control-s8-d4-linear", "cooldown-sx-d4-a",
+                 "", None, "ingredient1"):
+        assert parse_branch(name) is None and control_of(name) is None
+        assert not is_control(name) and not is_cooldown(name)
+    assert parse_branch("cooldown-s8-d4") == schema.BranchName("cooldown", 8, 4, None)  # unshaped: still a cooldown
+    with pytest.raises(QuantdynError):
+        cooldown_branch(8, 4, "")
+
+
+# ------------------------------------------------------------------ reading numbers and derived quantities
+def test_number_reads_finite_reals_only():
+    assert number(3) == 3.0 and number(0.5) == 0.5 and number(np.float32(0.25)) == 0.25 and number(np.int64(2)) == 2
+    for v in (None, True, False, "0.5", float("nan"), float("inf"), -math.inf, [1.0], {"a": 1}):
+        assert number(v) is None
+
+
+def test_rel_delta_ce_and_combined_se_read_old_rows():
+    assert schema.rel_delta_ce({"rel_delta_ce": 0.123, "delta_ce": 1.0, "ce_fp": 2.0}) == 0.123
+    assert schema.rel_delta_ce({"delta_ce": 1.0, "ce_fp": 2.5}) == pytest.approx(0.4)  # before the field
+    assert schema.rel_delta_ce({"rel_delta_ce": float("nan"), "delta_ce": 1.0, "ce_fp": 2.0}) == 0.5
+    assert schema.rel_delta_ce({"delta_ce": 1.0}) is None and schema.rel_delta_ce({"delta_ce": 1.0, "ce_fp": 0}) is None
+    r = {"delta_ce": 0.5, "delta_ce_se": 0.003, "quant_repeats": 4, "delta_ce_run_sd": 0.02}
+    u = schema.uncertainty(r)
+    assert u.total_se == pytest.approx(math.sqrt(0.003 ** 2 + 0.02 ** 2 / 4)) and u.run_se == pytest.approx(0.01)
+    assert u.dominant == schema.RUN and schema.total_se({**r, "delta_ce_total_se": 0.5}) == 0.5
+    old = schema.uncertainty({"delta_ce": 0.5})  # no SE, no repeats: reads, as zeros and R = 1
+    assert (old.eval_se, old.run_sd, old.repeats, old.total_se, old.dominant) == (0.0, None, 1, 0.0, schema.EVAL)
+    assert schema.repeats({"quant_repeats": "3"}) == 1 and schema.repeats({"quant_repeats": 3}) == 3
+    assert schema.rel_delta_ce_se({**r, "ce_fp": 2.0}) == pytest.approx(schema.total_se(r) / 2.0)
