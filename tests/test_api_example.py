@@ -16,7 +16,9 @@ def test_api_quickstart_example(tmp_path):
     spec.loader.exec_module(mod)
     out = mod.main(["--steps", "16", "--out", str(tmp_path)])
     assert [b.name for b in out["branches"]] == ["cooldown-s8-d4-linear", "control-s8-d4"]
-    assert out["row"]["quantizer"] == "gptq3g32" and out["row"]["delta_ce_total_se"] > 0
+    res = out["result"]
+    assert [r["quantizer"] for r in res.rows] == ["gptq3g32", "rtn4"] and res.out is None
+    assert all(m["delta_ce_total_se"] > 0 for m in res.metrics.values())
     rows = ResultStore(tmp_path / "results").rows()
     df = out["rows"]
     assert sorted(df["key"]) == sorted(r["key"] for r in rows)

@@ -1,9 +1,10 @@
-"""Commands about public training trajectories: trajectories (the presets `sweep --preset` visits)."""
+"""``quantdyn trajectories``: the public-trajectory presets that `sweep --preset` visits."""
 from __future__ import annotations
 
 import typer
 
-from quantdyn.cli.app import app, echo_json
+from quantdyn.cli import options as opt
+from quantdyn.cli.app import command, echo_json
 
 
 def _count(v: int | None) -> str:
@@ -29,14 +30,14 @@ def _summary(p) -> dict:
             "unverified": len(p.unverified)}
 
 
-@app.command()
+@command()
 def trajectories(
     name: str | None = typer.Argument(None, help="A preset to show in full (revisions, phases, sources)."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    as_json: bool = opt.as_json("the presets as JSON"),
 ):
-    """List the public-trajectory presets (family, size, revisions known, schedule in one line), or show one.
+    """List the public-trajectory presets, or show one in full.
 
-    Sweep one with `quantdyn sweep --preset NAME [--every N | --log-spaced K | --tokens-range A:B] [--dry-run]`,
+    The list gives each preset's family, size, revisions known and schedule in one line. Sweep one with `quantdyn sweep --preset NAME [--every N | --log-spaced K | --tokens-range A:B] [--dry-run]`,
     or in a sweep spec: `trajectory: {preset: NAME, select: {log_spaced: 12}}`."""
     from quantdyn.sources.presets import get_preset, load_presets
 

@@ -158,10 +158,33 @@ def evict_revision(repo: str, revision: str) -> int:
     return 0
 
 
-
-
 # ------------------------------------------------------------------- references
 _HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "tokenizer*"]
+"""The files of a hub revision that quantdyn downloads (snapshot_download's allow_patterns)."""
+
+
+def _wanted(name: str) -> bool:
+    import fnmatch
+
+    return any(fnmatch.fnmatch(name, pat) for pat in _HUB_FILES)
+
+
+def revision_size(repo: str, revision: str) -> int | None:
+    """Bytes of the files quantdyn reads from ``repo@revision``: from the local HF cache when it holds the
+    revision, else from the hub's file list (one request); None when neither can tell (offline, unreachable)."""
+    snap = cached_snapshot(repo, revision)
+    if snap is not None:
+        return sum(f.stat().st_size for f in snap.rglob("*") if f.is_file() and _wanted(f.relative_to(snap).as_posix()))
+    if hub_offline():
+        return None
+    from huggingface_hub import HfApi
+
+    try:
+        info = HfApi().model_info(repo, revision=revision, files_metadata=True, timeout=10)
+    except (*_network_errors(), ValueError):
+        return None
+    sizes = [s.size for s in info.siblings or [] if _wanted(s.rfilename)]
+    return sum(sizes) if sizes and None not in sizes else None
 
 
 def is_hub_ref(ref: str) -> bool:

@@ -366,7 +366,7 @@ def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
         on_layer = (lambda label, full, res, m: collect[label].__setitem__(full, m.weight.detach().cpu().clone())
                     if label in collect else None) if collect else None
         m = measure(weights, variants, ctx.eval_ids, calib, device=ctx.device, cfg=ctx.mcfg, on_layer=on_layer,
-                    progress=(lambda line: ctx.block_echo(f"{p.ref}: pass {g + 1}/{len(groups)} {line}"))
+                    on_block=(lambda line: ctx.block_echo(f"{p.ref}: pass {g + 1}/{len(groups)} {line}"))
                     if ctx.block_echo else None)
         base["n_params"] = m.n_params
         rows = []
