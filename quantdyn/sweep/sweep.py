@@ -262,7 +262,8 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True,
     # offline, revisions that still need work must be cached: one line before any work (measured ones may be gone)
     require_available([p for p in mine if not p.is_local and not _point_done(ctx, p)])
     keep = points[0].ref  # the tokenizer's revision: never evicted
-    for p in counted(mine, desc=f"sweep {i}/{n}", enabled=progress, unit="ckpt"):
+    desc = "sweep" if n == 1 else f"sweep shard {i}/{n}"  # the --shard i/n spelling
+    for p in counted(mine, desc=desc, enabled=progress, unit="ckpt"):
         t0 = time.perf_counter()
         try:
             w, s = _sweep_point(ctx, p)
