@@ -290,7 +290,7 @@ def run_study(spec: StudySpec | dict, progress: bool = True, echo: Echo = print)
         t4 = time.perf_counter()
         for k, a, b in (("train", t0, t1), ("cooldowns", t1, t2), ("averages", t2, t3), ("sweep", t3, t4)):
             seconds[k] += b - a
-        vals = [r["val_loss"] for r in read_metrics(run_dir) if "val_loss" in r]
+        vals = [r["val/loss"] for r in read_metrics(run_dir) if "val/loss" in r]
         summary.append({"run_dir": run_dir, "cfg": cfg, "counts": counts, "val": (vals[0], vals[-1]) if vals else None})
     if not summary:
         raise QuantdynError("every run of the study diverged; lower the peak LR (run.optim.lr or vary)")
