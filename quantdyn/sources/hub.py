@@ -125,13 +125,6 @@ def list_revisions(repo: str, pattern: str) -> list[str]:
     return found
 
 
-def require_revision(repo: str, revision: str) -> None:
-    """Offline, one line naming repo and revision when the HF cache lacks it (call before loading)."""
-    if hub_offline() and cached_snapshot(repo, revision) is None:
-        raise QuantdynError(f"revision '{revision}' of '{repo}' is not in the local HF cache and HF_HUB_OFFLINE=1: "
-                            f"download it (`hf download {repo} --revision {revision}`) or unset HF_HUB_OFFLINE")
-
-
 def evict_revision(repo: str, revision: str) -> int:
     """Delete one revision's files from the HF cache (snapshot, its refs, blobs no other revision uses).
 

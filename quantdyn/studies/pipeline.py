@@ -29,7 +29,8 @@ from quantdyn.results.store import ResultStore
 from quantdyn.runtime import git_sha, hardware, resolve_device
 from quantdyn.sources.trajectory import TrajectoryConfig
 from quantdyn.studies import findings as fd
-from quantdyn.studies.section import findings_section, write_findings, write_report_with
+from quantdyn.report.html import write_report
+from quantdyn.studies.section import findings_section, write_findings
 from quantdyn.studies.spec import StudySpec, demo_spec, spec_from_dict
 from quantdyn.sweep.sweep import run_sweep, sweep_data
 from quantdyn.train.branches import cooldown
@@ -314,8 +315,8 @@ def run_study(spec: StudySpec | dict, progress: bool = True, echo: Echo = print)
             fp_windows.update(fp_window_losses(spec, s["run_dir"], cks, report_dir / "fp_windows.json"))
     found, details = compute_findings(spec, rows, runs, fp_windows)
     notes = [f"{name} diverged: {msg}" for name, msg in diverged.items()]
-    section, block = write_findings(report_dir, spec, found, details, notes)
-    page = write_report_with(store, report_dir, findings_section(found, spec), block)
+    section = write_findings(report_dir, spec, found, details, notes)
+    page = write_report(store, report_dir, extra_sections=[findings_section(found, spec)])
     echo("")
     for s in summary:
         mine = [r for r in rows if r.get("run") == s["cfg"].name]

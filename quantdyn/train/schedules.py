@@ -270,11 +270,6 @@ def schedule_lr(x: float, sched: PhaseSchedule) -> float:
     return schedule_state(x, sched)[0]
 
 
-def schedule_phase(x: float, sched: PhaseSchedule) -> str:
-    """The label of the phase at position ``x``."""
-    return schedule_state(x, sched)[1]
-
-
 def schedule_decaying(x: float, sched: PhaseSchedule, peak: float | None = None) -> bool:
     """Whether the LR at ``x`` is decayed: past warmup, below the peak and not held by a floor."""
     return schedule_state(x, sched, peak)[2]
