@@ -75,10 +75,10 @@ def test_quantize_quantdyn_checkpoint_table_and_errors(tmp_path, kjv_small, cli)
     table = cli("quantize", ck, "--method", "rtn", "--bits", "3", "--group-size", "0", *short)
     assert table.returncode == 0 and "quantizer rtn3g0 " in table.stdout  # the long flags name the same quantizer
     for args, msg in [(["--quantizers", "rtn4", "--bits", "3"], "give the quantizer once: --quantizers LABELS or --bits"),
-                      (["--quantizers", "rtn3,rtn4", "--out", str(tmp_path / "o")], "--out writes one quantized model"),
+                      (["--quantizers", "rtn3,rtn4", "--out", str(tmp_path / "o")], "--out writes the model of one quantizer"),
                       (["--quantizers", "rtn4,rtn4g128"], "given twice"),
                       (["--quantizers", "rtm4"], "did you mean 'rtn'"),
-                      (["--export", "gptq"], "--export and --push-to-hub need --out DIR")]:
+                      (["--export", "gptq"], "--export and --push-to-hub need --out, the directory")]:
         r = cli("quantize", ck, *args, *short)
         assert r.returncode == 2 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert not (tmp_path / "o").exists()

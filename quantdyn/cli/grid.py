@@ -13,6 +13,7 @@ GRID = "Grid"
 
 
 @command()
+@opt.slurm_options
 def grid(
     config: Path = typer.Argument(..., help="Base run config YAML."),
     overrides: Optional[List[str]] = typer.Argument(None, help="key=value overrides of the base config"),
@@ -24,21 +25,9 @@ def grid(
                                             rich_help_panel=GRID),
     dry_run: bool = typer.Option(False, "--dry-run", help="Show the expansion only.", rich_help_panel=GRID),
     nproc: int = typer.Option(1, "--nproc-per-node", help="Training processes (GPUs) per run.", rich_help_panel=GRID),
-    slurm: bool = typer.Option(False, "--slurm", help="Write GRID_DIR/grid.sbatch (one array task per run) and "
+    script: bool = typer.Option(False, "--slurm", help="Write GRID_DIR/grid.sbatch (one array task per run) and "
                                "torchrun commands instead of running.", rich_help_panel=opt.SLURM),
-    submit: bool = opt.SUBMIT,
-    partition: str = opt.PARTITION,
-    time_limit: str = opt.TIME,
-    account: str = opt.ACCOUNT,
-    qos: str = opt.QOS,
-    gpus: int = opt.GPUS,
-    cpus: int = opt.CPUS,
-    mem_gb: int = opt.MEM_GB,
-    max_parallel: int = opt.MAX_PARALLEL,
-    constraint: str = opt.CONSTRAINT,
-    sbatch_extra: Optional[List[str]] = opt.SBATCH,
-    setup: Optional[List[str]] = opt.SETUP,
-    cluster: str = opt.CLUSTER,
+    slurm: opt.SlurmOptions = None,
     quiet: bool = opt.quiet("Print nothing while training (one line per run at the end)."),
     verbose: bool = opt.verbose(),
 ):
@@ -51,21 +40,20 @@ def grid(
     from quantdyn.train.loggers import console_mode
 
     mode = console_mode(quiet, verbose)
-    sl = opt.slurm_config(partition, time_limit, account, qos, gpus, cpus, mem_gb, max_parallel, constraint,
-                          sbatch_extra, setup, nproc_per_node=nproc)
+    sl = slurm.config(nproc_per_node=nproc)
     base = apply_overrides(load_yaml(config), overrides or [])
     gdir = grid_dir or Path(base.get("out_dir", "runs")) / f"{base.get('name', 'run')}-grid"
     if dry_run:
         typer.echo(format_grid(grid_manifest(base, vary, seeds, gdir)))
         return
-    opt.require_sbatch(submit, cluster)
+    opt.require_sbatch(slurm.submit, slurm.cluster)
     write_grid(base, vary, seeds, gdir)
-    if slurm or submit:
+    if script or slurm.submit:
         sb, cmds = write_launch_scripts(gdir, sl)
-        if not submit:
+        if not slurm.submit:
             typer.echo(f"wrote {sb} and {cmds}; submit with: sbatch {sb}")
             return
-        jobs = submit_grid(gdir, sl, cluster=cluster)
+        jobs = submit_grid(gdir, sl, cluster=slurm.cluster)
         typer.echo(f"submitted {len(jobs)} runs" + (f" (job {jobs[0].job_id.split('_')[0]})" if jobs else
                                                      " (every run already finished)") + f"; logs in {gdir / 'submitit'}")
         return

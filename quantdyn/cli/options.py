@@ -3,12 +3,16 @@
 ``--quantizers`` (quantizer labels, comma-separated), ``--store`` (a results store directory), ``--out`` (where
 the command writes its output: a file or a directory, said per command), ``--device`` (where to compute),
 ``--json``, ``--quiet``, ``--verbose``, and the SLURM options of the commands that can run on a cluster
-(``grid``, ``sweep``); ``slurm_config`` turns those into a ``launch.slurm.SlurmConfig``.  Each factory
+(``grid``, ``sweep``: the :func:`slurm_options` decorator adds them, and ``SlurmOptions.config`` turns them into
+a ``launch.slurm.SlurmConfig``).  Each factory
 returns a fresh typer option; ``panel`` names the help section the option is listed in (app.SectionedCommand).
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional
 
 import typer
 
@@ -68,14 +72,60 @@ SUBMIT = typer.Option(False, "--submit", help="Submit the array through submitit
 CLUSTER = typer.Option("slurm", "--cluster", hidden=True, help="submitit cluster (local: run here, for tests).")
 
 
-def slurm_config(partition: str, time_limit: str, account: str, qos: str, gpus: int, cpus: int, mem_gb: int,
-                 max_parallel: int, constraint: str, sbatch_extra: Optional[List[str]], setup: Optional[List[str]],
-                 nproc_per_node: int = 1):
-    from quantdyn.launch.slurm import SlurmConfig
+_SLURM_PARAMS: tuple[tuple[str, Any, Any], ...] = (
+    ("submit", bool, SUBMIT), ("partition", str, PARTITION), ("time_limit", str, TIME), ("account", str, ACCOUNT),
+    ("qos", str, QOS), ("gpus", int, GPUS), ("cpus", int, CPUS), ("mem_gb", int, MEM_GB),
+    ("max_parallel", int, MAX_PARALLEL), ("constraint", str, CONSTRAINT), ("sbatch_extra", Optional[List[str]], SBATCH),
+    ("setup", Optional[List[str]], SETUP), ("cluster", str, CLUSTER),
+)
 
-    return SlurmConfig(partition=partition, time=time_limit, account=account, qos=qos, gpus_per_node=gpus,
-                       cpus_per_task=cpus, mem_gb=mem_gb, nproc_per_node=nproc_per_node, max_parallel=max_parallel,
-                       constraint=constraint, extra_sbatch=tuple(sbatch_extra or ()), setup=tuple(setup or ()))
+
+@dataclass(frozen=True)
+class SlurmOptions:
+    """The SLURM options of one command line (what :func:`slurm_options` hands the command)."""
+
+    submit: bool
+    partition: str
+    time_limit: str
+    account: str
+    qos: str
+    gpus: int
+    cpus: int
+    mem_gb: int
+    max_parallel: int
+    constraint: str
+    sbatch_extra: Optional[List[str]]
+    setup: Optional[List[str]]
+    cluster: str
+
+    def config(self, nproc_per_node: int = 1):
+        """The ``launch.slurm.SlurmConfig`` of these options (checked: a bad time limit is one line)."""
+        from quantdyn.launch.slurm import SlurmConfig
+
+        return SlurmConfig(partition=self.partition, time=self.time_limit, account=self.account, qos=self.qos,
+                           gpus_per_node=self.gpus, cpus_per_task=self.cpus, mem_gb=self.mem_gb,
+                           nproc_per_node=nproc_per_node, max_parallel=self.max_parallel, constraint=self.constraint,
+                           extra_sbatch=tuple(self.sbatch_extra or ()), setup=tuple(self.setup or ()))
+
+
+def slurm_options(command: Callable) -> Callable:
+    """Decorate a command with the SLURM options (grid and sweep: one definition of the flags): typer sees them
+    as the command's parameters in place of its ``slurm`` parameter, and the command receives them as one
+    ``slurm: SlurmOptions`` argument."""
+    sig = inspect.signature(command, eval_str=True)
+    params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in sig.parameters.values()]
+    at = [p.name for p in params].index("slurm")
+    names = [name for name, _, _ in _SLURM_PARAMS]
+    added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=tp)
+             for name, tp, info in _SLURM_PARAMS]
+
+    @functools.wraps(command)
+    def run(**kwargs):
+        slurm = SlurmOptions(**{name: kwargs.pop(name) for name in names})
+        return command(**kwargs, slurm=slurm)
+
+    run.__signature__ = sig.replace(parameters=params[:at] + added + params[at + 1:])
+    return run
 
 
 def require_sbatch(submit: bool, cluster: str) -> None:

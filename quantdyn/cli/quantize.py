@@ -11,6 +11,10 @@ from quantdyn.cli.app import command, deprecated, echo_json
 from quantdyn.errors import QuantdynError
 
 QUANTIZER, DATA, OUTPUT, ENGINE = "Quantizer", "Data", "Output", "Engine"
+FLAGS = {"quantizers": "--quantizers", "out": "--out", "export": "--export", "export_options": "--export-option",
+         "push_to_hub": "--push-to-hub", "repeats": "--repeats", "n_eval_tokens": "--eval-tokens",
+         "eval_seq_len": "--eval-seq-len", "n_calib_samples": "--calib-samples"}
+"""The flags quantize_one's request checks name in their errors."""
 
 
 @command()
@@ -67,7 +71,7 @@ def quantize(
     """
     from quantdyn.engine.measure import MeasureConfig
     from quantdyn.quantize.config import parse_quantizer, quant_preset
-    from quantdyn.sweep.quantize_one import quantize_one
+    from quantdyn.sweep.quantize_one import check_request, quantize_one
 
     if save is not None:
         if out is not None and out != save:
@@ -89,21 +93,8 @@ def quantize(
         if preset:
             deprecated("quantize --preset", f"write the preset into the label: --quantizers {qcs[0].name}")
     options = _export_options(export_option)
-    if len(qcs) > 1 and (out is not None or export or push_to_hub):
-        raise QuantdynError(f"--out writes one quantized model, but {len(qcs)} quantizers are given "
-                            f"({', '.join(q.name for q in qcs)}); give one with --quantizers")
-    if (export or push_to_hub) and out is None:
-        raise QuantdynError("--export and --push-to-hub need --out DIR for the exported checkpoint")
-    if options and not export:
-        raise QuantdynError("--export-option sets an option of an export: add --export gptq|compressed-tensors")
-    if push_to_hub and not export:
-        raise QuantdynError("--push-to-hub uploads an export: add --export gptq|compressed-tensors")
-    if repeats < 1:
-        raise QuantdynError(f"--repeats {repeats} must be >= 1")
-    if eval_tokens < eval_seq_len:
-        raise QuantdynError(f"--eval-tokens {eval_tokens} is less than one window of --eval-seq-len {eval_seq_len}")
-    if calib_samples < 1:
-        raise QuantdynError(f"--calib-samples {calib_samples} must be >= 1 (the calibration set is empty)")
+    check_request(qcs, out=out, export=export, export_options=options, push_to_hub=push_to_hub, repeats=repeats,
+                  n_eval_tokens=eval_tokens, eval_seq_len=eval_seq_len, n_calib_samples=calib_samples, names=FLAGS)
     result = quantize_one(model, qcs, calib_data=calib_data, n_calib_samples=calib_samples,
                           calib_seq_len=calib_seq_len, eval_data=eval_data, n_eval_tokens=eval_tokens,
                           eval_seq_len=eval_seq_len, tokenizer=tokenizer, out=out, export=export,

@@ -15,6 +15,7 @@ TRAJECTORY, SELECT, QUANTIZERS, ENGINE, OUTPUT = ("Trajectory", "Checkpoint sele
 
 
 @command()
+@opt.slurm_options
 def sweep(
     spec: Optional[Path] = typer.Argument(None, help="Sweep spec YAML (the options below override it)."),
     run: Optional[str] = typer.Option(None, "--run", help="A quantdyn run directory (with its branches).",
@@ -59,23 +60,11 @@ def sweep(
                                         "(default: torchrun rank or SLURM array task).", rich_help_panel=OUTPUT),
     evict: bool = typer.Option(False, "--evict", help="Delete each hub revision from the HF cache once its rows are "
                                "stored.", rich_help_panel=OUTPUT),
-    slurm: bool = typer.Option(False, "--slurm", help="Write STORE/slurm/sweep.sbatch (one array task per shard) "
+    script: bool = typer.Option(False, "--slurm", help="Write STORE/slurm/sweep.sbatch (one array task per shard) "
                                "instead of running.", rich_help_panel=opt.SLURM),
     shards: int = typer.Option(1, "--shards", help="Array tasks, each sweeping every n-th checkpoint into the store.",
                                rich_help_panel=opt.SLURM),
-    submit: bool = opt.SUBMIT,
-    partition: str = opt.PARTITION,
-    time_limit: str = opt.TIME,
-    account: str = opt.ACCOUNT,
-    qos: str = opt.QOS,
-    gpus: int = opt.GPUS,
-    cpus: int = opt.CPUS,
-    mem_gb: int = opt.MEM_GB,
-    max_parallel: int = opt.MAX_PARALLEL,
-    constraint: str = opt.CONSTRAINT,
-    sbatch_extra: Optional[List[str]] = opt.SBATCH,
-    setup: Optional[List[str]] = opt.SETUP,
-    cluster: str = opt.CLUSTER,
+    slurm: opt.SlurmOptions = None,
     quiet: bool = opt.quiet("No progress; the summary line and errors only."),
     verbose: bool = opt.verbose("Also a line per decoder block and per checkpoint."),
 ):
@@ -118,9 +107,8 @@ def sweep(
     if not spec and not traj:
         raise QuantdynError("give a sweep spec YAML or a trajectory (--run, --checkpoint, --hub or --preset)")
     cfg = from_dict(SweepConfig, data)
-    if slurm or submit:
-        return _sweep_on_slurm(cfg, shard, shards, submit, cluster, opt.slurm_config(
-            partition, time_limit, account, qos, gpus, cpus, mem_gb, max_parallel, constraint, sbatch_extra, setup))
+    if script or slurm.submit:
+        return _sweep_on_slurm(cfg, shard, shards, slurm)
     if dry_run:
         for line in dry_run_report(cfg):
             typer.echo(line)
@@ -170,7 +158,7 @@ def dry_run_report(cfg) -> list[str]:
     return lines
 
 
-def _sweep_on_slurm(cfg, shard, shards: int, submit: bool, cluster: str, slurm_cfg) -> None:
+def _sweep_on_slurm(cfg, shard, shards: int, slurm: opt.SlurmOptions) -> None:
     """Write the resolved sweep as STORE/slurm/sweep.yaml and an sbatch array over its shards, or submit it."""
     import yaml
 
@@ -182,16 +170,16 @@ def _sweep_on_slurm(cfg, shard, shards: int, submit: bool, cluster: str, slurm_c
         raise QuantdynError("--slurm sets --shard itself (one shard per array task); drop --shard and give --shards")
     if shards < 1:
         raise QuantdynError(f"--shards {shards} must be >= 1")
-    opt.require_sbatch(submit, cluster)
+    opt.require_sbatch(slurm.submit, slurm.cluster)
     folder = Path(cfg.store) / "slurm"
     spec = folder / "sweep.yaml"
     write_text_atomic(spec, "# the sweep each array task runs (written by quantdyn sweep --slurm)\n"
                       + yaml.safe_dump(to_dict(cfg), sort_keys=False))
     args = [str(spec.resolve()), "--quiet"]
-    if submit:
-        jobs = submit_sweep(args, shards, slurm_cfg, folder / "submitit", cluster=cluster)
+    if slurm.submit:
+        jobs = submit_sweep(args, shards, slurm.config(), folder / "submitit", cluster=slurm.cluster)
         typer.echo(f"submitted {len(jobs)} shards; rows go to {cfg.store}; logs in {folder / 'submitit'}")
         return
     script = folder / "sweep.sbatch"
-    write_text_atomic(script, sweep_script(args, shards, slurm_cfg, workdir="."))
+    write_text_atomic(script, sweep_script(args, shards, slurm.config(), workdir="."))
     typer.echo(f"wrote {script} ({shards} array tasks) and {spec}; submit with: sbatch {script}")

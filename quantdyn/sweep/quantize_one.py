@@ -110,6 +110,38 @@ def _configs(quantizers: QuantizerSpec | Sequence[QuantizerSpec]) -> list[QuantC
     return qcs
 
 
+PARAMETERS = {"quantizers": "quantizers", "out": "out", "export": "export", "export_options": "export_options",
+              "push_to_hub": "push_to_hub", "repeats": "repeats", "n_eval_tokens": "n_eval_tokens",
+              "eval_seq_len": "eval_seq_len", "n_calib_samples": "n_calib_samples"}
+"""How :func:`check_request` names the parameters in its errors (the command line passes its flags instead)."""
+
+
+def check_request(qcs: Sequence[QuantConfig], *, out, export, export_options, push_to_hub, repeats: int,
+                  n_eval_tokens: int, eval_seq_len: int, n_calib_samples: int,
+                  names: Mapping[str, str] = PARAMETERS) -> None:
+    """What :func:`quantize_one` refuses before any work, each error one line naming the parameters as
+    ``names`` says."""
+    n = {**PARAMETERS, **names}
+    if out is not None and len(qcs) > 1:
+        raise QuantdynError(f"{n['out']} writes the model of one quantizer, but {len(qcs)} are given "
+                            f"({', '.join(q.name for q in qcs)}); give one in {n['quantizers']}")
+    if (export or push_to_hub) and out is None:
+        raise QuantdynError(f"{n['export']} and {n['push_to_hub']} need {n['out']}, the directory to write the "
+                            "checkpoint to")
+    if export_options and not export:
+        raise QuantdynError(f"{n['export_options']} sets options of an export format: add {n['export']} gptq or "
+                            "compressed-tensors")
+    if push_to_hub and not export:
+        raise QuantdynError(f"{n['push_to_hub']} uploads an export: add {n['export']} gptq or compressed-tensors")
+    if repeats < 1:
+        raise QuantdynError(f"{n['repeats']} {repeats} must be >= 1")
+    if n_eval_tokens < eval_seq_len:
+        raise QuantdynError(f"{n['n_eval_tokens']} {n_eval_tokens} is less than one window of "
+                            f"{n['eval_seq_len']} {eval_seq_len}")
+    if n_calib_samples < 1:
+        raise QuantdynError(f"{n['n_calib_samples']} {n_calib_samples} must be >= 1 (the calibration set is empty)")
+
+
 def quantize_one(
     model_ref: str,
     quantizers: QuantizerSpec | Sequence[QuantizerSpec] | None = None,
@@ -160,20 +192,9 @@ def quantize_one(
     qcs = _configs("gptq4" if quantizers is None else quantizers)
     cfg = measure_cfg or MeasureConfig()
     out = Path(out) if out is not None else None
-    if out is not None and len(qcs) > 1:
-        raise QuantdynError(f"out= writes the model of one quantizer, but {len(qcs)} are given "
-                            f"({', '.join(q.name for q in qcs)})")
-    if (export or push_to_hub) and out is None:
-        raise QuantdynError("an export (or a hub upload) needs out=, the directory to write the checkpoint to")
-    if export_options and not export:
-        raise QuantdynError("export_options are options of an export format: give export='gptq' or "
-                            "'compressed-tensors'")
-    if push_to_hub and not export:
-        raise QuantdynError("push_to_hub uploads an export: give export='gptq' or 'compressed-tensors'")
-    if repeats < 1:
-        raise QuantdynError(f"repeats={repeats}: quantize at least once")
-    if n_eval_tokens < eval_seq_len:
-        raise QuantdynError(f"{n_eval_tokens} evaluation tokens are less than one window of {eval_seq_len}")
+    check_request(qcs, out=out, export=export, export_options=export_options, push_to_hub=push_to_hub,
+                  repeats=repeats, n_eval_tokens=n_eval_tokens, eval_seq_len=eval_seq_len,
+                  n_calib_samples=n_calib_samples)
     dev = resolve_device(device)
     weights = open_checkpoint(model_ref)  # validated before any data is prepared
     source = LazyModel(weights, compute_dtype_of(cfg.dtype))
