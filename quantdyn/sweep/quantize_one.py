@@ -13,7 +13,7 @@ command line checks its own flags first.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -70,9 +70,12 @@ _MEASURE_KEYWORDS = {"threads": "quantize_threads", "dtype": "dtype", "max_memor
 
 def _renamed(old: dict[str, Any], kwargs: dict[str, Any], quantizers, measure_cfg):
     """The keywords of quantize_one before 0.2, each with a DeprecationWarning naming its new spelling."""
+    defaults = {"n_calib_samples": 32, "n_eval_tokens": 25600, "out": None}
     for name, value in old.items():
         if name in _OLD_KEYWORDS:
             new = _OLD_KEYWORDS[name]
+            if kwargs[new] != defaults[new]:
+                raise QuantdynError(f"give {new}= only ({name}= is its old name)")
             warnings.warn(f"quantize_checkpoint({name}=...) is now {new}=...", DeprecationWarning, stacklevel=3)
             kwargs[new] = value
         elif name not in (*_QUANTIZER_KEYWORDS, *_MEASURE_KEYWORDS):
@@ -92,8 +95,7 @@ def _renamed(old: dict[str, Any], kwargs: dict[str, Any], quantizers, measure_cf
         warnings.warn(f"quantize_checkpoint({', '.join(f'{k}=' for k in old if k in _MEASURE_KEYWORDS)}...) is now "
                       "measure_cfg=MeasureConfig(quantize_threads=..., dtype=..., max_memory=...)",
                       DeprecationWarning, stacklevel=3)
-        base = measure_cfg or MeasureConfig()
-        measure_cfg = MeasureConfig(**{**{f: getattr(base, f) for f in base.__dataclass_fields__}, **engine})
+        measure_cfg = replace(measure_cfg or MeasureConfig(), **engine)
     return quantizers, measure_cfg
 
 
