@@ -58,7 +58,7 @@ def main() -> None:
         T = cfg.train.seq_len
         eval_ids = data.eval_windows(T, mon_cfg.eval_windows)
         calib_ids = data.calib_windows(mon_cfg.calib_samples, T, seed=0)
-        monitors = {name: PTQMonitor(qs, eval_tokens=eval_ids, calib_tokens=calib_ids, every=args.every)
+        monitors = {name: PTQMonitor(qs, eval_ids=eval_ids, calib_ids=calib_ids, every=args.every)
                     for name, qs in MONITORS.items()}
         t0 = time.perf_counter()
         train(cfg, hooks=list(monitors.values()), progress=False)

@@ -103,8 +103,8 @@ def quantdyn_loop(tmp: str, name: str, model: dict, data: dict, steps: int, batc
                   "compile": compile, "dtype": dtype},
     })
     run = train(cfg, progress=False)
-    rates = [r["tokens_per_s"] for r in read_metrics(run)
-             if "tokens_per_s" in r and warmup < r["step"] <= warmup + steps]
+    rates = [r["train/tokens_per_s"] for r in read_metrics(run)
+             if "train/tokens_per_s" in r and warmup < r["step"] <= warmup + steps]
     return len(rates) / sum(1.0 / x for x in rates), cfg  # equal tokens per row: the harmonic mean is the total rate
 
 

@@ -38,11 +38,12 @@ def main(argv: list[str] | None = None) -> dict:
     # 2. a linear cooldown from the middle checkpoint, and its constant-LR control of equal length
     branches = qd.cooldown(run, from_step=2 * every, decay_steps=[every], control=True, progress=False)
 
-    # 3. one checkpoint, quantized and measured (the `quantize` command as a call)
+    # 3. one checkpoint, quantized and measured with two quantizers in one pass (the `quantize` command as a call)
     final = sorted((run / "checkpoints").iterdir())[-1]
-    row = qd.quantize_checkpoint(str(final), method="gptq", bits=3, group_size=32, calib_samples=8, calib_seq_len=64,
-                                 eval_tokens=4096, eval_seq_len=64, progress=False)
-    print(f"final checkpoint, gptq3g32: Δ CE {row['delta_ce']:+.4f} ± {row['delta_ce_total_se']:.4f}")
+    res = qd.quantize_checkpoint(str(final), ["gptq3g32", "rtn4"], n_calib_samples=8, calib_seq_len=64,
+                                 n_eval_tokens=4096, eval_seq_len=64, progress=False)
+    for label, x in res.metrics.items():
+        print(f"final checkpoint, {label}: Δ CE {x['delta_ce']:+.4f} ± {x['delta_ce_total_se']:.4f}")
 
     # 4. sweep every checkpoint of the run and its branches into a store
     store = out / "results"
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(ptq.pivot_table(index=["branch", "step"], columns="quantizer", values="delta_ce").round(4))
     page = qd.write_report(store, out / "report")
     print(f"report: {page}")
-    return {"run": run, "branches": branches, "row": row, "rows": df, "report": page}
+    return {"run": run, "branches": branches, "result": res, "rows": df, "report": page}
 
 
 if __name__ == "__main__":

@@ -4,19 +4,21 @@
 ``quantdyn.*`` is internal and may move.  (They are not attributes of the ``quantdyn`` package itself:
 ``quantdyn.engine.measure`` and ``quantdyn.train`` are subpackages.)
 
-Quantize and measure
+Quantize and measure (a quantizer is a label such as "gptq3", "rtn4g64", "gptq4-gptqmodel", or a QuantConfig)
     parse_quantizer("gptq3")      -> QuantConfig (labels such as gptq4g128, rtn3, awq4, or a dict)
-    measure(ckpt, {"gptq3": "gptq3"}, eval_windows, calib_ids) -> Measurement (.metrics[label]: Δ CE ± SE,
-                                     KL, agreement), streamed one decoder block at a time (MeasureConfig)
-    quantize_checkpoint(ref, method="gptq", bits=3, out=None, export=None) -> one row (Δ CE ± SE, KL...), the
-                                     `quantdyn quantize` command as a call; out/export write the model
-    quantize_model(model, cfg, calib_ids) -> the quantized layers, the model changed in place
+    measure(ckpt, ["gptq3", "rtn4"], eval_windows, calib_ids) -> Measurement (.metrics[label]: Δ CE ± SE,
+                                     KL, agreement), streamed one decoder block at a time (MeasureConfig);
+                                     eval_windows [N, T+1] and calib_ids [N, L] are token-id tensors
+    quantize_checkpoint(ref, "gptq3", out=None, export=None) -> QuantizeResult (.row, .rows, .metrics[label],
+                                     .out): the `quantdyn quantize` command as a call; several quantizers
+                                     are measured in one pass; out/export write the model of one
+    quantize_model(model, calib_ids, cfg) -> the quantized layers, the model changed in place
     load_causal_lm(ref) / load_gpt(dir) / save_hf(model, dir)
 Train and monitor
-    DataConfig, prepare_data(cfg) -> TokenData (token shards; .eval_windows(T, N), .calib_windows(...))
+    DataConfig, prepare_data(cfg) -> TokenData (token shards; .eval_windows(seq_len, n), .calib_windows(n, seq_len))
     RunConfig, load_run_config(dir), train(cfg, hooks=hooks_for(cfg)) -> run dir
     cooldown(run_dir, from_step, [decay_steps], control=True) -> branch dirs
-    PTQMonitor(quantizers=[...], eval_tokens=..., calib_tokens=..., every=N).step(model, step, lr)
+    PTQMonitor(["rtn4", "gptq3"], eval_ids=..., calib_ids=..., every=N).step(model, step, lr)
 Sweep, study, results, report
     SweepConfig, run_sweep(cfg); StudySpec, load_study_spec(path), run_study(spec)
     ResultStore(path).rows(); load_results(store) -> pandas.DataFrame; to_parquet(store, path)
@@ -29,8 +31,7 @@ Errors
 Example::
 
     import quantdyn.api as qd
-    m = qd.measure("runs/tiny/checkpoints/step-0000400", {"gptq3": "gptq3", "rtn4": "rtn4"},
-                   eval_windows, calib_ids)
+    m = qd.measure("runs/tiny/checkpoints/step-0000400", ["gptq3", "rtn4"], eval_windows, calib_ids)
     for label, x in m.metrics.items():
         print(label, x["delta_ce"], x["delta_ce_se"])
 """
@@ -50,6 +51,7 @@ from quantdyn.results.tables import load as load_results
 from quantdyn.results.tables import to_parquet
 from quantdyn.studies.pipeline import run_study
 from quantdyn.studies.spec import StudySpec, load_study_spec
+from quantdyn.sweep.quantize_one import QuantizeResult
 from quantdyn.sweep.quantize_one import quantize_one as quantize_checkpoint
 from quantdyn.sweep.sweep import SweepConfig, run_sweep
 from quantdyn.train.branches import cooldown, load_run_config
@@ -58,7 +60,8 @@ from quantdyn.train.trainer import train
 
 __all__ = [
     "DataConfig", "TokenData", "cooldown", "prepare_data", "quantize_checkpoint",
-    "MeasureConfig", "Measurement", "PTQMonitor", "QuantConfig", "QuantdynError", "ResultStore", "RunConfig",
+    "MeasureConfig", "Measurement", "PTQMonitor", "QuantConfig", "QuantdynError", "QuantizeResult", "ResultStore",
+    "RunConfig",
     "StudySpec", "SweepConfig", "apply_overrides", "from_dict", "hooks_for", "load_causal_lm", "load_gpt",
     "load_results", "load_run_config", "load_study_spec", "load_yaml", "measure", "parse_quantizer",
     "quantize_model", "run_study", "run_sweep", "save_hf", "to_parquet", "train", "write_report",

@@ -2,8 +2,9 @@
 
 A bar's carriage returns turn a log file (``make demo > log``, CI, SLURM's output file) into one line of
 tens of thousands of characters; off a terminal :class:`Progress` writes instead one plain line at most
-every ``every_s`` seconds (done/total, rate, elapsed, ETA) and one at the end.  Training has its own richer
-console (:class:`quantdyn.train.loggers.Console`); everything else that counts work uses this.
+every ``every_s`` seconds, or every ``every_n`` units (done/total, the latest values set with
+:meth:`Progress.set_postfix`, rate, elapsed, ETA), and one at the end.  The one progress implementation:
+sweeps, tokenizing and training (``train.loggers.show_logged`` puts a run's loss and LR on it) all use it.
 """
 from __future__ import annotations
 
@@ -37,24 +38,28 @@ def _amount(x: float, scale: bool) -> str:
 
 
 class Progress:
-    """Counts work done.  ``enabled`` False: silent.  ``tty`` None: whether ``stream`` is a terminal."""
+    """Counts work done.  ``enabled`` False: silent.  ``tty`` None: whether ``stream`` is a terminal.
+
+    ``initial``: work already done before (a resumed run), counted but not in the rate.  Off a terminal a plain
+    line is written every ``every_s`` seconds, or every ``every_n`` units when that is given."""
 
     def __init__(self, desc: str, total: int | None = None, enabled: bool = True, unit: str = "it",
                  unit_scale: bool = False, stream: TextIO | None = None, every_s: float = 30.0,
-                 tty: bool | None = None):
+                 tty: bool | None = None, initial: int = 0, every_n: int = 0):
         self.desc, self.total, self.enabled, self.unit, self.unit_scale = desc, total, enabled, unit, unit_scale
         self.stream = stream or sys.stderr
-        self.every_s = every_s
+        self.every_s, self.every_n = every_s, max(0, every_n)
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)()) if tty is None else tty
-        self.n = 0
+        self.n = self.initial = self.last_n = initial
         self.t0 = self.last = time.perf_counter()
+        self.postfix: dict[str, str] = {}
         self.bar = None
         self.closed = False
         if enabled and self.tty:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, desc=desc, unit=unit, unit_scale=unit_scale, file=self.stream,
-                            dynamic_ncols=True)
+            self.bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, unit_scale=unit_scale,
+                            file=self.stream, dynamic_ncols=True)
 
     def line(self, final: bool = False) -> str:
         elapsed = time.perf_counter() - self.t0
@@ -63,12 +68,20 @@ class Progress:
                  else f"{done} {self.unit}"]
         if self.total:
             parts[0] += f" ({100.0 * self.n / self.total:.0f}%)"
-        if elapsed > 0 and self.n:
-            parts.append(f"{_amount(self.n / elapsed, self.unit_scale)} {self.unit}/s")
+        parts += [f"{k} {v}" for k, v in self.postfix.items()]
+        worked = self.n - self.initial
+        if elapsed > 0 and worked:
+            parts.append(f"{_amount(worked / elapsed, self.unit_scale)} {self.unit}/s")
         parts.append(("took " if final else "elapsed ") + duration(elapsed))
-        if not final and self.total and self.n:
-            parts.append("eta " + duration(elapsed / self.n * max(0, self.total - self.n)))
+        if not final and self.total and worked:
+            parts.append("eta " + duration(elapsed / worked * max(0, self.total - self.n)))
         return f"{self.desc}: " + ", ".join(parts)
+
+    def set_postfix(self, values: dict[str, str]) -> None:
+        """Values to show beside the count (e.g. a training loss): kept until set again."""
+        self.postfix.update(values)
+        if self.bar is not None:
+            self.bar.set_postfix(self.postfix, refresh=False)
 
     def update(self, n: int = 1) -> None:
         self.n += n
@@ -78,24 +91,33 @@ class Progress:
             self.bar.update(n)
             return
         now = time.perf_counter()
-        if now - self.last >= self.every_s:
-            self.last = now
+        due = self.n - self.last_n >= self.every_n if self.every_n else now - self.last >= self.every_s
+        if due and (self.total is None or self.n < self.total):  # the end has its own line (close)
+            self.last, self.last_n = now, self.n
             print(self.line(), file=self.stream, flush=True)
 
     def write(self, text: str) -> None:
-        """A line of its own that does not break the bar."""
+        """A line of its own that does not break the bar (nothing when disabled)."""
+        if not self.enabled:
+            return
         if self.bar is not None:
             self.bar.write(text, file=self.stream)
         else:
             print(text, file=self.stream, flush=True)
 
-    def close(self) -> None:
+    def note(self, text: str) -> None:
+        """A line of its own, after the description: ``desc: text``."""
+        self.write(f"{self.desc}: {text}")
+
+    def close(self, summary: bool = True) -> None:
+        """Close the bar; off a terminal write the final line (done, rate, time taken) unless ``summary`` is
+        False (work that ended in an error)."""
         if self.closed:
             return
         self.closed = True
         if self.bar is not None:
             self.bar.close()
-        elif self.enabled:
+        elif self.enabled and summary:
             print(self.line(final=True), file=self.stream, flush=True)
 
     def __enter__(self) -> "Progress":

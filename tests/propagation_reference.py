@@ -6,11 +6,18 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from quantdyn.analysis.propagation import BlockFn, add_sums, finalize_propagation, propagation_sums
+from quantdyn.analysis.propagation import BlockFn, finalize_propagation, propagation_sums
 from quantdyn.engine.blockwise import capture_inputs, first_block_inputs
 from quantdyn.errors import QuantdynError
 from quantdyn.models.adapters import adapter_for
 from quantdyn.models.gpt import GPT
+
+
+def add_sums(total: list[dict[str, float]] | None, new: list[dict[str, float]]) -> list[dict[str, float]]:
+    """Element-wise sum of two :func:`propagation_sums` results (None = empty)."""
+    if total is None:
+        return [dict(s) for s in new]
+    return [{k: t[k] + n[k] for k in t} for t, n in zip(total, new)]
 
 
 def gpt_error_propagation(

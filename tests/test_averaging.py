@@ -11,11 +11,19 @@ from quantdyn.models.gpt import GPT, ModelConfig
 from quantdyn.models.hf_io import load_gpt
 from quantdyn.sources.trajectory import points_of_run
 from quantdyn.sweep.interpolation import interpolate_checkpoints
-from quantdyn.train.averaging import OnlineEMA, ema_closed_form
+from quantdyn.train.averaging import OnlineEMA
 from quantdyn.train.checkpoint import checkpoint_dir, read_meta, save_checkpoint
 from quantdyn.train.config import RunConfig
 from quantdyn.train.offline_averaging import average_lawa, make_soup
 from quantdyn.train.trainer import train
+
+
+def ema_closed_form(values, decay: float) -> torch.Tensor:
+    """Bias-corrected EMA of a sequence: Σ d^{t-i}(1-d) w_i / (1 - d^t)."""
+    vals = [v.double() for v in values]
+    t = len(vals)
+    num = sum(decay ** (t - 1 - i) * (1 - decay) * v for i, v in enumerate(vals))
+    return num / (1 - decay**t)
 
 
 def _tiny_gpt(seed: int, d_model: int = 32) -> GPT:

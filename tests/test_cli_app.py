@@ -218,8 +218,9 @@ def test_results_out_errors_and_old_csv_spelling(capsys, tmp_path):
     code, _, err = run(capsys, "results", "--store", str(st.root), "--out", str(tmp_path / "a.csv"),
                        "--csv", str(tmp_path / "b.csv"))
     assert "not both" in one_line_error(code, err)
-    code, _, _ = run(capsys, "results", "--store", str(st.root), "--csv", str(tmp_path / "old.csv"))
+    code, _, err = run(capsys, "results", "--store", str(st.root), "--csv", str(tmp_path / "old.csv"))
     assert code == 0 and (tmp_path / "old.csv").read_text().startswith("key,")
+    assert err.strip() == "note: results --csv FILE is deprecated; use --out FILE.csv"
     code, _, err = run(capsys, "results", "--store", str(st.root), "--where", "nope = 1")
     assert "check the --where expression" in one_line_error(code, err)
 
@@ -229,12 +230,68 @@ def test_scaling_takes_store_as_option_or_old_argument(capsys, tmp_path, monkeyp
 
     seen = []
     monkeypatch.setattr(sc, "fit_scaling", lambda store, *a: seen.append(store) or [])
-    assert run(capsys, "scaling", "--store", "s1")[0] == 0
-    assert run(capsys, "scaling", "s2")[0] == 0
+    assert run(capsys, "scaling", "--store", "s1")[:3:2] == (0, "")
+    assert run(capsys, "scaling", "s2")[:3:2] == (0, "note: scaling STORE is deprecated; use --store STORE\n")
     assert run(capsys, "scaling")[0] == 0
     assert seen == ["s1", "s2", "results"]
     code, _, err = run(capsys, "scaling", "s3", "--store", "s4")
     assert "give only --store" in one_line_error(code, err)
+
+
+def test_eval_old_quantizer_spelling_is_noted(capsys, monkeypatch):
+    import quantdyn.sweep.accuracy as acc
+
+    seen = []
+    monkeypatch.setattr(acc, "evaluate_accuracy", lambda model, tasks, qs, **k: seen.append(qs) or [])
+    monkeypatch.setattr(acc, "format_accuracy_table", lambda rows: "table")
+    code, out, err = run(capsys, "eval", "m", "--tasks", "t", "--quantizer", "gptq3", "--store", "")
+    assert code == 0 and seen == [["gptq3"]] and err == "note: eval --quantizer is deprecated; use --quantizers\n"
+    code, out, err = run(capsys, "eval", "m", "--tasks", "t", "--quantizers", "gptq3,rtn4", "--store", "")
+    assert code == 0 and seen[-1] == ["gptq3", "rtn4"] and err == ""
+
+
+def test_every_command_lists_itself_in_one_whole_sentence(capsys):
+    """`quantdyn -h` shows each command's first help line whole (click cuts it at the first '. ' or at the
+    width), and command X lives in cli/X.py (a family such as `average lawa|soup` in cli/average.py)."""
+    import typer
+
+    _, out, _ = run(capsys, "-h")
+    listed = out.split("Commands:")[1].strip().splitlines()
+    root = typer.main.get_command(app)
+    assert len(listed) == len(root.commands)
+    for line in listed:
+        name, text = line.split(maxsplit=1)
+        assert text.endswith(".") and not text.endswith("..."), line
+        cmd = root.commands[name]
+        module = (cmd.callback or next(iter(cmd.commands.values())).callback).__module__
+        assert module == f"quantdyn.cli.{name}", (name, module)
+
+
+def test_shared_options_mean_the_same_on_every_command(capsys):
+    """--quantizers, --store, --device: one help text wherever they appear (cli/options.py)."""
+    from quantdyn.cli.options import DEVICE_HELP, QUANTIZERS_HELP, STORE_HELP
+
+    seen = {"--quantizers": 0, "--store": 0, "--device": 0}
+    for cmd in _all_commands(None):
+        _, out, _ = run(capsys, *cmd, "-h")
+        text = " ".join(out.split())
+        for flag, help_text in (("--quantizers", QUANTIZERS_HELP), ("--store", STORE_HELP), ("--device", DEVICE_HELP)):
+            if f"{flag} <" in text:
+                seen[flag] += 1
+                assert help_text in text, (cmd, flag)
+    assert seen == {"--quantizers": 5, "--store": 9, "--device": 9}
+
+
+def test_sweep_help_groups_its_options(capsys):
+    _, out, _ = run(capsys, "sweep", "-h")
+    sections = [line[:-1] for line in out.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
+    assert sections == ["Arguments", "Trajectory", "Checkpoint selection", "Quantizers", "Engine", "Output",
+                        "SLURM (with --slurm)", "Options"]
+    slurm = out.split("SLURM (with --slurm):")[1].split("Options:")[0]
+    assert "--partition" in slurm and "--quantizers" not in slurm
+    _, quantize_help, _ = run(capsys, "quantize", "-h")
+    repeats = [" ".join(h.split("--repeats <int>")[1].split("--repeat-vary")[0].split()) for h in (out, quantize_help)]
+    assert all("1" in r.rsplit("default:", 1)[1] for r in repeats), repeats  # one default, said alike
 
 
 def test_study_and_demo_options_override_the_spec(capsys, tmp_path, monkeypatch):

@@ -37,6 +37,7 @@ def test_quantize_local_hf_models(hf_models, family, tmp_path, cli):
               "--eval-tokens", "2048", "--json", "--save", str(tmp_path / "q")])  # --save: the old spelling of --out
     assert r.returncode == 0, r.stderr[-1500:]
     row = json.loads(r.stdout.strip().splitlines()[-1])
+    assert r.stderr.strip().splitlines()[-1] == "note: quantize --save is deprecated; use --out"
     assert row["method"] == "gptq" and row["bits"] == 4 and row["n_windows"] == 16
     assert row["kl"] >= 0 and 0 < row["top1_agree"] <= 1 and row["git_sha"]
     assert len(row["layers"]) == (7 if family == "llama" else 4) * 2
@@ -63,6 +64,30 @@ def test_quantize_quantdyn_checkpoint_table_and_errors(tmp_path, kjv_small, cli)
         assert r.returncode == 2 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     r = cli("quantize", str(tmp_path / "missing"), "--bits", "3")
     assert r.returncode == 2 and "does not exist" in r.stderr
+    # a quantizer is a label too; several are measured in one pass, each as it would be alone
+    r = cli("quantize", ck, "--quantizers", "rtn3g0,rtn4", "--json", *short)
+    assert r.returncode == 0, r.stderr[-1500:]
+    rows = [json.loads(line) for line in r.stdout.strip().splitlines()]
+    assert [x["quantizer"] for x in rows] == ["rtn3g0", "rtn4"] and rows[0]["ce_fp"] == rows[1]["ce_fp"]
+    alone = json.loads(cli("quantize", ck, "--quantizers", "rtn4", "--json", *short).stdout.strip())
+    # the same operations on the same windows, whatever else shares the pass
+    assert alone["delta_ce"] == pytest.approx(rows[1]["delta_ce"], rel=1e-9, abs=1e-12)
+    table = cli("quantize", ck, "--method", "rtn", "--bits", "3", "--group-size", "0", *short)
+    assert table.returncode == 0 and "quantizer rtn3g0 " in table.stdout  # the long flags name the same quantizer
+    for args, msg in [(["--quantizers", "rtn4", "--bits", "3"], "give the quantizer once: --quantizers LABELS or --bits"),
+                      (["--quantizers", "rtn3,rtn4", "--out", str(tmp_path / "o")], "--out writes the model of one quantizer"),
+                      (["--quantizers", "rtn4,rtn4g128"], "given twice"),
+                      (["--quantizers", "rtm4"], "did you mean 'rtn'"),
+                      (["--export", "gptq"], "--export and --push-to-hub need --out, the directory")]:
+        r = cli("quantize", ck, *args, *short)
+        assert r.returncode == 2 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert not (tmp_path / "o").exists()
+    # old spellings keep working, each with one note on stderr naming the new one
+    r = cli("quantize", ck, "--method", "gptq", "--bits", "4", "--preset", "gptqmodel", "--calib-samples", "4",
+            "--json", *short)
+    assert r.returncode == 0 and json.loads(r.stdout.strip())["quantizer"] == "gptq4-gptqmodel"
+    assert r.stderr.strip().splitlines()[-1] == ("note: quantize --preset is deprecated; write the preset into the "
+                                                 "label: --quantizers gptq4-gptqmodel")
     # another checkpoint directory with the same tokenizer reuses the token cache (no re-tokenization)
     import shutil
 

@@ -111,7 +111,7 @@ def _kill9(p: subprocess.Popen) -> None:
     p.wait()
 
 
-def _curve(run_dir, key="train_loss"):
+def _curve(run_dir, key="train/loss"):
     return {r["step"]: r[key] for r in read_metrics(run_dir) if key in r}
 
 
@@ -158,10 +158,10 @@ def test_fsdp2_two_processes_kill_resume_match_one_process(tmp_path, kjv_small):
     assert [c.step for c in list_checkpoints(run)] == list(range(EVERY, STEPS + 1, EVERY))
     assert not [x for x in (run / "checkpoints").iterdir() if x.name.startswith(".")]  # no temporaries left
     _assert_same_curve(_curve(ref), _curve(run))
-    _assert_same_curve(_curve(ref, "val_loss"), _curve(run, "val_loss"))
+    _assert_same_curve(_curve(ref, "val/loss"), _curve(run, "val/loss"))
     # the in-training quantization monitor sees the gathered weights: the same Δ CE as one process. Δ CE is a
     # difference of two fp32 mean CEs of ~6 nats (one ulp: 4.8e-7; measured difference <= 2.4e-7): 1e-5 = 20 ulps
-    mon_ref, mon = _curve(ref, "dce_rtn4"), _curve(run, "dce_rtn4")
+    mon_ref, mon = _curve(ref, "ptq/rtn4/delta_ce"), _curve(run, "ptq/rtn4/delta_ce")
     assert sorted(mon) == sorted(mon_ref) == list(range(2 * EVERY, STEPS + 1, 2 * EVERY))
     assert all(abs(mon[s] - mon_ref[s]) <= 1e-5 for s in mon), (mon, mon_ref)
     meta = json.loads((run / "checkpoints" / f"step-{STEPS:07d}" / "quantdyn.json").read_text())

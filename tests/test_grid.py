@@ -19,6 +19,7 @@ from quantdyn.launch.grid import (
     write_grid,
     write_launch_scripts,
 )
+from quantdyn.launch.slurm import SlurmConfig
 from quantdyn.train.checkpoint import checkpoint_dir, list_checkpoints
 from quantdyn.train.config import RunConfig
 
@@ -81,7 +82,7 @@ def test_manifest_configs_and_dry_run_table(tmp_path):
 def test_slurm_script_and_command_list(tmp_path):
     g = tmp_path / "grid"
     m = write_grid({"name": "tiny", "train": {"steps": 40}}, VARY[:1], 0, g)
-    sbatch, cmds = write_launch_scripts(g, nproc_per_node=4, time_limit="02:00:00", setup=["module load cuda"])
+    sbatch, cmds = write_launch_scripts(g, SlurmConfig(nproc_per_node=4, time="02:00:00", setup=("module load cuda",)))
     text = sbatch.read_text()
     assert text.startswith("#!/bin/bash") and "#SBATCH --array=0-2" in text
     assert "#SBATCH --gpus-per-node=4" in text and "#SBATCH --time=02:00:00" in text

@@ -24,7 +24,8 @@ from quantdyn.monitor import PTQMonitor, causal_lm_of, hooks_for
 from quantdyn.quantize.config import parse_quantizer
 from quantdyn.train.checkpoint import read_metrics
 from quantdyn.train.config import RunConfig
-from quantdyn.train.loggers import Console, CSVLogger, JsonlLogger, TensorBoardLogger
+from quantdyn.progress import Progress
+from quantdyn.train.loggers import CSVLogger, JsonlLogger, TensorBoardLogger, show_logged
 from quantdyn.train.trainer import train
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -92,8 +93,8 @@ def test_monitor_leaves_the_model_untouched_and_reports_the_engines_numbers():
     gen = torch.Generator().manual_seed(1)
     stream = torch.randint(0, 512, (4000,), generator=gen)
     calib = torch.randint(0, 512, (6, 32), generator=gen)
-    mon = PTQMonitor(["rtn3", "gptq3g32"], eval_tokens=stream, calib_tokens=calib, every=5, seq_len=32,
-                     eval_windows=8)
+    mon = PTQMonitor(["rtn3", "gptq3g32"], eval_ids=stream, calib_ids=calib, every=5, seq_len=33,
+                     n_eval_windows=8)
     before, rng = _state(model), torch.get_rng_state()
     assert mon.step(model, 4) == {} and mon.history == []  # not due
     out = mon.step(model, 5, lr=1e-3, tokens=640)
@@ -103,10 +104,11 @@ def test_monitor_leaves_the_model_untouched_and_reports_the_engines_numbers():
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     assert model.training and all(m.training for m in model.modules())
     assert torch.equal(rng, torch.get_rng_state())
-    # the same numbers as the engine gives for these windows
+    # the same numbers as the engine gives for these windows: a stream is cut into windows of seq_len tokens,
+    # as TokenData.eval_windows cuts its splits (one windowing)
     windows = stream[: 8 * 33].reshape(8, 33)
-    m = measure(model, {"rtn3": "rtn3", "gptq3g32": "gptq3g32"}, windows, calib,
-                cfg=mon.measure_cfg)
+    assert torch.equal(mon.windows()[0], windows)
+    m = measure(model, ["rtn3", "gptq3g32"], windows, calib, cfg=mon.measure_cfg)
     for q in ("rtn3", "gptq3g32"):
         for k in ("delta_ce", "delta_ce_se", "rel_delta_ce", "kl", "top1_agree"):
             assert out[f"ptq/{q}/{k}"] == pytest.approx(m.metrics[q][k], rel=1e-9, abs=1e-12), (q, k)
@@ -138,17 +140,17 @@ def test_monitor_finds_the_causal_lm_inside_wrappers():
 def test_bad_monitor_input_is_one_line_at_construction():
     ids = torch.randint(0, 512, (8, 33))
     with pytest.raises(QuantdynError, match="did you mean 'rtn'"):
-        PTQMonitor(["rtm4"], eval_tokens=ids)
+        PTQMonitor(["rtm4"], eval_ids=ids)
     with pytest.raises(QuantdynError, match="'gptq3' needs calibration data"):
-        PTQMonitor(["rtn4", "gptq3"], eval_tokens=ids)
+        PTQMonitor(["rtn4", "gptq3"], eval_ids=ids)
     with pytest.raises(QuantdynError, match="every=0"):
-        PTQMonitor(["rtn4"], eval_tokens=ids, every=0)
+        PTQMonitor(["rtn4"], eval_ids=ids, every=0)
     with pytest.raises(QuantdynError, match="without '/'"):
-        PTQMonitor({"a/b": "rtn4"}, eval_tokens=ids)
+        PTQMonitor({"a/b": "rtn4"}, eval_ids=ids)
     with pytest.raises(QuantdynError, match="integer token ids"):
-        PTQMonitor(["rtn4"], eval_tokens=torch.rand(8, 33))
+        PTQMonitor(["rtn4"], eval_ids=torch.rand(8, 33))
     with pytest.raises(QuantdynError, match="give seq_len"):
-        PTQMonitor(["rtn4"], eval_tokens=torch.arange(100))
+        PTQMonitor(["rtn4"], eval_ids=torch.arange(100))
     # a run config: the quantizer is checked when the config is read, before anything trains
     with pytest.raises(QuantdynError, match="did you mean"):
         from_dict(RunConfig, {"monitor": {"every": 5, "quantizers": ["rtm4"]}})
@@ -171,7 +173,7 @@ def test_plain_loop_example_logs_to_csv_jsonl_and_tensorboard(tmp_path, kjv_smal
         for k in ("ptq/rtn4/delta_ce", "ptq/rtn3/kl", "ptq/gptq3/top1_agree", "train/lr"):
             assert tb[k][s] == pytest.approx(h[k], rel=1e-6, abs=1e-9)  # float32 in the event file
             assert float(table[s][k]) == h[k] and rows[s][k] == h[k]
-        assert rows[s]["dce_rtn4"] == h["ptq/rtn4/delta_ce"]  # the legacy key beside the shared name
+        assert not any(k.startswith("dce_") for k in rows[s])  # the shared names only, written once
 
 
 # ------------------------------------------------------------------ quantdyn's trainer
@@ -191,15 +193,15 @@ def test_train_command_logs_plain_lines_csv_and_tensorboard(tmp_path, kjv_small,
     # not a terminal: no bar, no carriage returns; a plain line every 4 steps, one per val / monitor measurement
     assert "\r" not in r.stderr and "\r" not in r.stdout
     lines = r.stderr.splitlines()
-    assert [l.split("  ")[0] for l in lines if "  loss " in l] == ["cli: step 4/8", "cli: step 8/8"]
-    assert any(l.startswith("cli: step 4/8  loss ") and " lr " in l and " tok/s" in l for l in lines)
+    assert [l.split(",")[0] for l in lines if ", loss " in l] == ["cli: 4/8 steps (50%)", "cli: 8/8 steps (100%)"]
+    assert any(l.startswith("cli: 4/8 steps (50%), loss ") and ", lr " in l and ", tok/s " in l for l in lines)
+    assert lines[-1].startswith("cli: 8/8 steps (100%), loss ") and ", took " in lines[-1]  # the end
     assert sum("ptq rtn4 dCE" in l for l in lines) == 2 and sum("val/loss" in l for l in lines) == 2
     rows = read_metrics(run)
     train_rows = [x for x in rows if "train/loss" in x]
     assert [x["step"] for x in train_rows] == [2, 4, 6, 8]
-    assert all(x["train_loss"] == x["train/loss"] for x in train_rows)
     mon_rows = [x for x in rows if "ptq/rtn4/delta_ce" in x]
-    assert [x["step"] for x in mon_rows] == [4, 8] and all(x["dce_rtn4"] == x["ptq/rtn4/delta_ce"] for x in mon_rows)
+    assert [x["step"] for x in mon_rows] == [4, 8]
     tb = read_tensorboard(run / "tensorboard")
     assert sorted(tb["train/loss"]) == [2, 4, 6, 8] and sorted(tb["ptq/rtn4/delta_ce"]) == [4, 8]
     for x in train_rows:
@@ -340,25 +342,47 @@ def test_a_logger_whose_package_is_missing_is_one_line_before_training(tmp_path,
     assert r.returncode == 2 and "did you mean 'tensorboard'" in r.stderr
 
 
-def test_console_bar_on_a_terminal_plain_lines_elsewhere():
+def test_training_console_bar_on_a_terminal_plain_lines_elsewhere():
+    """A run's console is the one Progress: on a terminal a bar with the loss in its postfix; elsewhere a plain
+    line every 4 steps with the latest loss, one per monitor measurement, and the end."""
     tty = io.StringIO()
-    c = Console("run", 10, mode="normal", every=5, stream=tty, tty=True)
+    c = Progress("run", 10, unit="steps", every_n=5, stream=tty, tty=True)
     for s in range(1, 11):
-        c.advance()
-        c.logged(s, {"train/loss": 5.0 - s / 10, "train/lr": 1e-3, "train/tokens_per_s": 1000.0})
-    c.close(final_step=10)
+        show_logged(c, s, {"train/loss": 5.0 - s / 10, "train/lr": 1e-3, "train/tokens_per_s": 1000.0})
+        c.update()
+    c.close()
     assert "\r" in tty.getvalue() and "loss=4.0000" in tty.getvalue()
     plain = io.StringIO()
-    c = Console("run", 10, mode="normal", every=4, stream=plain, tty=False)
-    for s in range(2, 11, 2):
-        c.logged(s, {"train/loss": 5.0, "train/lr": 1e-3, "train/tokens_per_s": 1000.0,
-                     **({"ptq/rtn4/delta_ce": 0.01, "ptq/rtn4/kl": 0.002} if s == 10 else {})})
-    c.close(final_step=10)
+    c = Progress("run", 10, unit="steps", every_n=4, stream=plain, tty=False, initial=1)  # resumed at step 1
+    for s in range(2, 11):
+        if s % 2 == 0:
+            show_logged(c, s, {"train/loss": 5.0 - s / 10, "train/lr": 1e-3, "train/tokens_per_s": 1000.0,
+                               **({"ptq/rtn4/delta_ce": 0.01, "ptq/rtn4/kl": 0.002} if s == 10 else {})})
+        c.update()
+    c.close()
     out = plain.getvalue()
     assert "\r" not in out
-    assert [l.split("  ")[0] for l in out.splitlines() if "  loss" in l] == ["run: step 4/10", "run: step 8/10",
-                                                                             "run: step 10/10"]
-    assert "run: step 10/10  ptq rtn4 dCE +0.01" in out and out.rstrip().endswith("s") and "finished" in out
+    lines = [l for l in out.splitlines() if ", loss " in l]
+    assert [l.split(",")[0] for l in lines] == ["run: 5/10 steps (50%)", "run: 9/10 steps (90%)", "run: 10/10 steps (100%)"]
+    assert lines[0].startswith("run: 5/10 steps (50%), loss 4.6000, lr 1.00e-03, tok/s 1,000, ")  # step 4's row
+    assert "run: step 10/10  ptq rtn4 dCE +0.01" in out and "took" in lines[-1]
+    quiet = io.StringIO()
+    c = Progress("run", 10, enabled=False, stream=quiet)
+    show_logged(c, 2, {"train/loss": 1.0, "val/loss": 1.0}, verbose=True)
+    c.update()
+    c.close()
+    assert quiet.getvalue() == ""
+
+
+def test_renamed_keywords_still_work_with_a_warning():
+    ids = torch.randint(0, 9, (2, 5))
+    with pytest.warns(DeprecationWarning, match=r"PTQMonitor\(eval_tokens=...\) is now PTQMonitor\(eval_ids=...\)"):
+        mon = PTQMonitor(["rtn4"], eval_tokens=ids, eval_windows=1)
+    assert torch.equal(mon.windows()[0], ids[:1]) and mon.n_eval == 1
+    with pytest.raises(TypeError, match="eval_tokenz"):
+        PTQMonitor(["rtn4"], eval_tokenz=ids)
+    with pytest.raises(QuantdynError, match="pass eval_ids"):
+        PTQMonitor(["rtn4"])
 
 
 def test_csv_and_jsonl_loggers_keep_names_and_truncate(tmp_path):
@@ -375,8 +399,7 @@ def test_csv_and_jsonl_loggers_keep_names_and_truncate(tmp_path):
     j = JsonlLogger(tmp_path / "m.jsonl")
     j.log({"train/loss": 2.0, "ptq/gptq4g128/delta_ce_se": 0.1, "ptq/gptq4g128/delta_ce": 0.5}, 7)
     row = json.loads((tmp_path / "m.jsonl").read_text())
-    assert row == {"step": 7, "train_loss": 2.0, "dce_gptq4g128_se": 0.1, "dce_gptq4g128": 0.5, "train/loss": 2.0,
-                   "ptq/gptq4g128/delta_ce_se": 0.1, "ptq/gptq4g128/delta_ce": 0.5}
+    assert row == {"step": 7, "train/loss": 2.0, "ptq/gptq4g128/delta_ce_se": 0.1, "ptq/gptq4g128/delta_ce": 0.5}
 
 
 # ------------------------------------------------------------------ HF Trainer and Lightning
@@ -418,6 +441,6 @@ def test_quantdyn_trainer_example_uses_the_same_monitor(tmp_path, kjv_small):
 
 
 def test_quantizer_labels_are_canonical_for_configs():
-    mon = PTQMonitor([parse_quantizer("gptq4"), "rtn4"], eval_tokens=torch.randint(0, 9, (2, 5)),
-                     calib_tokens=torch.randint(0, 9, (2, 4)))
+    mon = PTQMonitor([parse_quantizer("gptq4"), "rtn4"], eval_ids=torch.randint(0, 9, (2, 5)),
+                     calib_ids=torch.randint(0, 9, (2, 4)))
     assert list(mon.quantizers) == [parse_quantizer("gptq4").name, "rtn4"]

@@ -11,10 +11,20 @@ from quantdyn.analysis.outliers import (
     kurtosis,
     max_to_mean_ratio,
     outlier_metrics,
-    per_token_max_to_mean_ratio,
 )
 from quantdyn.errors import QuantdynError
 from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config
+
+
+def per_token_max_to_mean_ratio(x: torch.Tensor) -> float:
+    """The reference of the streamed act_mmr_token: mean over tokens (all leading dims) of max_j |x_tj| / mean_j |x_tj| over the last dim.
+    Tokens whose row is all zero are skipped."""
+    a = x.detach().abs().double().reshape(-1, x.shape[-1])
+    mean = a.mean(dim=1)
+    keep = mean > 0
+    if not bool(keep.any()):
+        return math.nan
+    return float((a.max(dim=1).values[keep] / mean[keep]).mean())
 
 
 def test_known_tensors():

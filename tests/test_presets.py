@@ -14,7 +14,7 @@ import torch
 
 from quantdyn.config import from_dict
 from quantdyn.errors import QuantdynError
-from quantdyn.sources.hub import cached_refs, evict_revision, hub_refs, list_revisions, require_revision
+from quantdyn.sources.hub import cached_refs, evict_revision, hub_refs, list_revisions
 from quantdyn.sources.presets import get_preset, load_preset_text, load_presets, parse_count, preset_for_repo
 from quantdyn.sources.trajectory import (
     SelectConfig,
@@ -326,6 +326,32 @@ def test_offline_listing_reads_the_cache_without_the_hub(hf_cache, monkeypatch):
         hub_refs("EleutherAI/pythia-410m")
 
 
+def test_revision_size_from_the_cache_or_the_hub(hf_cache, monkeypatch):
+    """What a dry run reports as the download: the cached snapshot's files, else the hub's file list (only the
+    files quantdyn downloads), else unknown."""
+    from types import SimpleNamespace
+
+    import huggingface_hub
+
+    from quantdyn.sources.hub import cached_snapshot, revision_size
+
+    point_hf_at(monkeypatch, hf_cache, offline=False)
+    snap = cached_snapshot(REPO, "step1000")
+    assert revision_size(REPO, "step1000") == sum(f.stat().st_size for f in snap.iterdir())
+    files = [SimpleNamespace(rfilename=n, size=z) for n, z in
+             (("model.safetensors", 1000), ("config.json", 20), ("pytorch_model.bin", 999), ("tokenizer.json", 5))]
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda self, repo, **k: SimpleNamespace(siblings=files))
+    assert revision_size(REPO, "step9000") == 1025  # the .bin is not downloaded
+
+    def unreachable(self, repo, **k):
+        raise OSError("no network")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", unreachable)
+    assert revision_size(REPO, "step9000") is None
+    point_hf_at(monkeypatch, hf_cache, offline=True)
+    assert revision_size(REPO, "step9000") is None
+
+
 def test_unreachable_hub_is_one_warning_then_the_cache(hf_cache, monkeypatch, caplog):
     import huggingface_hub
     from huggingface_hub.errors import RepositoryNotFoundError
@@ -367,9 +393,6 @@ def test_offline_plan_from_preset_and_a_missing_revision_fails_fast(hf_cache, mo
         require_available(missing)
     msg = str(e.value)
     assert "\n" not in msg and "'step3000' of 'EleutherAI/pythia-160m'" in msg and "hf download" in msg
-    with pytest.raises(QuantdynError, match="revision 'step3000' of 'EleutherAI/pythia-160m' is not in the local"):
-        require_revision(REPO, "step3000")
-    require_revision(REPO, "step2000")
 
 
 def test_evict_revision_frees_one_revision_through_huggingface_hub(hf_cache, monkeypatch, tiny_models):
@@ -442,9 +465,18 @@ def test_sweep_cli_preset_evict_dry_run_and_offline_rerun(hf_cache, monkeypatch,
     args = ["sweep", str(spec), "--preset", "pythia-160m", "--revisions", "step1000,step2000,step143000", "--quiet"]
     code, out, _ = _cli(monkeypatch, capsys, *args, "--dry-run")
     assert code == 0 and "step2000" in out and "dry run" in out and not (tmp_path / "store").exists()
+    lines = out.splitlines()
+    by_rev = {ln.split()[0]: ln for ln in lines if ln.startswith("step")}
+    assert "decaying" in by_rev["step2000"]  # on the cosine
+    assert "phase cosine-floor" in by_rev["step143000"] and "decaying" not in by_rev["step143000"]  # held at min LR
+    assert "preset pythia-160m from EleutherAI/pythia-160m: 3 checkpoints x 1 quantizer (rtn4)" in lines
+    assert "download: nothing (all 3 revisions are in the local HF cache)" in lines
     code, out, err = _cli(monkeypatch, capsys, *args, "--evict")
     assert code == 0, err
     assert "6 rows written" in out
+    code, out, _ = _cli(monkeypatch, capsys, *args, "--dry-run", "--quantizers", "rtn4,gptq3")
+    assert code == 0 and "3 checkpoints x 2 quantizers (rtn4, gptq3)" in out
+    assert "download: 2 revisions not in the local HF cache, size unknown (the hub cannot be asked)" in out
     assert cached_refs(REPO) == ["step1000"]  # the tokenizer's revision stays
     code, out, err = _cli(monkeypatch, capsys, *args, "--evict")
     assert code == 0 and "0 rows written" in out, err
@@ -475,7 +507,8 @@ def test_trajectories_command_lists_and_shows_presets(monkeypatch, capsys):
     lines = out.splitlines()
     assert lines[0].split()[:4] == ["preset", "family", "size", "revisions"]
     row = next(ln for ln in lines if ln.startswith("pythia-160m "))
-    assert " 154 " in row and "EleutherAI/pythia-160m (+1)" in row and "floor 6e-05" in row
+    assert " 154 " in row and "EleutherAI/pythia-160m (+1)" in row
+    assert "cosine 6e-4 -> 6e-5 over 1.43k-115.1k, then 6e-5 (floor)" in row  # the floor is where the LR ends
     assert len(lines) == len(load_presets()) + 2
     code, out, _ = _cli(monkeypatch, capsys, "trajectories", "pythia-1b")
     assert code == 0 and "all 154 revisions" in out and "3.0e-4" in out and "2.5e-4" in out

@@ -16,15 +16,15 @@ def test_off_a_terminal_lines_are_periodic_and_plain(monkeypatch):
     clock = _Clock()
     monkeypatch.setattr("quantdyn.progress.time.perf_counter", clock)
     out = io.StringIO()
-    with Progress("sweep 0/1", total=10, unit="ckpt", stream=out, every_s=30) as p:
+    with Progress("sweep shard 0/2", total=10, unit="ckpt", stream=out, every_s=30) as p:
         for _ in range(10):
             clock.t += 10  # one checkpoint per 10 s: a line every third one
             p.update()
     lines = out.getvalue().splitlines()
     assert "\r" not in out.getvalue()
-    assert lines[0] == "sweep 0/1: 3/10 ckpt (30%), 0.1 ckpt/s, elapsed 30.0s, eta 1m10s"
+    assert lines[0] == "sweep shard 0/2: 3/10 ckpt (30%), 0.1 ckpt/s, elapsed 30.0s, eta 1m10s"
     assert len(lines) == 4  # at 30, 60, 90 s and the end
-    assert lines[-1] == "sweep 0/1: 10/10 ckpt (100%), 0.1 ckpt/s, took 1m40s"
+    assert lines[-1] == "sweep shard 0/2: 10/10 ckpt (100%), 0.1 ckpt/s, took 1m40s"
 
 
 def test_disabled_is_silent_and_tty_uses_a_bar():

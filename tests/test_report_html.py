@@ -139,10 +139,10 @@ def test_report_of_a_monitored_run_beside_its_sweep(tmp_path, kjv_small, cli, mo
     (sec,) = sections_of(page)
     assert sec["title"] == "Run mon: quantization error monitored during training"
     cols, body = read_csv(tmp_path / "rep" / "monitored_mon.csv")
-    logged = [r for r in read_metrics(run) if "dce_rtn2" in r]
+    logged = [r for r in read_metrics(run) if "ptq/rtn2/delta_ce" in r]
     assert [int(b["step"]) for b in body if b["quantizer"] == "rtn2"] == [r["step"] for r in logged] == [4, 8]
-    assert [float(b["delta_ce"]) for b in body if b["quantizer"] == "rtn2"] == [r["dce_rtn2"] for r in logged]
-    assert [float(b["ce_fp"]) for b in body if b["quantizer"] == "FP"] == [r["val_loss"] for r in logged]
+    assert [float(b["delta_ce"]) for b in body if b["quantizer"] == "rtn2"] == [r["ptq/rtn2/delta_ce"] for r in logged]
+    assert [float(b["ce_fp"]) for b in body if b["quantizer"] == "FP"] == [r["val/loss"] for r in logged]
     mon_fig = drawn["monitored_mon"]
     ax = next(a for a in mon_fig.axes if a.get_ylabel().startswith("Δ CE"))
     labels = [a.get_ylabel() for a in mon_fig.axes]
@@ -152,7 +152,7 @@ def test_report_of_a_monitored_run_beside_its_sweep(tmp_path, kjv_small, cli, mo
     assert labels.count("LR") == -(-len(panels) // 2)
     assert any(a.get_xlabel() == "tokens" for a in mon_fig.axes)  # on the bottom row, with steps on a second axis
     assert any(c.get_xlabel() == "step" for a in mon_fig.axes for c in a.child_axes)
-    assert errorbar_halfwidths(ax, "rtn2") == pytest.approx([r["dce_rtn2_se"] for r in logged])
+    assert errorbar_halfwidths(ax, "rtn2") == pytest.approx([r["ptq/rtn2/delta_ce_se"] for r in logged])
     # the sweep's rows of the same run: its figure first, the monitored one beside it, same colours
     sweep = [{**r, "checkpoint": str(run / "checkpoints" / f"step-{r['step']:07d}"), "run": "mon",
               "key": "m" + r["key"]} for r in study_rows() if r["branch"] == "main"]

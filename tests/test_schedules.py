@@ -8,6 +8,7 @@ from quantdyn.train.schedules import (
     PhaseSchedule,
     ScheduleConfig,
     describe_schedule,
+    floor_start,
     is_decaying,
     lr_at,
     phases_of,
@@ -84,10 +85,12 @@ def test_decaying_means_past_warmup_and_below_peak():
     assert not is_decaying(9, c, 100) and not is_decaying(10, c, 100)  # step 10: still at the peak
     assert is_decaying(11, c, 100) and is_decaying(99, c, 100)  # the last step, at lr_end, is decayed
     assert not any(is_decaying(s, ScheduleConfig(name="constant", warmup=10), 100) for s in range(100))
-    # a floor after a decay still counts as decayed; a warmup never does, even below the peak
+    # a floor that holds the LR is a constant LR, not a decay (Pythia's cosine-floor); a warmup never decays,
+    # even below the peak
     s = PhaseSchedule((Phase("warmup", "linear", 0, 10, 0.0, 1.0), Phase("cos", "cosine", 10, 110, 1.0, 0.0, floor=0.2)))
     assert not schedule_decaying(5, s) and not schedule_decaying(10, s) and schedule_decaying(11, s)
-    assert schedule_state(105, s) == (0.2, "cos-floor", True)
+    assert schedule_state(105, s) == (0.2, "cos-floor", False)
+    assert schedule_decaying(floor_start(s.phases[1]) - 1e-6, s) and not schedule_decaying(floor_start(s.phases[1]), s)
 
 
 def test_schedule_name_is_validated_on_construction():
@@ -106,6 +109,10 @@ def test_gpt_neox_cosine_with_min_lr_clamp():
     cross = 1430 + 143000 * math.acos(2 * mn / peak - 1) / math.pi  # where the cosine meets min_lr (~115,140)
     assert schedule_state(cross - 50, s)[1] == "cosine" and schedule_state(cross + 50, s)[1] == "cosine-floor"
     assert schedule_lr(143000, s) == mn
+    assert floor_start(s.phases[1]) == pytest.approx(cross, abs=1e-6)
+    assert schedule_state(143000, s) == (mn, "cosine-floor", False)  # step143000: held at min_lr, not decaying
+    assert describe_schedule(s) == ("warmup 0 -> 6e-4 over 0-1.43k; cosine 6e-4 -> 6e-5 over 1.43k-115.1k, then 6e-5 "
+                                    "(floor) [steps]")
 
 
 def test_phase_validation_and_description():
@@ -121,6 +128,6 @@ def test_phase_validation_and_description():
         PhaseSchedule((Phase("a", "constant", 0, 0, 1.0, 1.0),), unit="token")
     s = PhaseSchedule((Phase("warmup", "linear", 0, 8.388608e9, 0.0, 3e-4),
                        Phase("cosine", "cosine", 8.388608e9, 5e12, 3e-4, 3e-5)), unit="tokens")
-    assert describe_schedule(s) == "warmup 0->0.0003 over 0-8.389B; cosine 0.0003->3e-05 over 8.389B-5T [tok]"
+    assert describe_schedule(s) == "warmup 0 -> 3e-4 over 0-8.389B; cosine 3e-4 -> 3e-5 over 8.389B-5T [tok]"
     xs = [x for x, _ in schedule_curve(s, 0, 4e12, n=50)]
     assert 8.388608e9 in xs and xs == sorted(xs) and len(xs) == 51

@@ -251,7 +251,7 @@ def test_sweep_verbose_engine_settings_and_plain_progress(small_run, tmp_path, c
     assert len(blocks) == n_layer, r.stderr
     # FP and one gptq3 row (its R = 2 repeats summarised)
     assert any(x.startswith(f"{ck}: 2 rows written, 0 already stored") for x in r.stderr.splitlines()), r.stderr
-    assert "\r" not in r.stderr and "sweep 0/1: 1/1 ckpt (100%)" in r.stderr
+    assert "\r" not in r.stderr and "sweep: 1/1 ckpt (100%)" in r.stderr  # one shard: no shard in the prefix
     assert {x["repeat_vary"] for x in ResultStore(tmp_path / "st").rows() if x["kind"] == "ptq"} == {"order"}
 
 

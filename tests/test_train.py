@@ -31,7 +31,7 @@ def _free_port() -> int:
 
 
 def _losses(run_dir):
-    return [(r["step"], r["train_loss"]) for r in read_metrics(run_dir) if "train_loss" in r]
+    return [(r["step"], r["train/loss"]) for r in read_metrics(run_dir) if "train/loss" in r]
 
 
 def _assert_same_weights(run_a, run_b, *checkpoints):
@@ -50,7 +50,7 @@ def test_exact_resume(tmp_path, kjv_small):
     assert latest_resumable(part).step == 4 and len(list_checkpoints(part)) == 1
     # a crashed run may have logged beyond its last checkpoint: resume truncates those rows
     with open(part / "metrics.jsonl", "a") as f:
-        f.write(json.dumps({"step": 6, "train_loss": 123.0}) + "\n")
+        f.write(json.dumps({"step": 6, "train/loss": 123.0}) + "\n")
     train(_cfg(tmp_path, data_cfg, "part"), part, resume=latest_resumable(part), progress=False)
     assert _losses(part) == _losses(full)
     _assert_same_weights(full, part, "checkpoints/step-0000012")
@@ -64,7 +64,7 @@ def test_checkpoint_metadata_and_loss_falls(tmp_path, kjv_small):
     m = read_meta(cks[-1].path)
     assert m["tokens"] == 24 * 4 * 32 and m["lr"] == pytest.approx(0.0) and m["schedule"]["name"] == "wsd"
     assert m["config"]["model"]["vocab_size"] == 512 and m["git_sha"]
-    vals = [r["val_loss"] for r in read_metrics(run) if "val_loss" in r]
+    vals = [r["val/loss"] for r in read_metrics(run) if "val/loss" in r]
     assert vals[-1] < vals[0] - 0.3
     # tokenizer files travel with the checkpoint so transformers can load both
     from transformers import AutoTokenizer
@@ -181,11 +181,13 @@ def test_in_training_monitor_logs_delta_ce(tmp_path, kjv_small):
 
     cfg = from_dict(RunConfig, d)
     run = train(cfg, progress=False, hooks=hooks_for(cfg))
-    rows = [r for r in read_metrics(run) if "dce_rtn2" in r]
+    rows = [r for r in read_metrics(run) if "ptq/rtn2/delta_ce" in r]
     assert [r["step"] for r in rows] == [4, 8]
-    # the shared names sit beside the legacy keys, with the same values
-    assert all(r["ptq/rtn2/delta_ce"] == r["dce_rtn2"] and r["ptq/rtn2/delta_ce_se"] == r["dce_rtn2_se"] for r in rows)
-    assert all({"ptq/rtn2/kl", "ptq/rtn2/rel_delta_ce", "ptq/rtn2/top1_agree", "ptq/ce_fp"} <= set(r) for r in rows)
+    assert all({"ptq/rtn2/delta_ce_se", "ptq/rtn2/kl", "ptq/rtn2/rel_delta_ce", "ptq/rtn2/top1_agree", "ptq/ce_fp"}
+               <= set(r) for r in rows)
+    # metrics.jsonl holds the shared names once: none of the keys written before 0.2 beside them
+    raw = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert not [k for r in raw for k in r if k.startswith("dce_") or k in ("tokens", "lr", "train_loss", "val_loss")]
     # the logged value is what an independent measurement of the step-8 checkpoint gives
     import copy
 
@@ -199,9 +201,9 @@ def test_in_training_monitor_logs_delta_ce(tmp_path, kjv_small):
     q = copy.deepcopy(fp)
     quantize_model(q, data.calib_windows(4, 32, seed=0), parse_quantizer("rtn2"), progress=False)
     m = compare_models(fp, q, data.eval_windows(32, 8))
-    assert rows[-1]["dce_rtn2"] == pytest.approx(m["delta_ce"], abs=1e-6)
-    assert rows[-1]["dce_rtn2_se"] == pytest.approx(m["delta_ce_se"], rel=1e-4)
-    assert all(abs(r["dce_rtn8"]) < 2e-3 for r in rows) and rows[-1]["dce_rtn2_se"] > 0
+    assert rows[-1]["ptq/rtn2/delta_ce"] == pytest.approx(m["delta_ce"], abs=1e-6)
+    assert rows[-1]["ptq/rtn2/delta_ce_se"] == pytest.approx(m["delta_ce_se"], rel=1e-4)
+    assert all(abs(r["ptq/rtn8/delta_ce"]) < 2e-3 for r in rows) and rows[-1]["ptq/rtn2/delta_ce_se"] > 0
     d["monitor"]["quantizers"] = ["rtm4"]
     with pytest.raises(QuantdynError, match="did you mean"):
         from_dict(RunConfig, d)
@@ -219,7 +221,7 @@ def test_qat_finetune_from_fp_and_sweep_qat_rows(tmp_path, kjv_small):
     d.update(name="qat", init_weights=str(fp_run / "checkpoints" / "step-0000008"),
              qat={"method": "quest", "w_bits": 4, "a_bits": 4, "hadamard_block": 32}, optim={"name": "muon"})
     run = train(from_dict(RunConfig, d), progress=False)
-    vals = [r["val_loss"] for r in read_metrics(run) if "val_loss" in r]
+    vals = [r["val/loss"] for r in read_metrics(run) if "val/loss" in r]
     assert vals[-1] < vals[0]  # QAT fine-tuning improves the quantized model's loss
     m = load_gpt(run / "checkpoints" / "step-0000006")  # plain GPT loads a QAT checkpoint
     assert type(m.gpt_neox.layers[0].attention.dense) is torch.nn.Linear
@@ -305,7 +307,7 @@ def test_train_refuses_a_run_with_checkpoints_unless_resume_or_overwrite(tmp_pat
     assert r.returncode == 0, r.stderr[-2000:]
     assert not (run / "checkpoints" / "step-0000002" / "stale-marker").exists()
     assert [c.step for c in list_checkpoints(run)] == [2, 4]
-    assert [x["step"] for x in read_metrics(run) if "train_loss" in x] == [2, 4]  # one set of rows, not two
+    assert [x["step"] for x in read_metrics(run) if "train/loss" in x] == [2, 4]  # one set of rows, not two
     _one_line_exit2(cli("train", "--resume", run, "--overwrite"), "does not go with --resume")
     _one_line_exit2(cli("train", cfg_path, "--device", "cuda:0", "name=gpu"), "no CUDA GPU is visible")
     assert not (tmp_path / "gpu").exists()
@@ -453,8 +455,11 @@ def test_run_dir_layout_and_its_readers(tmp_path):
     assert rd.average("lawa-k4-p2", 12) == tmp_path / "averages" / "lawa-k4-p2" / step_name(12)
     assert rd.branch("cd").checkpoint(1) == tmp_path / "branches" / "cd" / "checkpoints" / "step-0000001"
     assert rd.read_info() == {} and read_metrics(tmp_path) == []
-    rd.metrics.write_bytes(b'{"step": 1, "train_loss": 2.5}\n[1]\n{"step": 2, "train_lo')  # killed mid-line
-    assert read_metrics(tmp_path) == [{"step": 1, "train_loss": 2.5}]
+    rd.metrics.write_bytes(b'{"step": 1, "train_loss": 2.5, "lr": 0.1}\n[1]\n{"step": 2, "train_lo')  # killed mid-line
+    # a file written before 0.2 (legacy keys only) reads with the shared names
+    assert read_metrics(tmp_path) == [{"step": 1, "train/loss": 2.5, "train/lr": 0.1}]
+    rd.metrics.write_text('{"step": 1, "train_loss": 2.5, "train/loss": 2.5, "dce_rtn4": 0.1}\n')  # 0.1 wrote both
+    assert read_metrics(tmp_path) == [{"step": 1, "train/loss": 2.5, "dce_rtn4": 0.1}]
     assert rd.status(8) == "new"
     rd.info.write_text("{not json")
     with pytest.raises(QuantdynError, match="run.json' is not valid JSON"):

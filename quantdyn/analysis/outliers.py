@@ -85,17 +85,6 @@ def max_to_mean_ratio(x: torch.Tensor) -> float:
     return mx / m if m > 0 else (math.nan if mx == 0 else math.inf)
 
 
-def per_token_max_to_mean_ratio(x: torch.Tensor) -> float:
-    """Mean over tokens (all leading dims) of max_j |x_tj| / mean_j |x_tj| over the last dim.
-    Tokens whose row is all zero are skipped."""
-    a = x.detach().abs().double().reshape(-1, x.shape[-1])
-    mean = a.mean(dim=1)
-    keep = mean > 0
-    if not bool(keep.any()):
-        return math.nan
-    return float((a.max(dim=1).values[keep] / mean[keep]).mean())
-
-
 def kurtosis(x: torch.Tensor, excess: bool = False) -> float:
     """Pearson kurtosis E[(x−μ)^4]/σ^4 over all entries (population moments);
     ``excess=True`` subtracts 3.  nan for a constant tensor."""

@@ -113,13 +113,6 @@ def _sq(x: torch.Tensor) -> float:
     return float((x * x).sum())
 
 
-def add_sums(total: list[dict[str, float]] | None, new: list[dict[str, float]]) -> list[dict[str, float]]:
-    """Element-wise sum of two :func:`propagation_sums` results (None = empty)."""
-    if total is None:
-        return [dict(s) for s in new]
-    return [{k: t[k] + n[k] for k in t} for t, n in zip(total, new)]
-
-
 def finalize_propagation(sums: list[dict[str, float]]) -> list[dict]:
     """Turn accumulated sums into one row per block (see the module docstring).
 

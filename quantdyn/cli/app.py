@@ -6,6 +6,12 @@ traceback: a :class:`QuantdynError` from the library, and every usage error of t
 version; ``-h`` and ``--help`` work on every command; help text is plain (literal ``[...]``, real
 types).  Ctrl-C ends with one line (exit 130) that says how to go on, true for the command that ran;
 SIGTERM the same way (exit 143).
+
+Plain help groups a command's options in sections: an option's ``rich_help_panel`` names its section (typer
+itself shows panels only with rich markup, which is off), so ``quantdyn sweep -h`` lists the trajectory, the
+quantizers and data, the engine, the output and the SLURM options apart.  An old spelling of an option keeps
+working and prints one ``note:`` line on stderr that names the new spelling (:func:`deprecated`), once the
+command has run.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from importlib import metadata
 from typing import Sequence
 
 import typer
+from typer.core import TyperCommand
 
 from quantdyn.errors import QuantdynError, Terminated, did_you_mean
 
@@ -49,6 +56,51 @@ RESUME_HINTS: dict[str, str] = {
 _DEFAULT_HINT = "files already written are complete; rerun the command to start it again"
 
 
+class SectionedCommand(TyperCommand):
+    """A command whose plain help lists its options in sections named by their ``rich_help_panel`` (options
+    without one under "Options"), in the order the sections first appear."""
+
+    def format_options(self, ctx, formatter) -> None:
+        args: list[tuple[str, str]] = []
+        sections: dict[str, list[tuple[str, str]]] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            if param.param_type_name == "argument":
+                args.append(record)
+            else:
+                sections.setdefault(getattr(param, "rich_help_panel", None) or "Options", []).append(record)
+        if args:
+            with formatter.section("Arguments"):
+                formatter.write_dl(args)
+        for title, records in sections.items():
+            with formatter.section(title):
+                formatter.write_dl(records)
+
+
+def command(name: str | None = None, *, parent: typer.Typer | None = None, **kwargs):
+    """``app.command`` (or ``parent.command``) with sectioned plain help (:class:`SectionedCommand`)."""
+    return (parent or app).command(name, cls=SectionedCommand, **kwargs)
+
+
+_NOTES: list[str] = []
+
+
+def deprecated(old: str, new: str) -> None:
+    """An old spelling was used: one ``note:`` line on stderr, printed once the command has run (a command
+    that fails prints its one error line only)."""
+    line = f"note: {old} is deprecated; {new}"
+    if line not in _NOTES:
+        _NOTES.append(line)
+
+
+def _print_notes() -> None:
+    for line in _NOTES:
+        typer.echo(line, err=True)
+    _NOTES.clear()
+
+
 def version() -> str:
     """The installed version of quantdyn (package metadata)."""
     try:
@@ -69,6 +121,11 @@ def _root(
                                       help="Print the version and exit."),
 ) -> None:
     """How training dynamics decide post-training quantization robustness."""
+
+
+def plural(n: int, word: str) -> str:
+    """'1 quantizer', '3 quantizers', '0 checkpoints'."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def echo_json(obj) -> None:
@@ -167,11 +224,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     terminated (SIGTERM: cleaned up like Ctrl-C)."""
     args = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    command = typer.main.get_command(app)
+    root = typer.main.get_command(app)
     previous = _on_sigterm_raise()
+    _NOTES.clear()
     try:
-        with command.make_context(PROG, args) as ctx:
-            command.invoke(ctx)
+        with root.make_context(PROG, args) as ctx:
+            root.invoke(ctx)
+        _print_notes()
     except QuantdynError as e:
         _fail(_one_line(e))
     except click_exceptions.NoArgsIsHelpError as e:
@@ -180,6 +239,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     except click_exceptions.UsageError as e:
         _fail(usage_message(e, args))
     except typer.Exit as e:  # --help, --version, typer.Exit(code)
+        if not e.exit_code:
+            _print_notes()
         sys.exit(e.exit_code)
     except typer.Abort:  # end of input at a prompt
         _fail("aborted (no input)")

@@ -1,39 +1,40 @@
-"""Commands that read results and run studies: results, report, scaling, study, demo.
-
-Names shared with every other command: ``--store`` (a results store), ``--out`` (an output file or
-directory), ``--device`` (where computation runs).  Old spellings stay as hidden aliases:
-``results --csv FILE`` (= ``--out FILE.csv``), ``scaling STORE`` (= ``--store STORE``).
-"""
+"""``quantdyn results``: print, export or check the rows of a results store."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
 import typer
 
-from quantdyn.cli.app import app, echo_json
+from quantdyn.cli import options as opt
+from quantdyn.cli.app import command, deprecated
 from quantdyn.errors import QuantdynError
 
 
-@app.command()
+@command()
 def results(
-    store: str = typer.Option("results", "--store", help="Results store directory."),
+    store: str = opt.store("results"),
     where: Optional[str] = typer.Option(None, "--where", help="SQL condition, e.g. \"bits = 3 AND branch = 'main'\""),
-    out: Optional[Path] = typer.Option(None, "--out", help="Also write the rows to this file: .csv, .json, .jsonl "
-                                       "or .parquet (every column; nested fields as dotted columns)."),
+    out: Optional[Path] = opt.out(None, "the rows to this file as well: .csv, .json, .jsonl or .parquet (every "
+                                  "column; nested fields as dotted columns)."),
     parquet: Optional[Path] = typer.Option(None, "--parquet", help="Also write the rows (every column) to this "
                                            "Parquet file; the same as --out FILE.parquet."),
     csv: Optional[Path] = typer.Option(None, "--csv", hidden=True, help="Old spelling of --out FILE.csv."),
-    as_json: bool = typer.Option(False, "--json", help="Print a JSON array of rows."),
+    as_json: bool = opt.as_json(),
     all_columns: bool = typer.Option(False, "--all", help="Every column (default: the main ones)."),
     check: bool = typer.Option(False, "--check", help="Check every line of the store instead; move unreadable "
                                "lines to STORE/quarantine/ and remove temporary files left by killed writers."),
 ):
-    """Print result rows (default: the store `make demo` wrote), or check the store with --check."""
+    """Print the rows of a results store, or check it.
+
+    The default store is the one `make demo` wrote; --where selects rows, --out writes them to a file, --check
+    checks every line of the store instead."""
     from quantdyn.files import write_text_atomic
     from quantdyn.results.store import ResultStore
 
+    if csv is not None:
+        deprecated("results --csv FILE", "use --out FILE.csv")
     st = ResultStore(store, create=False)
     if check:
         typer.echo(st.check(repair=True).summary(st.root, repair=True))
@@ -117,88 +118,3 @@ def _render(recs: list[dict], cols: list[str], fmt: str) -> str:
     w.writeheader()
     w.writerows(recs)
     return buf.getvalue()
-
-
-@app.command()
-def report(
-    store_or_run: Path = typer.Argument(Path("results"), help="A results store or a run directory."),
-    out: Path = typer.Option(Path("report"), "--out", help="Output directory for index.html and PNGs."),
-    store: Optional[str] = typer.Option(None, "--store", help="Store to read when given a run directory."),
-):
-    """Write the static HTML report with the papers' figures."""
-    from quantdyn.report.html import write_report
-
-    page = write_report(store_or_run, out, store=store)
-    typer.echo(f"report: {page}")
-
-
-@app.command()
-def study(spec: Path = typer.Argument(..., help="Study spec YAML (see configs/studies/ and configs/kjv_cooldown_study.yaml)."),
-          overrides: Optional[List[str]] = typer.Argument(None, help="key=value overrides of the spec, e.g. "
-                                                          "run.data.source=my.txt sweep.quant_repeats=3 "
-                                                          "scale=pythia-160m (data.source=... means run.data.source)"),
-          store: Optional[str] = typer.Option(None, "--store", help="Results store (default: the spec's sweep.store)."),
-          out: Optional[Path] = typer.Option(None, "--out", help="Report directory (default: the spec's report)."),
-          device: Optional[str] = typer.Option(None, "--device", help="Device for training and sweeps "
-                                               "(auto, cpu, cuda, cuda:N; default: the spec's)."),
-          quiet: bool = typer.Option(False, "--quiet", help="No progress; stage lines, the findings and errors only.")):
-    """A study: train (seeds, grid), cooldowns + controls, averages, sweep, report, findings table with verdicts."""
-    import quantdyn.studies.pipeline as pipeline
-    from quantdyn.studies.spec import load_study_spec
-
-    spec_ = load_study_spec(spec, [*(overrides or []), *_option_overrides(store, out, device)])
-    pipeline.run_study(spec_, progress=not quiet, echo=typer.echo)
-
-
-@app.command()
-def demo(overrides: Optional[List[str]] = typer.Argument(None, help="key=value overrides of the embedded spec, "
-                                                         "e.g. sweep.quant_repeats=3"),
-         store: Optional[str] = typer.Option(None, "--store", help="Results store (default: results)."),
-         out: Optional[Path] = typer.Option(None, "--out", help="Report directory (default: report)."),
-         device: Optional[str] = typer.Option(None, "--device", help="Device for training and sweeps "
-                                              "(auto, cpu, cuda, cuda:N; default: auto)."),
-         quiet: bool = typer.Option(False, "--quiet", help="No progress; stage lines, the findings and errors only.")):
-    """The embedded default study: train, cooldowns + controls, sweep, report, summary and findings."""
-    import quantdyn.studies.pipeline as pipeline
-    from quantdyn.studies.spec import demo_spec
-
-    spec_ = demo_spec([*(overrides or []), *_option_overrides(store, out, device)])
-    pipeline.run_study(spec_, progress=not quiet, echo=typer.echo)
-
-
-def _option_overrides(store: Optional[str], out: Optional[Path], device: Optional[str]) -> list[str]:
-    """The command line's --store, --out and --device as spec overrides (applied after the user's own)."""
-    extra = []
-    if store is not None:
-        extra.append(f"sweep.store={store}")
-    if out is not None:
-        extra.append(f"report={out}")
-    if device is not None:
-        extra += [f"sweep.device={device}", f"run.train.device={device}"]
-    return extra
-
-
-@app.command()
-def scaling(
-    store_arg: Optional[str] = typer.Argument(None, metavar="STORE", help="Old spelling of --store."),
-    store_opt: Optional[str] = typer.Option(None, "--store", help="Results store with swept FP and QAT runs "
-                                            "[default: results]."),
-    by: str = typer.Option("optim.name", "--by", help="Group runs by this key (optim.name, or a row column)."),
-    all_checkpoints: bool = typer.Option(False, "--all-checkpoints", help="Every checkpoint, not only each run's last."),
-    bootstrap: int = typer.Option(200, "--bootstrap", help="Bootstrap resamples for intervals."),
-    as_json: bool = typer.Option(False, "--json"),
-):
-    """Fit L(N, D) = A(ρN)^-α + B·D^-β + E per group for FP and QAT runs; rows go to the store."""
-    from quantdyn.studies.scaling import fit_scaling
-
-    if store_arg is not None and store_opt is not None and store_arg != store_opt:
-        raise QuantdynError(f"two stores given ('{store_arg}' and --store '{store_opt}'); give only --store")
-    rows = fit_scaling(store_opt or store_arg or "results", by, all_checkpoints, bootstrap)
-    if as_json:
-        echo_json([{k: v for k, v in r.items() if k != "points"} for r in rows])
-        return
-    for r in rows:
-        rho = f"  ρ={r['rho']:.3f}" + (f" [{r.get('rho_lo', float('nan')):.3f}, {r.get('rho_hi', float('nan')):.3f}]"
-                                      if r["precision"] == "qat" else "")
-        typer.echo(f"{r['group']:<16} {r['precision']:<4} A={r['A']:.3g} α={r['alpha']:.3f} B={r['B']:.3g} "
-                   f"β={r['beta']:.3f} E={r['E']:.3f} ({r['n_points']} points){rho}")

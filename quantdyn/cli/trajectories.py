@@ -1,9 +1,10 @@
-"""Commands about public training trajectories: trajectories (the presets `sweep --preset` visits)."""
+"""``quantdyn trajectories``: the public-trajectory presets that `sweep --preset` visits."""
 from __future__ import annotations
 
 import typer
 
-from quantdyn.cli.app import app, echo_json
+from quantdyn.cli import options as opt
+from quantdyn.cli.app import command, echo_json
 
 
 def _count(v: int | None) -> str:
@@ -29,16 +30,17 @@ def _summary(p) -> dict:
             "unverified": len(p.unverified)}
 
 
-@app.command()
+@command()
 def trajectories(
     name: str | None = typer.Argument(None, help="A preset to show in full (revisions, phases, sources)."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    as_json: bool = opt.as_json("the presets as JSON"),
 ):
-    """List the public-trajectory presets (family, size, revisions known, schedule in one line), or show one.
+    """List the public-trajectory presets, or show one in full.
 
-    Sweep one with `quantdyn sweep --preset NAME [--every N | --log-spaced K | --tokens-range A:B] [--dry-run]`,
+    The list gives each preset's family, size, revisions known and schedule in one line. Sweep one with `quantdyn sweep --preset NAME [--every N | --log-spaced K | --tokens-range A:B] [--dry-run]`,
     or in a sweep spec: `trajectory: {preset: NAME, select: {log_spaced: 12}}`."""
     from quantdyn.sources.presets import get_preset, load_presets
+    from quantdyn.train.schedules import lr_text
 
     if name:
         p = get_preset(name)
@@ -59,7 +61,7 @@ def trajectories(
     for r, p in zip(rows, (get_preset(r["preset"]) for r in rows)):
         repo = (p.repos[0] + (f" (+{len(p.repos) - 1})" if len(p.repos) > 1 else "")) if p.repos else "(give --hub)"
         table.append((r["preset"], r["family"], r["size"], _revisions_known(p), _count(p.tokens_per_step),
-                      "?" if p.peak_lr is None else f"{p.peak_lr:.3g}", repo,
+                      "?" if p.peak_lr is None else lr_text(p.peak_lr), repo,
                       r["schedule"]))
     widths = [max(len(row[k]) for row in table) for k in range(len(table[0]) - 1)]
     for row in table:
@@ -68,7 +70,7 @@ def trajectories(
 
 
 def _detail(p) -> list[str]:
-    from quantdyn.train.schedules import describe_schedule
+    from quantdyn.train.schedules import describe_phase, describe_schedule
 
     out = [f"{p.name}: {p.description}", f"  repos: {', '.join(p.repos) or '(none: give --hub with the run id)'}",
            f"  tokens/step: {p.tokens_per_step if p.tokens_per_step is not None else 'unknown'}",
@@ -92,9 +94,10 @@ def _detail(p) -> list[str]:
             continue
         out.append(f"  {label} (over {sched.unit}):")
         for ph in sched.phases:
-            floor = f", floor {ph.floor:g}" if ph.floor else ""
-            out.append(f"    {ph.label:<14} {ph.shape:<8} {_count(int(ph.start)):>7} -> {_count(int(ph.end)):>7}  "
-                       f"lr {ph.lr_start:g} -> {ph.lr_end:g}{floor}")
+            horizon = ("" if ph.shape == "constant" or not ph.floor else
+                       f" (the {ph.shape} aims at {ph.lr_end:g} at {_count(int(ph.end))}; min LR {ph.floor:g})")
+            shape = f" ({ph.shape})" if ph.label != ph.shape else ""
+            out.append(f"    {describe_phase(ph)}{shape}{horizon}")
     for s in p.stages:
         for i in s.ingredients:
             if i.schedule is not None:

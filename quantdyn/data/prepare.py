@@ -5,6 +5,9 @@
     data.eval_windows(128, 400)           # LongTensor [n, 128], non-overlapping, from val
     data.calib_windows(32, 128, seed=0)   # LongTensor [32, 128] from the calibration split
 
+A window is ``seq_len`` tokens everywhere (:func:`token_windows`, :func:`random_windows`): evaluated, its first
+seq_len - 1 tokens are the inputs and its last seq_len - 1 the next-token targets.
+
 Documents are split into train / validation / calibration by a seeded hash of
 their text, so the split is deterministic, independent of document order and
 streaming, and evaluation text is never trained on; the manifest records how
@@ -150,35 +153,62 @@ class TokenData:
         return self.split("calib")
 
     def eval_windows(self, seq_len: int, max_windows: int = 0, split: str = "val") -> torch.Tensor:
-        """Non-overlapping windows [n, seq_len] of a split, in order (paper A's eval blocks)."""
-        toks = self.split(split)
-        n = len(toks) // seq_len
-        if max_windows:
-            n = min(n, max_windows)
-        if n == 0:
-            raise QuantdynError(
-                f"the {split} split has {len(toks)} tokens, fewer than one window of {seq_len}; "
-                "use more data, a larger data.val_fraction, or a shorter sequence length"
-            )
-        return torch.from_numpy(np.asarray(toks[: n * seq_len], dtype=np.int64).reshape(n, seq_len))
+        """Non-overlapping windows [n, seq_len] of a split, in order (paper A's eval blocks; :func:`token_windows`)."""
+        return token_windows(self.split(split), seq_len, max_windows, what=f"the {split} split",
+                             hint="use more data, a larger data.val_fraction, or a shorter sequence length")
 
     def calib_windows(self, n: int, seq_len: int, seed: int = 0) -> torch.Tensor:
-        """``n`` random windows [n, seq_len] from the calibration split (seeded)."""
-        toks = self.split("calib")
-        if len(toks) <= seq_len:
-            raise QuantdynError(
-                f"the calibration split has {len(toks)} tokens, too few for windows of {seq_len}; "
-                "use more data or a larger data.calib_fraction"
-            )
-        if n <= 0:
-            raise QuantdynError("calibration set is empty: ask for at least 1 calibration sample")
-        rng = np.random.default_rng(seed)
-        starts = rng.integers(0, len(toks) - seq_len, size=n)
-        return torch.from_numpy(np.stack([np.asarray(toks[s : s + seq_len], dtype=np.int64) for s in starts]))
+        """``n`` random windows [n, seq_len] from the calibration split (seeded; :func:`random_windows`)."""
+        return random_windows(self.split("calib"), n, seq_len, seed, what="the calibration split",
+                              hint="use more data or a larger data.calib_fraction")
 
     def token_hash(self, split: str, seq_len: int, max_windows: int = 0) -> str:
         """Identity of an evaluation set: shard key + split + windowing."""
         return hashlib.sha1(f"{self.data_hash}:{split}:{seq_len}:{max_windows}".encode()).hexdigest()[:12]
+
+
+# ------------------------------------------------------------------ windows
+# The one windowing of token streams. A window is ``seq_len`` consecutive tokens: the model reads all of them
+# (calibration), or, evaluated, its first seq_len - 1 tokens are the inputs and its last seq_len - 1 the
+# next-token targets (``engine.measure``'s windows [N, T+1] with T = seq_len - 1).
+
+
+def _as_ids(tokens) -> np.ndarray | torch.Tensor:
+    return tokens if isinstance(tokens, (np.ndarray, torch.Tensor)) else np.asarray(tokens)
+
+
+def long_ids(t) -> torch.Tensor:
+    """Token ids (a tensor, an array or a memory-mapped slice) as a CPU LongTensor."""
+    if isinstance(t, torch.Tensor):
+        return t.detach().to("cpu", torch.long)
+    return torch.from_numpy(np.asarray(t, dtype=np.int64))
+
+
+def token_windows(tokens, seq_len: int, max_windows: int = 0, what: str = "the token stream",
+                  hint: str = "give more tokens or a shorter sequence length") -> torch.Tensor:
+    """Consecutive non-overlapping windows [n, seq_len] of a 1-D token stream, in order, at most ``max_windows``
+    (0 = as many as fit); a memory-mapped stream stays mapped (only the windows are read)."""
+    toks = _as_ids(tokens)
+    if seq_len < 2:
+        raise QuantdynError(f"windows of {seq_len} token(s) hold no next-token target; use a sequence length >= 2")
+    n = len(toks) // seq_len
+    if max_windows:
+        n = min(n, max_windows)
+    if n == 0:
+        raise QuantdynError(f"{what} has {len(toks)} tokens, fewer than one window of {seq_len}; {hint}")
+    return long_ids(toks[: n * seq_len]).reshape(n, seq_len)
+
+
+def random_windows(tokens, n: int, seq_len: int, seed: int = 0, what: str = "the token stream",
+                   hint: str = "give more tokens") -> torch.Tensor:
+    """``n`` windows [n, seq_len] of a 1-D token stream at seeded random offsets (calibration sequences)."""
+    toks = _as_ids(tokens)
+    if len(toks) <= seq_len:
+        raise QuantdynError(f"{what} has {len(toks)} tokens, too few for windows of {seq_len}; {hint}")
+    if n <= 0:
+        raise QuantdynError("calibration set is empty: ask for at least 1 calibration sample")
+    starts = np.random.default_rng(seed).integers(0, len(toks) - seq_len, size=n)
+    return torch.stack([long_ids(toks[int(s) : int(s) + seq_len]) for s in starts])
 
 
 def _limited(docs: Iterator[str], max_chars: int) -> Iterator[str]:

@@ -1,8 +1,7 @@
 """The measurement engine: quantize a checkpoint with several quantizers and compare each
 with full precision, streamed one decoder block at a time.
 
-    m = measure("runs/tiny/checkpoints/step-0001000", {"gptq3": "gptq3", "rtn4": "rtn4"},
-                eval_windows, calib_ids, device="cuda")
+    m = measure("runs/tiny/checkpoints/step-0001000", ["gptq3", "rtn4"], eval_windows, calib_ids, device="cuda")
     m.metrics["gptq3"]["delta_ce"], m.fp_window_ce
 
 This is the only place where "quantize, then compare with FP" happens: sweeps, `quantize`,
@@ -23,9 +22,10 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -137,10 +137,26 @@ def _check_budget(source: BlockSource, budget: int) -> int:
     return budget - weights
 
 
+def _variants(quantizers) -> dict[str, QuantConfig | BlockTransform]:
+    """{label: QuantConfig or BlockTransform} of measure's ``quantizers`` (a mapping, or labels/configs)."""
+    if isinstance(quantizers, (str, QuantConfig, BlockTransform)):
+        quantizers = [quantizers]
+    if isinstance(quantizers, Mapping):
+        return {label: (q if isinstance(q, BlockTransform) else parse_quantizer(q)) for label, q in quantizers.items()}
+    out: dict[str, QuantConfig | BlockTransform] = {}
+    for q in quantizers:
+        v = q if isinstance(q, BlockTransform) else parse_quantizer(q)
+        label = v.name
+        if label in out:
+            raise QuantdynError(f"quantizer '{q}' is given twice (as '{label}'); list each once")
+        out[label] = v
+    return out
+
+
 @torch.no_grad()
 def measure(
     model: str | Path | nn.Module | CheckpointWeights | BlockSource,
-    quantizers: Mapping[str, QuantConfig | str | dict | BlockTransform],
+    quantizers: Mapping[str, QuantConfig | str | dict | BlockTransform] | Sequence[QuantConfig | str],
     eval_windows: torch.Tensor | None,
     calib_ids: torch.Tensor | None = None,
     *,
@@ -148,18 +164,27 @@ def measure(
     cfg: MeasureConfig = MeasureConfig(),
     propagation_ids: torch.Tensor | None = None,
     on_layer: Callable[[str, str, QuantResult, nn.Module], None] | None = None,
-    progress: Callable[[str], None] | None = None,
+    on_block: Callable[[str], None] | None = None,
+    **old,
 ) -> Measurement:
-    """Quantize ``model`` with each of ``quantizers`` ({label: spec or BlockTransform}) and measure every one
-    against full precision on ``eval_windows`` [N, T+1] (inputs = all but the last token, targets = all but
-    the first; None = no error metrics).
+    """Quantize ``model`` with each of ``quantizers`` and measure every one against full precision on
+    ``eval_windows`` [N, T+1] (inputs = all but the last token, targets = all but the first; None = no error
+    metrics).
 
-    ``propagation_ids`` [N, T]: also run paper B's error-propagation analysis on these sequences (the four
-    passes per block of analysis/propagation.py, inside the same walk). The model is left untouched (an
-    in-memory model included). ``on_layer(label, layer, result, module)`` sees every quantized layer (to pack
-    or export codes); ``progress(line)`` gets a line per block."""
+    ``quantizers``: labels or QuantConfigs (``["gptq3", "rtn4"]``: each measured under its canonical label), or
+    ``{label: label, QuantConfig, dict or BlockTransform}`` to choose the labels. ``calib_ids`` [N, L]: the
+    calibration sequences, or {label: [N, L]} per variant. ``propagation_ids`` [N, T]: also run paper B's
+    error-propagation analysis on these sequences (the four passes per block of analysis/propagation.py,
+    inside the same walk). The model is left untouched (an in-memory model included).
+    ``on_layer(label, layer, result, module)`` sees every quantized layer (to pack or export codes);
+    ``on_block(line)`` gets a line per block (``progress=`` before 0.2)."""
+    if "progress" in old:
+        warnings.warn("measure(progress=callable) is now measure(on_block=callable)", DeprecationWarning, stacklevel=3)
+        on_block = on_block or old.pop("progress")
+    if old:
+        raise TypeError(f"measure() got an unexpected keyword argument '{next(iter(old))}'")
     device = torch.device(device)
-    variants = {label: (q if isinstance(q, BlockTransform) else parse_quantizer(q)) for label, q in quantizers.items()}
+    variants = _variants(quantizers)
     probes: dict[str, torch.Tensor] = {}
     if eval_windows is not None:
         if not isinstance(eval_windows, torch.Tensor) or eval_windows.dim() != 2 or eval_windows.shape[1] < 2:
@@ -192,8 +217,8 @@ def measure(
                     total[k] = {key: total[k][key] + x for key, x in v.items()}
 
     def block_done(b: int, n: int) -> None:
-        if progress is not None:
-            progress(f"block {b}/{n} ({time.perf_counter() - t0:.0f}s)")
+        if on_block is not None:
+            on_block(f"block {b}/{n} ({time.perf_counter() - t0:.0f}s)")
 
     with walk(source, variants, calib_ids, probes, device, wcfg, on_layer=on_layer,
               observer=observer if propagation_ids is not None else None,

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from quantdyn.evaluate.loss import autocast_for, ce_of_log_probs, model_device, window_losses
+from quantdyn.evaluate.loss import autocast_for, ce_of_log_probs, model_device
 from quantdyn.models.gpt import logits_of
 from quantdyn.results.stats import mean_se
 
@@ -120,9 +120,3 @@ def compare_many(
                 lst.append(v)
     fp_ce_t = fp_window_ce.double() if fp_window_ce is not None else torch.cat(fp_ce)
     return {label: summarize(fp_ce_t, *(torch.cat(v) for v in a)) for label, a in acc.items()}
-
-
-def fp_metrics(model: nn.Module, windows: torch.Tensor, batch_size: int = 16, dtype: str = "float32") -> dict:
-    ce = window_losses(model, windows, batch_size, dtype)
-    return {"ce_fp": float(ce.mean()), "ce_fp_se": mean_se(ce)[1], "ppl_fp": math.exp(float(ce.mean())),
-            "n_windows": len(windows), "window_ce": [round(float(v), 7) for v in ce]}

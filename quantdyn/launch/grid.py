@@ -44,7 +44,7 @@ import yaml
 from quantdyn.config import check_config_key, from_dict, load_yaml, parse_override, set_dotted, to_dict
 from quantdyn.errors import QuantdynError, did_you_mean
 from quantdyn.files import write_json_atomic, write_text_atomic
-from quantdyn.launch.slurm import SlurmConfig, job_name, run_command, sbatch_header, submit
+from quantdyn.launch.slurm import SlurmConfig, array_script, run_command, submit
 from quantdyn.monitor import hooks_for
 from quantdyn.runtime import git_sha
 from quantdyn.train.checkpoint import RunDir, latest_resumable, step_name
@@ -319,50 +319,22 @@ def torchrun_command(config: str | Path, nproc_per_node: int = 1, torchrun: str 
             f"{shlex.quote(str(config))} --quiet")
 
 
-def slurm_script(
-    manifest: dict,
-    nproc_per_node: int = 1,
-    gpus_per_node: int | None = None,
-    cpus_per_task: int | None = None,
-    time_limit: str | None = None,
-    partition: str | None = None,
-    extra_sbatch: Sequence[str] = (),
-    setup: Sequence[str] = (),
-    torchrun: str = "torchrun",
-    max_parallel: int | None = None,
-    account: str | None = None,
-    slurm: SlurmConfig | None = None,
-) -> str:
-    """A SLURM array script with one task per run of ``manifest``.
+def slurm_script(manifest: dict, slurm: SlurmConfig = SlurmConfig(), torchrun: str = "torchrun") -> str:
+    """A SLURM array script with one task per run of ``manifest`` (launch.slurm.array_script).
 
-    Task i trains run i on one node with ``nproc_per_node`` processes
-    (torchrun --standalone); a task whose run finished exits at once, one
-    whose run has a resumable checkpoint continues it (``train --resume``), so
-    requeued or resubmitted arrays pick up where they stopped.
-    ``setup``: shell lines run first (module loads, venv activation).
-    ``slurm``: all resources as one SlurmConfig (the keyword arguments fill one otherwise).
+    Task i trains run i on one node with ``slurm.nproc_per_node`` processes (torchrun --standalone; GPUs per
+    node: ``slurm.gpus_per_node``, else one per process); a task whose run finished exits at once, one whose
+    run has a resumable checkpoint continues it (``train --resume``), so requeued or resubmitted arrays pick
+    up where they stopped.
     """
-    if slurm is None:
-        slurm = SlurmConfig(partition=partition or "", time=time_limit or "", account=account or "",
-                            gpus_per_node=gpus_per_node or 0, cpus_per_task=cpus_per_task or 0,
-                            nproc_per_node=nproc_per_node, max_parallel=max_parallel or 0,
-                            extra_sbatch=tuple(extra_sbatch), setup=tuple(setup))
     runs = manifest["runs"]
     if not runs:
         raise QuantdynError("the grid has no runs")
     grid_dir = Path(manifest["grid_dir"]).resolve()
-    gpus = slurm.nproc_per_node if gpus_per_node is None and not slurm.gpus_per_node else slurm.gpus_per_node
-    sb = sbatch_header(slurm, job_name(Path(manifest["grid_dir"]).name or "grid"), len(runs), grid_dir / "logs", gpus)
     names = "\n".join(f"  {shlex.quote(r['name'])}" for r in runs)
     finals = "\n".join(f"  {step_name(int(r['steps']))}" for r in runs)
     tr = f"{torchrun} --standalone --nproc_per_node {slurm.nproc_per_node} -m quantdyn.cli train"
-    body = f"""#!/bin/bash
-# Grid {grid_dir}: {len(runs)} runs, one array task each (written by quantdyn.launch.grid).
-# Submit: mkdir -p {shlex.quote(str(grid_dir / 'logs'))} && sbatch {shlex.quote(str(grid_dir / 'grid.sbatch'))}
-{chr(10).join(sb)}
-set -euo pipefail
-{chr(10).join(slurm.setup)}
-GRID_DIR={shlex.quote(str(grid_dir))}
+    body = f"""GRID_DIR={shlex.quote(str(grid_dir))}
 RUNS=(
 {names}
 )
@@ -380,26 +352,25 @@ fi
 rm -f "$RUN_DIR/metrics.jsonl"
 exec {tr} "$GRID_DIR/configs/$RUN.yaml" --quiet
 """
-    return body
+    return array_script(slurm, name=Path(manifest["grid_dir"]).name or "grid", n_tasks=len(runs),
+                        log_dir=grid_dir / "logs", body=body, gpus=slurm.gpus_per_node or slurm.nproc_per_node,
+                        about=f"Grid {grid_dir}: {len(runs)} runs, one array task each",
+                        script=shlex.quote(str(grid_dir / "grid.sbatch")))
 
 
-def write_launch_scripts(grid_dir: str | Path, nproc_per_node: int = 1, **slurm) -> tuple[Path, Path]:
+def write_launch_scripts(grid_dir: str | Path, slurm: SlurmConfig = SlurmConfig(),
+                         torchrun: str = "torchrun") -> tuple[Path, Path]:
     """Write GRID_DIR/grid.sbatch (see :func:`slurm_script`) and GRID_DIR/commands.txt
     (one torchrun line per run); return both paths."""
     grid_dir = Path(grid_dir)
     manifest = read_grid(grid_dir)
-    cfg = slurm.get("slurm")
-    if cfg is not None:
-        nproc_per_node = cfg.nproc_per_node
-
     sbatch = grid_dir / "grid.sbatch"
-    write_text_atomic(sbatch, slurm_script(manifest, nproc_per_node=nproc_per_node, **slurm))
+    write_text_atomic(sbatch, slurm_script(manifest, slurm, torchrun))
     sbatch.chmod(0o755)
     (grid_dir / "logs").mkdir(exist_ok=True)
-    torchrun = slurm.get("torchrun", "torchrun")
     cmds = grid_dir / "commands.txt"
     write_text_atomic(cmds, "".join(
-        torchrun_command(Path(r["config"]).resolve(), nproc_per_node, torchrun) + "\n" for r in manifest["runs"]
+        torchrun_command(Path(r["config"]).resolve(), slurm.nproc_per_node, torchrun) + "\n" for r in manifest["runs"]
     ))
     return sbatch, cmds
 

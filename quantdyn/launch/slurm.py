@@ -12,6 +12,7 @@ measures one shard (``quantdyn sweep ... --shard i/n``).  Every task writes into
 (the grid's run directories, the sweep's store), so a requeued or resubmitted array continues
 where it stopped, and ``max_parallel`` throttles how many tasks run at once (``--array=0-N%M``).
 
+:func:`array_script` writes every sbatch file (grid.py and :func:`sweep_script` give it their task's lines);
 :func:`sweep_script` and :func:`submit_sweep` are what ``quantdyn sweep --slurm`` calls.
 """
 from __future__ import annotations
@@ -97,28 +98,39 @@ class SlurmConfig:
                 raise QuantdynError(f"slurm {name} '{v}' has characters SLURM does not accept in names")
 
 
-def sbatch_header(cfg: SlurmConfig, job_name: str, n_tasks: int, log_dir: Path, gpus: int) -> list[str]:
-    """The #SBATCH lines of an array of ``n_tasks`` one-node tasks."""
+def array_script(cfg: SlurmConfig, *, name: str, n_tasks: int, log_dir: Path, about: str, body: str,
+                 gpus: int | None = None, script: str = "THIS_FILE") -> str:
+    """The sbatch script of an array of ``n_tasks`` one-node tasks (the one sbatch generator: grids and sweeps
+    give their task's shell lines as ``body``, which reads ``$SLURM_ARRAY_TASK_ID``).
+
+    Header: job name, array (throttled by ``max_parallel``), one node and task, the output file under
+    ``log_dir``, ``gpus`` per node (default ``cfg.gpus_per_node``; 0 asks for none) and ``cfg``'s resources and
+    extra #SBATCH lines; then ``set -euo pipefail``, ``cfg.setup`` and ``body``. ``about`` and ``script`` (the
+    path to sbatch) go into the comment that says how to submit it."""
     if n_tasks < 1:
         raise QuantdynError("nothing to submit: the array has no tasks")
+    gpus = cfg.gpus_per_node if gpus is None else gpus
     array = f"0-{n_tasks - 1}" + (f"%{cfg.max_parallel}" if cfg.max_parallel else "")
-    lines = [
-        f"#SBATCH --job-name={job_name}",
+    header = [
+        f"#SBATCH --job-name={job_name(name)}",
         f"#SBATCH --array={array}",
         "#SBATCH --nodes=1",
         "#SBATCH --ntasks-per-node=1",
         f"#SBATCH --output={log_dir}/%x-%A_%a.out",
     ]
     if gpus:
-        lines.append(f"#SBATCH --gpus-per-node={gpus}")
+        header.append(f"#SBATCH --gpus-per-node={gpus}")
     for flag, value in (("cpus-per-task", cfg.cpus_per_task), ("time", cfg.time), ("partition", cfg.partition),
                         ("account", cfg.account), ("qos", cfg.qos), ("constraint", cfg.constraint)):
         if value:
-            lines.append(f"#SBATCH --{flag}={value}")
+            header.append(f"#SBATCH --{flag}={value}")
     if cfg.mem_gb:
-        lines.append(f"#SBATCH --mem={cfg.mem_gb}G")
-    lines += [x if x.startswith("#SBATCH") else f"#SBATCH {x}" for x in cfg.extra_sbatch]
-    return lines
+        header.append(f"#SBATCH --mem={cfg.mem_gb}G")
+    header += [x if x.startswith("#SBATCH") else f"#SBATCH {x}" for x in cfg.extra_sbatch]
+    lines = ["#!/bin/bash", f"# {about} (written by quantdyn).",
+             f"# Submit: mkdir -p {shlex.quote(str(log_dir))} && sbatch {script}",
+             *header, "set -euo pipefail", *cfg.setup, body.rstrip("\n")]
+    return "\n".join(lines) + "\n"
 
 
 def job_name(text: str) -> str:
@@ -144,18 +156,11 @@ def sweep_script(sweep_args: Sequence[str], shards: int, cfg: SlurmConfig, workd
     """
     sweep_commands(sweep_args, shards)  # validates
     workdir = Path(workdir).resolve()
-    log_dir = workdir / "logs"
     args = " ".join(shlex.quote(str(a)) for a in sweep_args)
-    header = sbatch_header(cfg, job_name(name), shards, log_dir, cfg.gpus_per_node)
-    return f"""#!/bin/bash
-# quantdyn sweep in {shards} shards, one array task each (written by quantdyn.launch.slurm).
-# Submit: mkdir -p {shlex.quote(str(log_dir))} && sbatch THIS_FILE
-{chr(10).join(header)}
-set -euo pipefail
-{chr(10).join(cfg.setup)}
-cd {shlex.quote(str(workdir))}
-exec {quantdyn} sweep {args} --shard "$SLURM_ARRAY_TASK_ID/{shards}"
-"""
+    body = (f"cd {shlex.quote(str(workdir))}\n"
+            f'exec {quantdyn} sweep {args} --shard "$SLURM_ARRAY_TASK_ID/{shards}"\n')
+    return array_script(cfg, name=name, n_tasks=shards, log_dir=workdir / "logs", body=body,
+                        about=f"quantdyn sweep in {shards} shards, one array task each")
 
 
 def run_command(argv: Sequence[str], cwd: str | None = None) -> int:

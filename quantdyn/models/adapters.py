@@ -26,7 +26,6 @@ To support another family, register an adapter before quantizing::
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -204,8 +203,3 @@ def adapter_for(model: nn.Module) -> FamilyAdapter:
             f"quantdyn.models.adapters.ADAPTERS.add('{mt}', FamilyAdapter(...))"
         )
     return ADAPTERS.get(mt)
-
-
-def with_changes(adapter: FamilyAdapter, **changes) -> FamilyAdapter:
-    """A copy of an adapter with some fields replaced (e.g. for a close relative family)."""
-    return dataclasses.replace(adapter, **changes)

@@ -3,7 +3,7 @@
     from quantdyn.monitor import PTQMonitor
     from quantdyn.monitor.hf import PTQMonitorCallback
 
-    monitor = PTQMonitor(["rtn4", "gptq3"], eval_tokens=val_ids, calib_tokens=calib_ids, every=100, seq_len=512)
+    monitor = PTQMonitor(["rtn4", "gptq3"], eval_ids=val_ids, calib_ids=calib_ids, every=100, seq_len=512)
     trainer = Trainer(model=model, args=args, train_dataset=ds)
     PTQMonitorCallback(monitor).add_to(trainer)     # or Trainer(..., callbacks=[PTQMonitorCallback(monitor)])
     trainer.train()

@@ -33,11 +33,11 @@ def monitor_for(cfg: RunConfig, data: TokenData | None = None) -> PTQMonitor | N
     T = cfg.train.seq_len
     return PTQMonitor(
         list(mon.quantizers),
-        eval_tokens=lambda: source().eval_windows(T, mon.eval_windows),
-        calib_tokens=lambda: source().calib_windows(mon.calib_samples, T, seed=0),
+        eval_ids=lambda: source().eval_windows(T, mon.eval_windows),
+        calib_ids=lambda: source().calib_windows(mon.calib_samples, T, seed=0),
         every=mon.every,
-        eval_windows=mon.eval_windows,
-        calib_samples=mon.calib_samples,
+        n_eval_windows=mon.eval_windows,
+        n_calib_samples=mon.calib_samples,
     )
 
 

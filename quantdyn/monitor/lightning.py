@@ -3,7 +3,7 @@
     from quantdyn.monitor import PTQMonitor
     from quantdyn.monitor.lightning import PTQMonitorCallback
 
-    monitor = PTQMonitor(["rtn4", "gptq3"], eval_tokens=val_ids, calib_tokens=calib_ids, every=100, seq_len=512)
+    monitor = PTQMonitor(["rtn4", "gptq3"], eval_ids=val_ids, calib_ids=calib_ids, every=100, seq_len=512)
     trainer = L.Trainer(max_steps=10_000, callbacks=[PTQMonitorCallback(monitor)], logger=TensorBoardLogger("tb"))
     trainer.fit(lit_module, loader)
 

@@ -1,6 +1,6 @@
 """PTQMonitor: the post-training-quantization robustness of the weights a loop is training, every N steps.
 
-    monitor = PTQMonitor(["rtn4", "gptq3"], eval_tokens=val_ids, calib_tokens=calib_ids, every=100,
+    monitor = PTQMonitor(["rtn4", "gptq3"], eval_ids=val_ids, calib_ids=calib_ids, every=100,
                          loggers=[TensorBoardLogger("runs/x/tb")], seq_len=256)
     for step in range(1, steps + 1):
         ...                                   # forward, backward, optimizer.step()
@@ -20,6 +20,7 @@ as a ``transformers.TrainerCallback`` and ``quantdyn.monitor.lightning`` as a Li
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Union
 
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from quantdyn.data.prepare import long_ids, random_windows, token_windows
 from quantdyn.engine.measure import MeasureConfig, measure
 from quantdyn.errors import QuantdynError
 from quantdyn.models.adapters import ADAPTERS
@@ -36,6 +38,10 @@ from quantdyn.train.loggers import PTQ_CE_FP, PTQ_METRICS, PTQ_SECONDS, TRAIN_LR
 
 Tokens = Union[torch.Tensor, np.ndarray, Sequence[int]]
 TokenSource = Union[Tokens, Callable[[], Tokens]]
+
+_RENAMED = {"eval_tokens": "eval_ids", "calib_tokens": "calib_ids", "eval_windows": "n_eval_windows",
+            "calib_samples": "n_calib_samples"}
+"""PTQMonitor's keywords before 0.2 -> their names now."""
 
 
 # ------------------------------------------------------------------ the model inside the wrappers
@@ -103,82 +109,90 @@ def _ids(tokens: Tokens, what: str) -> torch.Tensor | np.ndarray:
     return t
 
 
-def _long(t) -> torch.Tensor:
-    if isinstance(t, torch.Tensor):
-        return t.detach().to("cpu", torch.long)
-    return torch.from_numpy(np.asarray(t, dtype=np.int64))
-
-
 def eval_windows_of(tokens: Tokens, seq_len: int | None, max_windows: int) -> torch.Tensor:
     """Evaluation windows [N, T+1]: 2-D ids as they are (at most ``max_windows`` rows); a 1-D token stream cut
-    into consecutive non-overlapping windows of ``seq_len + 1`` tokens (at most ``max_windows``)."""
-    t = _ids(tokens, "eval_tokens")
+    into consecutive windows of ``seq_len`` tokens (data.prepare.token_windows: T = seq_len - 1 predictions)."""
+    t = _ids(tokens, "eval_ids")
     if t.ndim == 1:
         if not seq_len:
-            raise QuantdynError("eval_tokens is a 1-D token stream: give seq_len (tokens per window) to cut it")
-        n = min(len(t) // (seq_len + 1), max_windows)
-        if n < 1:
-            raise QuantdynError(f"eval_tokens has {len(t)} tokens, fewer than one window of seq_len + 1 = "
-                                f"{seq_len + 1}; give more tokens or a shorter seq_len")
-        return _long(t[: n * (seq_len + 1)]).reshape(n, seq_len + 1)
+            raise QuantdynError("eval_ids is a 1-D token stream: give seq_len (tokens per window) to cut it")
+        return token_windows(t, seq_len, max_windows, what="eval_ids", hint="give more tokens or a shorter seq_len")
     if t.shape[1] < 2:
-        raise QuantdynError("eval_tokens windows need at least 2 tokens each (inputs and next-token targets)")
-    return _long(t[:max_windows])
+        raise QuantdynError("eval_ids windows need at least 2 tokens each (inputs and next-token targets)")
+    return long_ids(t[:max_windows])
 
 
 def calib_windows_of(tokens: Tokens, seq_len: int | None, samples: int, seed: int) -> torch.Tensor:
     """Calibration sequences [N, L]: 2-D ids as they are; from a 1-D stream ``samples`` windows of
-    ``seq_len`` tokens at seeded random offsets."""
-    t = _ids(tokens, "calib_tokens")
+    ``seq_len`` tokens at seeded random offsets (data.prepare.random_windows)."""
+    t = _ids(tokens, "calib_ids")
     if t.ndim == 2:
-        return _long(t)
+        return long_ids(t)
     if not seq_len:
-        raise QuantdynError("calib_tokens is a 1-D token stream: give seq_len (tokens per sequence) to cut it")
-    if len(t) <= seq_len:
-        raise QuantdynError(f"calib_tokens has {len(t)} tokens, too few for sequences of {seq_len}")
-    starts = np.random.default_rng(seed).integers(0, len(t) - seq_len, size=samples)
-    return torch.stack([_long(t[int(s) : int(s) + seq_len]) for s in starts])
+        raise QuantdynError("calib_ids is a 1-D token stream: give seq_len (tokens per sequence) to cut it")
+    return random_windows(t, samples, seq_len, seed, what="calib_ids")
 
 
 # ------------------------------------------------------------------ the monitor
 class PTQMonitor:
     """Measures how much post-training quantization would hurt the model a loop is training (module docstring).
 
-    quantizers:   quantizer specs ("rtn4", "gptq3", "gptq4g128", QuantConfig, ...) or {label: spec}; a spec
-                  that does not parse is an error here, before any training.
-    eval_tokens:  held-out token ids: windows [N, T+1] (inputs = all but the last token), or a 1-D token stream
-                  cut into ``eval_windows`` windows of ``seq_len + 1``; or a function returning either, called
-                  at the first measurement (when the data is not ready yet at construction).
-    calib_tokens: calibration token ids for GPTQ / AWQ: sequences [N, L], or a 1-D stream from which
-                  ``calib_samples`` sequences of ``seq_len`` are drawn (seeded); or a function returning either.
-                  None: calibration-free quantizers only (RTN).
+    quantizers:   quantizer labels ("rtn4", "gptq3", "gptq4g128", "gptq4-gptqmodel"), QuantConfigs or dicts,
+                  or {label: spec}; a spec that does not parse is an error here, before any training.
+    eval_ids:     held-out token ids: windows [N, T+1] (inputs = all but the last token), or a 1-D token stream
+                  cut into ``n_eval_windows`` consecutive windows of ``seq_len`` tokens (the one windowing of
+                  quantdyn, data.prepare.token_windows: seq_len - 1 predictions per window); or a function
+                  returning either, called at the first measurement (when the data is not ready yet).
+    calib_ids:    calibration token ids for GPTQ / AWQ: sequences [N, L], or a 1-D stream from which
+                  ``n_calib_samples`` sequences of ``seq_len`` tokens are drawn (seeded); or a function
+                  returning either. None: calibration-free quantizers only (RTN).
     every:        measure at steps that are multiples of this.
     loggers:      where :meth:`step` logs (quantdyn.train.loggers: JsonlLogger, CSVLogger, TensorBoardLogger,
                   WandbLogger, PrintLogger or anything with ``log(metrics, step)``).
     device:       where the blocks are quantized and evaluated (None: where the model's weights are).
     measure_cfg:  the engine's batching and dtype (``quantdyn.engine.measure.MeasureConfig``); by default torch's
                   thread count is kept (``quantize_threads=0``).
+
+    Before 0.2 ``eval_ids`` was ``eval_tokens``, ``calib_ids`` ``calib_tokens``, ``n_eval_windows``
+    ``eval_windows`` and ``n_calib_samples`` ``calib_samples`` (still accepted, with a DeprecationWarning), and
+    a 1-D stream was cut into windows of seq_len + 1 tokens.
     """
 
     def __init__(
         self,
         quantizers: Sequence[str | QuantConfig | dict] | Mapping[str, str | QuantConfig | dict],
-        eval_tokens: TokenSource,
-        calib_tokens: TokenSource | None = None,
+        eval_ids: TokenSource | None = None,
+        calib_ids: TokenSource | None = None,
         every: int = 100,
         loggers: Sequence[MetricLogger] = (),
         device: str | torch.device | None = None,
         *,
         seq_len: int | None = None,
-        eval_windows: int = 64,
-        calib_samples: int = 16,
+        n_eval_windows: int = 64,
+        n_calib_samples: int = 16,
         seed: int = 0,
         measure_cfg: MeasureConfig | None = None,
+        **old: Any,
     ):
+        for name, value in old.items():
+            if name not in _RENAMED:
+                raise TypeError(f"PTQMonitor() got an unexpected keyword argument '{name}'")
+            new = _RENAMED[name]
+            warnings.warn(f"PTQMonitor({name}=...) is now PTQMonitor({new}=...)", DeprecationWarning, stacklevel=2)
+            if new == "eval_ids":
+                eval_ids = value if eval_ids is None else eval_ids
+            elif new == "calib_ids":
+                calib_ids = value if calib_ids is None else calib_ids
+            elif new == "n_eval_windows":
+                n_eval_windows = value
+            else:
+                n_calib_samples = value
+        if eval_ids is None:
+            raise QuantdynError("PTQMonitor needs held-out token ids: pass eval_ids (windows or a token stream)")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise QuantdynError(f"PTQMonitor every={every!r} must be a whole number of steps >= 1")
-        if eval_windows < 1 or calib_samples < 1:
-            raise QuantdynError("PTQMonitor eval_windows and calib_samples must be >= 1")
+        if n_eval_windows < 1 or n_calib_samples < 1:
+            raise QuantdynError("PTQMonitor n_eval_windows and n_calib_samples must be >= 1")
         if isinstance(quantizers, (str, QuantConfig)):
             quantizers = [quantizers]
         items = quantizers.items() if isinstance(quantizers, Mapping) else [(None, q) for q in quantizers]
@@ -193,23 +207,23 @@ class PTQMonitor:
             self.quantizers[label] = qc
         if not self.quantizers:
             raise QuantdynError("PTQMonitor needs at least one quantizer, e.g. quantizers=['rtn4']")
-        if calib_tokens is None:
+        if calib_ids is None:
             needs = [lb for lb, qc in self.quantizers.items() if QUANTIZERS.get(qc.method).needs_calibration]
             if needs:
-                raise QuantdynError(f"monitor quantizer '{needs[0]}' needs calibration data: pass calib_tokens "
+                raise QuantdynError(f"monitor quantizer '{needs[0]}' needs calibration data: pass calib_ids "
                                     "(token ids of text like the training data)")
         self.every = every
         self.loggers = list(loggers)
         self.device = torch.device(device) if device is not None else None
-        self.seq_len, self.n_eval, self.n_calib, self.seed = seq_len, eval_windows, calib_samples, seed
+        self.seq_len, self.n_eval, self.n_calib, self.seed = seq_len, n_eval_windows, n_calib_samples, seed
         self.measure_cfg = measure_cfg or MeasureConfig(quantize_threads=0)
-        self._eval_src, self._calib_src = eval_tokens, calib_tokens
+        self._eval_src, self._calib_src = eval_ids, calib_ids
         self._eval: torch.Tensor | None = None
         self._calib: torch.Tensor | None = None
-        if not callable(eval_tokens):
-            self._eval = eval_windows_of(eval_tokens, seq_len, eval_windows)
-        if calib_tokens is not None and not callable(calib_tokens):
-            self._calib = calib_windows_of(calib_tokens, seq_len, calib_samples, seed)
+        if not callable(eval_ids):
+            self._eval = eval_windows_of(eval_ids, seq_len, n_eval_windows)
+        if calib_ids is not None and not callable(calib_ids):
+            self._calib = calib_windows_of(calib_ids, seq_len, n_calib_samples, seed)
         self.history: list[dict[str, Any]] = []
         """Every measurement so far: {"step": ..., metrics}."""
         self.seconds = 0.0
@@ -234,14 +248,14 @@ class PTQMonitor:
         """Measure now (whatever the step): {ptq/<q>/<metric>: value, ptq/ce_fp, ptq/seconds}."""
         lm = causal_lm_of(model)
         _check_whole(lm)
-        eval_ids, calib_ids = self.windows()
+        eval_windows, calib_ids = self.windows()
         device = self.device or next(lm.parameters()).device
         t0 = time.perf_counter()
         # the torch RNG is restored afterwards (a monitored run trains exactly like an unmonitored one) and an
         # autocast region of the caller does not change the measurement's dtype
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
                 torch.autocast(device.type, enabled=False):
-            m = measure(lm, self.quantizers, eval_ids, calib_ids, device=device, cfg=self.measure_cfg)
+            m = measure(lm, self.quantizers, eval_windows, calib_ids, device=device, cfg=self.measure_cfg)
         seconds = time.perf_counter() - t0
         self.seconds += seconds
         out: dict[str, float] = {}

@@ -65,8 +65,8 @@ def lr_curve_of(run_dir: Path | None) -> list[tuple[int, float]]:
     """(tokens, LR) of every logged step of a run (its metrics.jsonl)."""
     if run_dir is None:
         return []
-    return [(r["tokens"], r["lr"]) for r in read_metrics(run_dir)
-            if r.get("lr") is not None and r.get("tokens") is not None]
+    return [(r["train/tokens"], r["train/lr"]) for r in read_metrics(run_dir)
+            if r.get("train/lr") is not None and r.get("train/tokens") is not None]
 
 
 def resolve_input(store_or_run: str | Path, store: str | Path | None) -> tuple[ResultStore | None, Path | None]:

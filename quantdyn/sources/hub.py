@@ -125,13 +125,6 @@ def list_revisions(repo: str, pattern: str) -> list[str]:
     return found
 
 
-def require_revision(repo: str, revision: str) -> None:
-    """Offline, one line naming repo and revision when the HF cache lacks it (call before loading)."""
-    if hub_offline() and cached_snapshot(repo, revision) is None:
-        raise QuantdynError(f"revision '{revision}' of '{repo}' is not in the local HF cache and HF_HUB_OFFLINE=1: "
-                            f"download it (`hf download {repo} --revision {revision}`) or unset HF_HUB_OFFLINE")
-
-
 def evict_revision(repo: str, revision: str) -> int:
     """Delete one revision's files from the HF cache (snapshot, its refs, blobs no other revision uses).
 
@@ -158,10 +151,33 @@ def evict_revision(repo: str, revision: str) -> int:
     return 0
 
 
-
-
 # ------------------------------------------------------------------- references
 _HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "tokenizer*"]
+"""The files of a hub revision that quantdyn downloads (snapshot_download's allow_patterns)."""
+
+
+def _wanted(name: str) -> bool:
+    import fnmatch
+
+    return any(fnmatch.fnmatch(name, pat) for pat in _HUB_FILES)
+
+
+def revision_size(repo: str, revision: str) -> int | None:
+    """Bytes of the files quantdyn reads from ``repo@revision``: from the local HF cache when it holds the
+    revision, else from the hub's file list (one request); None when neither can tell (offline, unreachable)."""
+    snap = cached_snapshot(repo, revision)
+    if snap is not None:
+        return sum(f.stat().st_size for f in snap.rglob("*") if f.is_file() and _wanted(f.relative_to(snap).as_posix()))
+    if hub_offline():
+        return None
+    from huggingface_hub import HfApi
+
+    try:
+        info = HfApi().model_info(repo, revision=revision, files_metadata=True, timeout=10)
+    except (*_network_errors(), ValueError):
+        return None
+    sizes = [s.size for s in info.siblings or [] if _wanted(s.rfilename)]
+    return sum(sizes) if sizes and None not in sizes else None
 
 
 def is_hub_ref(ref: str) -> bool:

@@ -434,10 +434,6 @@ def load_presets() -> dict[str, Preset]:
     return out
 
 
-def preset_names() -> list[str]:
-    return sorted(load_presets())
-
-
 def get_preset(name: str) -> Preset:
     """The preset called ``name``; an unknown name is one line with the closest names."""
     presets = load_presets()

@@ -29,7 +29,8 @@ from quantdyn.results.store import ResultStore
 from quantdyn.runtime import git_sha, hardware, resolve_device
 from quantdyn.sources.trajectory import TrajectoryConfig
 from quantdyn.studies import findings as fd
-from quantdyn.studies.section import findings_section, write_findings, write_report_with
+from quantdyn.report.html import write_report
+from quantdyn.studies.section import findings_section, write_findings
 from quantdyn.studies.spec import StudySpec, demo_spec, spec_from_dict
 from quantdyn.sweep.sweep import run_sweep, sweep_data
 from quantdyn.train.branches import cooldown
@@ -264,7 +265,7 @@ def run_study(spec: StudySpec | dict, progress: bool = True, echo: Echo = print)
         t4 = time.perf_counter()
         for k, a, b in (("train", t0, t1), ("cooldowns", t1, t2), ("averages", t2, t3), ("sweep", t3, t4)):
             seconds[k] += b - a
-        vals = [r["val_loss"] for r in read_metrics(run_dir) if "val_loss" in r]
+        vals = [r["val/loss"] for r in read_metrics(run_dir) if "val/loss" in r]
         summary.append({"run_dir": run_dir, "cfg": cfg, "counts": counts, "val": (vals[0], vals[-1]) if vals else None})
     if not summary:
         raise QuantdynError("every run of the study diverged; lower the peak LR (run.optim.lr or vary)")
@@ -288,8 +289,8 @@ def run_study(spec: StudySpec | dict, progress: bool = True, echo: Echo = print)
             fp_windows.update(fp_window_losses(spec, s["run_dir"], cks, report_dir / "fp_windows.json"))
     found, details = compute_findings(spec, rows, runs, fp_windows)
     notes = [f"{name} diverged: {msg}" for name, msg in diverged.items()]
-    section, block = write_findings(report_dir, spec, found, details, notes)
-    page = write_report_with(store, report_dir, findings_section(found, spec), block)
+    section = write_findings(report_dir, spec, found, details, notes)
+    page = write_report(store, report_dir, extra_sections=[findings_section(found, spec)])
     echo("")
     for s in summary:
         mine = [r for r in rows if r.get("run") == s["cfg"].name]

@@ -1,28 +1,23 @@
 """The findings table as a report section: REPORT/findings.html, findings.json, findings.csv and figures.
 
 ``findings_section`` returns the section in the form the report's own sections take
-((title, png, table, caption), as report/extra.py's ``sections``), so the report can render it;
-until the report takes sections from its caller, ``write_findings`` also inserts the section's HTML
-into REPORT/index.html (between marker comments, replaced on every run).
+((title, png, table, caption), as report/extra.py's ``sections``): the study passes it to
+``report.html.write_report(..., extra_sections=[...])``.  ``write_findings`` writes the files beside it.
 """
 from __future__ import annotations
 
 import csv
 import html
-import inspect
 import io
-import json
 from pathlib import Path
 from typing import Sequence
 
 from quantdyn.config import to_dict
 from quantdyn.files import write_json_atomic, write_text_atomic
-from quantdyn.report.html import write_report
 from quantdyn.studies import figures
 from quantdyn.studies.findings import OPPOSITE, REPRODUCED, format_effect, format_parts
 from quantdyn.studies.spec import StudySpec
 
-BEGIN, END = "<!-- quantdyn findings -->", "<!-- /quantdyn findings -->"
 COLUMNS = ("finding", "quantizer", "comparison", "metric", "effect ± uncertainty", "uncertainty parts", "verdict",
            "figure", "expected", "effect", "se", "se_windows", "se_seeds", "se_run", "se_jitter", "interval_lo",
            "interval_hi", "n_seeds", "z")
@@ -89,17 +84,15 @@ def _html(found: Sequence[dict], notes: Sequence[str], spec: StudySpec, drawn: d
                                                 "uncertainty (parts)", "verdict", "figure"))
     imgs = "".join(f"<img src='{html.escape(name)}' style='max-width:100%'>" for name, ok in drawn.items() if ok)
     note = "".join(f"<li>{html.escape(n)}</li>" for n in notes)
-    return (f"{BEGIN}<h2 id='findings'>{html.escape(title)}</h2><p>{html.escape(caption)}</p>"
+    return (f"<h2 id='findings'>{html.escape(title)}</h2><p>{html.escape(caption)}</p>"
             f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
             + (f"<ul>{note}</ul>" if note else "") + imgs
-            + "<p>Numbers: <a href='findings.json'>findings.json</a>, <a href='findings.csv'>findings.csv</a>.</p>"
-            + END)
+            + "<p>Numbers: <a href='findings.json'>findings.json</a>, <a href='findings.csv'>findings.csv</a>.</p>")
 
 
 def write_findings(report_dir: str | Path, spec: StudySpec, found: list[dict], details: dict,
-                   notes: Sequence[str] = ()) -> tuple[Path, str]:
-    """Write the figures, findings.json/.csv and findings.html under ``report_dir``; returns findings.html and
-    the section's HTML block (for :func:`attach_to_index`)."""
+                   notes: Sequence[str] = ()) -> Path:
+    """Write the figures, findings.json/.csv and findings.html under ``report_dir``; returns findings.html."""
     out = Path(report_dir)
     out.mkdir(parents=True, exist_ok=True)
     drawn = draw_figures(out, found, details)
@@ -112,31 +105,7 @@ def write_findings(report_dir: str | Path, spec: StudySpec, found: list[dict], d
             "font-size:12px}td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}</style></head><body>"
             f"{block}</body></html>")
     write_text_atomic(out / "findings.html", page)
-    return out / "findings.html", block
-
-
-def attach_to_index(report_dir: str | Path, block: str) -> None:
-    """Put the findings block into REPORT/index.html before </body> (replacing an earlier one)."""
-    index = Path(report_dir) / "index.html"
-    if not index.is_file():
-        return
-    text = index.read_text()
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + text[text.index(END) + len(END):]
-    cut = text.rfind("</body>")
-    text = text[:cut] + block + text[cut:] if cut >= 0 else text + block
-    write_text_atomic(index, text)
-
-
-def write_report_with(store: str, report_dir: str | Path, section: tuple[str, str, list[dict], str],
-                      block: str) -> Path:
-    """The report of ``store`` with the findings section: passed to write_report when it takes sections from
-    its caller (``extra_sections``), else inserted into the page it wrote."""
-    if "extra_sections" in inspect.signature(write_report).parameters:
-        return write_report(store, report_dir, extra_sections=[section])
-    page = write_report(store, report_dir)
-    attach_to_index(report_dir, block)
-    return page
+    return out / "findings.html"
 
 
 def markdown_table(found: Sequence[dict]) -> str:
@@ -150,8 +119,3 @@ def markdown_table(found: Sequence[dict]) -> str:
         cells[6] = f"**{cells[6]}**" if cells[6] != "not resolved at this scale" else cells[6]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def load_findings(report_dir: str | Path) -> dict:
-    """findings.json of a report directory."""
-    return json.loads((Path(report_dir) / "findings.json").read_text())

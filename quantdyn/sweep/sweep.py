@@ -263,7 +263,8 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True,
     # offline, revisions that still need work must be cached: one line before any work (measured ones may be gone)
     require_available([p for p in mine if not p.is_local and not _point_done(ctx, p)])
     keep = points[0].ref  # the tokenizer's revision: never evicted
-    for p in counted(mine, desc=f"sweep {i}/{n}", enabled=progress, unit="ckpt"):
+    desc = "sweep" if n == 1 else f"sweep shard {i}/{n}"  # the --shard i/n spelling
+    for p in counted(mine, desc=desc, enabled=progress, unit="ckpt"):
         t0 = time.perf_counter()
         try:
             w, s = _sweep_point(ctx, p)
@@ -367,7 +368,7 @@ def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
         on_layer = (lambda label, full, res, m: collect[label].__setitem__(full, m.weight.detach().cpu().clone())
                     if label in collect else None) if collect else None
         m = measure(weights, variants, ctx.eval_ids, calib, device=ctx.device, cfg=ctx.mcfg, on_layer=on_layer,
-                    progress=(lambda line: ctx.block_echo(f"{p.ref}: pass {g + 1}/{len(groups)} {line}"))
+                    on_block=(lambda line: ctx.block_echo(f"{p.ref}: pass {g + 1}/{len(groups)} {line}"))
                     if ctx.block_echo else None)
         base["n_params"] = m.n_params
         rows = []

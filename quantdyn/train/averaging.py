@@ -9,7 +9,7 @@ Averages are accumulated in float64 on the CPU and cast back.
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -122,11 +122,3 @@ class OnlineEMA:
 
     def load_state_dict(self, d: dict) -> None:
         self.decay, self.t, self.acc = float(d["decay"]), int(d["t"]), dict(d["acc"])
-
-
-def ema_closed_form(values: Iterable[torch.Tensor], decay: float) -> torch.Tensor:
-    """Bias-corrected EMA of a sequence: Σ d^{t-i}(1-d) w_i / (1 - d^t)."""
-    vals = [v.double() for v in values]
-    t = len(vals)
-    num = sum(decay ** (t - 1 - i) * (1 - decay) * v for i, v in enumerate(vals))
-    return num / (1 - decay**t)

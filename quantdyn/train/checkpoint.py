@@ -28,6 +28,7 @@ import torch
 from quantdyn.errors import QuantdynError
 from quantdyn.files import atomic_dir, write_json_atomic
 from quantdyn.models.hf_io import save_hf_into
+from quantdyn.train.loggers import shared_names
 
 META = "quantdyn.json"
 STATE = "training_state.pt"
@@ -115,8 +116,10 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    """The rows of RUN_DIR/metrics.jsonl ([] when there is none; train/loggers.py writes them).  A line that
-    is not a JSON object — the torn last line of a killed run — is skipped."""
+    """The rows of RUN_DIR/metrics.jsonl ([] when there is none; train/loggers.py writes them), with the shared
+    metric names (``train/loss``, ``val/loss``, ``train/lr`` ...) also for files written before 0.2, which held
+    ``train_loss``, ``val_loss``, ``lr`` ... (loggers.shared_names).  A line that is not a JSON object — the
+    torn last line of a killed run — is skipped."""
     p = RunDir(run_dir).metrics
     if not p.is_file():
         return []
@@ -129,7 +132,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
         except json.JSONDecodeError:
             continue
         if isinstance(row, dict):
-            out.append(row)
+            out.append(shared_names(row))
     return out
 
 

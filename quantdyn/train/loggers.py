@@ -9,16 +9,18 @@ adapters write the same keys to every destination:
     ptq/<quantizer>/kl_se  ptq/<quantizer>/top1_agree  ptq/<quantizer>/ce_q  ptq/<quantizer>/delta_ppl
     ptq/ce_fp  ptq/seconds                                                       every monitor.every steps
 
-metrics.jsonl rows also keep the keys written before these names existed (``step``, ``tokens``, ``lr``,
-``train_loss``, ``grad_norm``, ``tokens_per_s``, ``val_loss``, ``dce_<quantizer>``, ``dce_<quantizer>_se``),
-which older readers of run directories use.
+metrics.jsonl rows hold ``step`` and the shared names.  Files written before 0.2 also (or only) hold the keys
+from before these names existed (``tokens``, ``lr``, ``train_loss``, ``grad_norm``, ``tokens_per_s``,
+``val_loss``, ``dce_<quantizer>``, ``dce_<quantizer>_se``): :func:`shared_names` reads them as the shared names
+(``train.checkpoint.read_metrics`` applies it), so old run directories stay readable.
 
 A logger is anything with ``log(metrics, step)`` and ``close()`` (:class:`MetricLogger`).  The destinations
 a run config can name (``log.to``) are registered in :data:`LOGGERS`; :func:`check_destinations` says, in one
 line and before anything is trained, which extra to install for a destination whose package is missing.
 
-:class:`Console` is the run's own output: a tqdm bar showing the train loss on a terminal, and on anything
-else (a log file, CI) one plain line every N steps with step, loss, LR and tokens/s — never carriage returns.
+What a run prints while it trains is a :class:`quantdyn.progress.Progress` (a tqdm bar on a terminal, plain
+periodic lines anywhere else); :func:`show_logged` puts each logged row on it (loss, LR, tokens/s; one line
+per validation or monitor measurement).
 """
 from __future__ import annotations
 
@@ -29,13 +31,13 @@ import json
 import math
 import shutil
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, Sequence, TextIO
 
 from quantdyn.errors import QuantdynError
 from quantdyn.files import write_text_atomic
+from quantdyn.progress import Progress
 from quantdyn.registry import Registry
 
 # ------------------------------------------------------------------ metric names
@@ -52,7 +54,7 @@ PTQ_METRICS: tuple[str, ...] = ("delta_ce", "delta_ce_se", "rel_delta_ce", "kl",
                                 "delta_ppl")
 """What the monitor logs per quantizer, as ptq/<quantizer>/<metric> (the engine's row keys)."""
 
-#: shared name -> the metrics.jsonl key written before the shared names existed
+#: shared name -> the metrics.jsonl key written before the shared names existed (read, never written)
 LEGACY_KEYS: dict[str, str] = {
     TRAIN_TOKENS: "tokens",
     TRAIN_LR: "lr",
@@ -68,19 +70,15 @@ def ptq_key(label: str, metric: str) -> str:
     return f"ptq/{label}/{metric}"
 
 
-def legacy_keys(metrics: Mapping[str, Any]) -> dict[str, Any]:
-    """The pre-shared-name metrics.jsonl keys for ``metrics`` (``val/loss`` -> ``val_loss``,
-    ``ptq/rtn4/delta_ce`` -> ``dce_rtn4``, ``ptq/rtn4/delta_ce_se`` -> ``dce_rtn4_se``)."""
-    out: dict[str, Any] = {}
-    for k, v in metrics.items():
-        if k in LEGACY_KEYS:
-            out[LEGACY_KEYS[k]] = v
-        elif k.startswith("ptq/") and k.count("/") >= 2:
-            label, metric = k[4:].rsplit("/", 1)
-            if metric == "delta_ce":
-                out[f"dce_{label}"] = v
-            elif metric == "delta_ce_se":
-                out[f"dce_{label}_se"] = v
+def shared_names(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A metrics.jsonl row with the shared names: the keys of files written before 0.2 (``val_loss``, ``lr``,
+    ...; :data:`LEGACY_KEYS`) become their shared names, unless the row has those too (the same value, in the
+    files that wrote both).  The monitor's old ``dce_<quantizer>`` keys are left as they are (a quantizer label
+    can itself end in ``_se``; report/monitored.py reads them)."""
+    out = {k: v for k, v in row.items() if k not in LEGACY_KEYS.values()}
+    for new, old in LEGACY_KEYS.items():
+        if old in row and new not in out:
+            out[new] = row[old]
     return out
 
 
@@ -119,7 +117,7 @@ def _rows_until(path: Path, truncate_after: int | None) -> list[dict] | None:
 
 class JsonlLogger:
     """One JSON object per ``log`` call, appended to ``path`` (RUN_DIR/metrics.jsonl in the trainer): the
-    step, the legacy keys and the shared names.
+    step and the shared names.
 
     truncate_after: on opening, drop rows logged after this step (a resumed run logged past its last
     checkpoint before it crashed; 0 = start the file afresh); None keeps the file as it is."""
@@ -132,7 +130,7 @@ class JsonlLogger:
             write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in keep))
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
-        row = {"step": int(step), **legacy_keys(metrics), **metrics}
+        row = {"step": int(step), **metrics}
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
 
@@ -409,18 +407,6 @@ def close_all(loggers: Sequence[MetricLogger]) -> None:
 
 
 # ------------------------------------------------------------------ console
-CONSOLE_MODES = ("quiet", "normal", "verbose")
-
-
-def _duration(s: float) -> str:
-    s = round(s)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
-
-
 def _ptq_summary(metrics: Mapping[str, Any]) -> list[str]:
     """'rtn4 dCE +0.0123 +- 0.0011 (rel +0.003)  KL 0.0102  top-1 agree 97.10%' per quantizer in ``metrics``."""
     out = []
@@ -439,99 +425,37 @@ def _ptq_summary(metrics: Mapping[str, Any]) -> list[str]:
     return out
 
 
-class Console:
-    """What a training run prints while it trains.
-
-    quiet: nothing. normal: on a terminal a tqdm bar (train loss, LR, last validation loss and the monitor's
-    Δ CE in its postfix) with a line above it for each validation or monitor measurement; on anything else
-    (a file, a pipe, CI) plain lines only — one at the first logged step at least ``every`` steps after the
-    previous one (step, loss, LR, tokens/s, ETA), and one per validation or monitor measurement. verbose:
-    also every logged row with all its metrics. ``tty``: None = whether ``stream`` is a terminal."""
-
-    def __init__(self, desc: str, total: int, initial: int = 0, mode: str = "normal", every: int = 10,
-                 stream: TextIO | None = None, tty: bool | None = None):
-        if mode not in CONSOLE_MODES:
-            raise ValueError(f"console mode '{mode}' is not one of {CONSOLE_MODES}")
-        self.desc, self.total, self.initial, self.mode, self.every = desc, total, initial, mode, max(1, every)
-        self.stream = stream or sys.stderr
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)()) if tty is None else tty
-        self.bar = None
-        self.t0 = time.perf_counter()
-        self.last_line = initial
-        self.postfix: dict[str, str] = {}
-        if mode != "quiet" and self.tty:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, initial=initial, desc=desc, unit="step", file=self.stream,
-                            dynamic_ncols=True)
-
-    def _write(self, line: str) -> None:
-        if self.mode == "quiet":
-            return
-        if self.bar is not None:
-            self.bar.write(line, file=self.stream)
-        else:
-            print(line, file=self.stream, flush=True)
-
-    def note(self, line: str) -> None:
-        """A line of its own (start, warnings) outside quiet mode."""
-        self._write(f"{self.desc}: {line}")
-
-    def advance(self, n: int = 1) -> None:
-        if self.bar is not None:
-            self.bar.update(n)
-
-    def logged(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """A row the run logged at ``step``."""
-        if self.mode == "quiet":
-            return
-        loss, lr = _number(metrics.get(TRAIN_LOSS)), _number(metrics.get(TRAIN_LR))
-        val = _number(metrics.get(VAL_LOSS))
-        ptq = _ptq_summary(metrics)
-        if self.bar is not None:
-            if loss is not None:
-                self.postfix["loss"] = f"{loss:.4f}"
-            if lr is not None:
-                self.postfix["lr"] = f"{lr:.2e}"
-            if val is not None:
-                self.postfix["val"] = f"{val:.4f}"
-            for k in metrics:
-                if k.startswith("ptq/") and k.endswith("/delta_ce"):
-                    self.postfix[f"dCE {k[4:-9]}"] = f"{float(metrics[k]):+.4f}"
-            self.bar.set_postfix(self.postfix, refresh=False)
-        elif loss is not None and (step - self.last_line >= self.every or step >= self.total):
-            self.last_line = step
-            done = step - self.initial
-            elapsed = time.perf_counter() - self.t0
-            eta = elapsed / done * (self.total - step) if done > 0 else None
-            tps = _number(metrics.get(TRAIN_TOKENS_PER_S))
-            parts = [f"step {step}/{self.total}", f"loss {loss:.4f}"]
-            if lr is not None:
-                parts.append(f"lr {lr:.2e}")
-            if tps is not None:
-                parts.append(f"{tps:,.0f} tok/s")
-            if eta is not None:
-                parts.append(f"eta {_duration(eta)}")
-            self._write(f"{self.desc}: " + "  ".join(parts))
-        if val is not None:
-            self._write(f"{self.desc}: step {step}/{self.total}  val/loss {val:.4f}")
-        for s in ptq:
-            self._write(f"{self.desc}: step {step}/{self.total}  ptq {s}")
-        if self.mode == "verbose":
-            self._write(f"{self.desc}: step {step}: {format_metrics(metrics)}")
-
-    def close(self, final_step: int | None = None) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-        if final_step is not None and not self.tty:
-            took = _duration(time.perf_counter() - self.t0)
-            what = "finished" if final_step >= self.total else "stopped"
-            self._write(f"{self.desc}: {what} at step {final_step}/{self.total} after {took}")
+def show_logged(console: Progress, step: int, metrics: Mapping[str, Any], verbose: bool = False) -> None:
+    """A row a run logged at ``step``, on its console (a Progress counting steps): loss, LR and tokens/s beside
+    the count (the bar's postfix, or the periodic plain line), one line per validation or monitor measurement,
+    and with ``verbose`` one line with every metric."""
+    if not console.enabled:
+        return
+    loss, lr, tps = (_number(metrics.get(k)) for k in (TRAIN_LOSS, TRAIN_LR, TRAIN_TOKENS_PER_S))
+    val = _number(metrics.get(VAL_LOSS))
+    post = {}
+    if loss is not None:
+        post["loss"] = f"{loss:.4f}"
+    if lr is not None:
+        post["lr"] = f"{lr:.2e}"
+    if tps is not None:
+        post["tok/s"] = f"{tps:,.0f}"
+    if val is not None:
+        post["val"] = f"{val:.4f}"
+    post.update({f"dCE {k[4:-9]}": f"{float(v):+.4f}" for k, v in metrics.items()
+                 if k.startswith("ptq/") and k.endswith("/delta_ce") and _number(v) is not None})
+    console.set_postfix(post)
+    head = f"{console.desc}: step {step}/{console.total}"
+    if val is not None:
+        console.write(f"{head}  val/loss {val:.4f}")
+    for s in _ptq_summary(metrics):
+        console.write(f"{head}  ptq {s}")
+    if verbose:
+        console.write(f"{console.desc}: step {step}: {format_metrics(metrics)}")
 
 
 def console_mode(quiet: bool = False, verbose: bool = False) -> str:
-    """--quiet / --verbose -> a :class:`Console` mode (both at once is an error)."""
+    """--quiet / --verbose -> quiet | normal | verbose (both at once is an error)."""
     if quiet and verbose:
         raise QuantdynError("--quiet and --verbose contradict each other; give one of them")
     return "quiet" if quiet else "verbose" if verbose else "normal"

@@ -141,7 +141,8 @@ def lr_at(step: int, peak: float, cfg: ScheduleConfig, total: int) -> float:
 def is_decaying(step: int, cfg: ScheduleConfig, total: int) -> bool:
     """Whether the LR of update ``step`` is decayed: past warmup and below the peak (for plots and summaries).
 
-    The same definition as :func:`schedule_decaying`; it depends on the shape only, not on the LR values."""
+    The same definition as :func:`schedule_decaying` (the trainer's schedules have no floor); it depends on
+    the shape only, not on the LR values."""
     if step < _steps(cfg.warmup, total):
         return False
     return lr_at(step, 1.0, replace(cfg, lr_end=0.0), total) < 1.0 - _REL_TOL
@@ -254,12 +255,13 @@ def _phase_value(x: float, p: Phase) -> tuple[float, bool]:
 def schedule_state(x: float, sched: PhaseSchedule, peak: float | None = None) -> tuple[float, str, bool]:
     """(LR, phase label, decaying) at position ``x`` (steps or tokens trained, in ``sched.unit``).
 
-    The label gets '-floor' where a floor clamp holds the LR; decaying = not in a rising phase and the LR
-    below ``peak`` (default: the schedule's peak)."""
+    The label gets '-floor' where a floor clamp holds the LR; decaying = not in a rising phase, the LR below
+    ``peak`` (default: the schedule's peak) and not held by a floor: a floor is a constant LR (GPT-NeoX's
+    min_lr, e.g. Pythia's last ~20 % of steps), like a stable phase at a lower LR, not a decay."""
     p = sched.phases[_phase_index(x, sched)]
     lr, floored = _phase_value(x, p)
     top = sched.peak if peak is None else peak
-    decaying = not (p.rising and x < p.end) and lr < top * (1.0 - _REL_TOL)
+    decaying = not floored and not (p.rising and x < p.end) and lr < top * (1.0 - _REL_TOL)
     return lr, p.label + ("-floor" if floored else ""), decaying
 
 
@@ -268,13 +270,8 @@ def schedule_lr(x: float, sched: PhaseSchedule) -> float:
     return schedule_state(x, sched)[0]
 
 
-def schedule_phase(x: float, sched: PhaseSchedule) -> str:
-    """The label of the phase at position ``x``."""
-    return schedule_state(x, sched)[1]
-
-
 def schedule_decaying(x: float, sched: PhaseSchedule, peak: float | None = None) -> bool:
-    """Whether the LR at ``x`` is decayed: past warmup and below the peak."""
+    """Whether the LR at ``x`` is decayed: past warmup, below the peak and not held by a floor."""
     return schedule_state(x, sched, peak)[2]
 
 
@@ -315,14 +312,39 @@ def _num(v: float) -> str:
     return f"{v:.4g}"
 
 
+def lr_text(v: float) -> str:
+    """An LR as people write it: 6e-4, 3e-5, 0.01, 0."""
+    if v == 0:
+        return "0"
+    if abs(v) >= 1e-2:
+        return f"{v:.3g}"
+    mantissa, exp = f"{v:.2e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exp)}"
+
+
+def floor_start(p: Phase) -> float | None:
+    """Where the floor clamp of phase ``p`` starts to hold the LR (None: it never binds inside the phase)."""
+    if p.shape == "constant" or not p.floor or min(p.lr_start, p.lr_end) >= p.floor:
+        return None
+    lo, hi = p.start, p.end  # the LR falls monotonically from lr_start: bisect its crossing of the floor
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _phase_value(mid, p)[1] is False else (lo, mid)
+    return hi
+
+
+def describe_phase(p: Phase) -> str:
+    """One phase: its shape, the LR it goes between and where (a floor that binds is its end)."""
+    if p.shape == "constant":
+        return f"{p.label} {lr_text(p.lr_start)} from {_num(p.start)}"
+    held = floor_start(p)
+    if held is None:
+        return f"{p.label} {lr_text(p.lr_start)} -> {lr_text(p.lr_end)} over {_num(p.start)}-{_num(p.end)}"
+    return (f"{p.label} {lr_text(p.lr_start)} -> {lr_text(p.floor)} over {_num(p.start)}-{_num(held)}, "
+            f"then {lr_text(p.floor)} (floor)")
+
+
 def describe_schedule(sched: PhaseSchedule) -> str:
     """One line: each phase's shape, LRs and extent."""
     unit = "tok" if sched.unit == "tokens" else "steps"
-    parts = []
-    for p in sched.phases:
-        if p.shape == "constant":
-            parts.append(f"{p.label} {p.lr_start:.3g} from {_num(p.start)}")
-        else:
-            floor = f" (floor {p.floor:.3g})" if p.floor else ""
-            parts.append(f"{p.label} {p.lr_start:.3g}->{p.lr_end:.3g}{floor} over {_num(p.start)}-{_num(p.end)}")
-    return "; ".join(parts) + f" [{unit}]"
+    return "; ".join(describe_phase(p) for p in sched.phases) + f" [{unit}]"

@@ -52,6 +52,7 @@ from quantdyn.evaluate.loss import mean_loss
 from quantdyn.files import write_json_atomic, write_text_atomic
 from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config
 from quantdyn.models.hf_io import load_gpt
+from quantdyn.progress import Progress
 from quantdyn.runtime import git_sha, hardware, resolve_device, seed_everything
 from quantdyn.train.averaging import OnlineEMA, OnlineLAWA, local_state_dict
 from quantdyn.train.checkpoint import (
@@ -82,13 +83,13 @@ from quantdyn.train.loggers import (
     TRAIN_TOKENS,
     TRAIN_TOKENS_PER_S,
     VAL_LOSS,
-    Console,
     RunLogContext,
     build_loggers,
     check_destinations,
     clear_outputs,
     close_all,
     log_all,
+    show_logged,
 )
 from quantdyn.train.optimizers import build_optimizer, optimizer_eval_mode, optimizer_train_mode
 from quantdyn.train.qat import prepare_qat
@@ -230,14 +231,13 @@ def train(
     # everything is checked: from here on the run directory is written
     loggers = write_run_files(run, state.step, clear=overwrite and source is None, resuming=resume is not None)
     _warn_if_unmonitored(run, hooks)
-    console = open_console(run, state.step, progress, verbose)
+    console = open_console(run, state.step, progress)
     try:
         throughput = Throughput(state.step, runtime.tokens_per_step)
         model.train()
         for step in range(state.step, cfg.train.steps):
             due = due_after(run, step + 1, stop_after)
             lr, loss, grad_norm = optimizer_step(run, state, step, sync_loss=due.sync_loss)
-            console.advance()
             row = train_row(run, state.step, lr, loss, grad_norm, throughput) if due.log else None
             due_hooks = [h for h in hooks if h.due(state.step)]  # asked on every process: all take part in gathering
             with averaged_point(state.optimizer, due.evaluate or due.checkpoint or bool(due_hooks)):
@@ -247,15 +247,15 @@ def train(
                     row = run_hooks(run, state, lr, row, due_hooks)
                 if row is not None and runtime.is_main:
                     log_all(loggers, row, state.step)
-                    console.logged(state.step, row)
+                    show_logged(console, state.step, row, verbose)
+                console.update()  # after the row: a plain line shows this step's loss
                 if due.checkpoint:
                     save_step(run, state, lr, row)
             if stop_after is not None and state.step >= stop_after:
                 break
     finally:
         close_all(loggers)
-        console.close()
-    console.close(final_step=state.step)
+        console.close(summary=sys.exc_info()[0] is None)  # no summary line for a run that ends in an error
     return run_dir
 
 
@@ -478,12 +478,12 @@ def _warn_if_unmonitored(run: TrainingRun, hooks: Sequence[StepHook]) -> None:
                       "monitored; pass hooks=quantdyn.monitor.hooks_for(cfg)", stacklevel=3)
 
 
-def open_console(run: TrainingRun, start_step: int, progress: bool, verbose: bool) -> Console:
-    """The run's console output (nothing on the other processes, or without ``progress``), started with a line
-    saying what the run does."""
+def open_console(run: TrainingRun, start_step: int, progress: bool) -> Progress:
+    """The run's console output, counting steps (nothing on the other processes, or without ``progress``),
+    started with a line saying what the run does."""
     cfg, runtime = run.cfg, run.runtime
-    mode = "quiet" if not (progress and runtime.is_main) else "verbose" if verbose else "normal"
-    console = Console(cfg.name, cfg.train.steps, start_step, mode, cfg.log.print_every or cfg.train.log_every)
+    console = Progress(cfg.name, total=cfg.train.steps, initial=start_step, enabled=progress and runtime.is_main,
+                       unit="steps", every_n=cfg.log.print_every or cfg.train.log_every)
     processes = f", {runtime.world} processes ({runtime.strategy.name})" if runtime.world > 1 else ""
     console.note(f"steps {start_step} -> {cfg.train.steps}, {runtime.tokens_per_step:,} tokens/step, "
                  f"{runtime.device}{processes}")

@@ -78,8 +78,8 @@ def test_quantdyn_trainer_on_cuda_matches_cpu(tmp_path, no_tf32):
              "schedule": {"name": "wsd", "warmup": 2, "decay": 4},
              "train": {"steps": 8, "batch_size": 8, "seq_len": 64, "eval_every": 0, "eval_windows": 4,
                        "checkpoint_every": 8, "log_every": 1, "device": device, "dtype": dtype}}
-        return [r["train_loss"] for r in read_metrics(train(from_dict(RunConfig, d), progress=False))
-                if "train_loss" in r]
+        return [r["train/loss"] for r in read_metrics(train(from_dict(RunConfig, d), progress=False))
+                if "train/loss" in r]
 
     cpu = run("ref-cpu", "cpu", "float32")
     cuda = run("gpu-fp32", "cuda", "float32")
@@ -181,7 +181,7 @@ def test_fsdp2_bf16_on_gpus_trains_and_saves_a_transformers_checkpoint(tmp_path)
                         str(_free_port()), "-m", "quantdyn.cli", "train", str(p), "--quiet"],
                        capture_output=True, text=True, env=dict(os.environ), timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    losses = [x["train_loss"] for x in read_metrics(tmp_path / "f") if "train_loss" in x]
+    losses = [x["train/loss"] for x in read_metrics(tmp_path / "f") if "train/loss" in x]
     assert losses[-1] < losses[0] - 0.5
     from transformers import AutoModelForCausalLM
 

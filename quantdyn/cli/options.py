@@ -1,0 +1,144 @@
+"""Options that several commands share, defined once so that a flag means the same on every command.
+
+``--quantizers`` (quantizer labels, comma-separated), ``--store`` (a results store directory), ``--out`` (where
+the command writes its output: a file or a directory, said per command), ``--device`` (where to compute),
+``--json``, ``--quiet``, ``--verbose``, and the SLURM options of the commands that can run on a cluster
+(``grid``, ``sweep``: the :func:`slurm_options` decorator adds them, and ``SlurmOptions.config`` turns them into
+a ``launch.slurm.SlurmConfig``).  Each factory
+returns a fresh typer option; ``panel`` names the help section the option is listed in (app.SectionedCommand).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional
+
+import typer
+
+QUANTIZERS_HELP = ("Quantizer labels, comma-separated: <method><bits>[g<group>][-<preset or flag>...], e.g. "
+                   "gptq3,rtn4g64,gptq4-gptqmodel.")
+STORE_HELP = "Results store directory."
+DEVICE_HELP = "Where to compute: auto | cpu | cuda | cuda:N."
+
+
+def quantizers(default: Optional[str] = None, more: str = "", panel: Optional[str] = None) -> Any:
+    return typer.Option(default, "--quantizers", help=f"{QUANTIZERS_HELP} {more}".strip(), rich_help_panel=panel)
+
+
+def store(default: Optional[str] = "results", more: str = "", panel: Optional[str] = None) -> Any:
+    return typer.Option(default, "--store", help=f"{STORE_HELP} {more}".strip(), rich_help_panel=panel)
+
+
+def out(default: Any, what: str, panel: Optional[str] = None) -> Any:
+    """``--out``: ``what`` says what this command writes there."""
+    return typer.Option(default, "--out", help=f"Write {what}", rich_help_panel=panel)
+
+
+def device(default: Optional[str] = "auto", more: str = "", panel: Optional[str] = None) -> Any:
+    return typer.Option(default, "--device", help=f"{DEVICE_HELP} {more}".strip(), rich_help_panel=panel)
+
+
+def as_json(what: str = "the result rows as a JSON array") -> Any:
+    return typer.Option(False, "--json", help=f"Print {what} instead of a table.")
+
+
+def quiet(what: str = "No progress lines; the results and errors only.") -> Any:
+    return typer.Option(False, "--quiet", help=what)
+
+
+def verbose(what: str = "Also print every logged row with all its metrics.") -> Any:
+    return typer.Option(False, "--verbose", help=what)
+
+
+# ------------------------------------------------------------------------------------------------- SLURM
+SLURM = "SLURM (with --slurm)"
+
+PARTITION = typer.Option("", "--partition", help="SLURM partition.", rich_help_panel=SLURM)
+TIME = typer.Option("", "--time", help="SLURM time limit per task, e.g. 04:00:00.", rich_help_panel=SLURM)
+ACCOUNT = typer.Option("", "--account", help="SLURM account to charge.", rich_help_panel=SLURM)
+QOS = typer.Option("", "--qos", help="SLURM QOS.", rich_help_panel=SLURM)
+GPUS = typer.Option(0, "--gpus-per-node", help="GPUs per task (grid: default --nproc-per-node).", rich_help_panel=SLURM)
+CPUS = typer.Option(0, "--cpus-per-task", help="CPUs per task.", rich_help_panel=SLURM)
+MEM_GB = typer.Option(0, "--mem-gb", help="Memory per task in GB.", rich_help_panel=SLURM)
+MAX_PARALLEL = typer.Option(0, "--max-parallel", help="Array throttle: at most this many tasks at once.",
+                            rich_help_panel=SLURM)
+CONSTRAINT = typer.Option("", "--constraint", help="SLURM node constraint, e.g. h100.", rich_help_panel=SLURM)
+SBATCH = typer.Option(None, "--sbatch", help="Extra #SBATCH option (repeatable), e.g. --sbatch=--exclusive",
+                      rich_help_panel=SLURM)
+SETUP = typer.Option(None, "--setup", help="Shell line run first in each task (repeatable).", rich_help_panel=SLURM)
+SUBMIT = typer.Option(False, "--submit", help="Submit the array through submitit (pip install 'quantdyn[slurm]').",
+                      rich_help_panel=SLURM)
+CLUSTER = typer.Option("slurm", "--cluster", hidden=True, help="submitit cluster (local: run here, for tests).")
+
+
+_SLURM_PARAMS: tuple[tuple[str, Any, Any], ...] = (
+    ("submit", bool, SUBMIT), ("partition", str, PARTITION), ("time_limit", str, TIME), ("account", str, ACCOUNT),
+    ("qos", str, QOS), ("gpus", int, GPUS), ("cpus", int, CPUS), ("mem_gb", int, MEM_GB),
+    ("max_parallel", int, MAX_PARALLEL), ("constraint", str, CONSTRAINT), ("sbatch_extra", Optional[List[str]], SBATCH),
+    ("setup", Optional[List[str]], SETUP), ("cluster", str, CLUSTER),
+)
+
+
+@dataclass(frozen=True)
+class SlurmOptions:
+    """The SLURM options of one command line (what :func:`slurm_options` hands the command)."""
+
+    submit: bool
+    partition: str
+    time_limit: str
+    account: str
+    qos: str
+    gpus: int
+    cpus: int
+    mem_gb: int
+    max_parallel: int
+    constraint: str
+    sbatch_extra: Optional[List[str]]
+    setup: Optional[List[str]]
+    cluster: str
+
+    def config(self, nproc_per_node: int = 1):
+        """The ``launch.slurm.SlurmConfig`` of these options (checked: a bad time limit is one line)."""
+        from quantdyn.launch.slurm import SlurmConfig
+
+        return SlurmConfig(partition=self.partition, time=self.time_limit, account=self.account, qos=self.qos,
+                           gpus_per_node=self.gpus, cpus_per_task=self.cpus, mem_gb=self.mem_gb,
+                           nproc_per_node=nproc_per_node, max_parallel=self.max_parallel, constraint=self.constraint,
+                           extra_sbatch=tuple(self.sbatch_extra or ()), setup=tuple(self.setup or ()))
+
+
+def slurm_options(command: Callable) -> Callable:
+    """Decorate a command with the SLURM options (grid and sweep: one definition of the flags): typer sees them
+    as the command's parameters in place of its ``slurm`` parameter, and the command receives them as one
+    ``slurm: SlurmOptions`` argument."""
+    sig = inspect.signature(command, eval_str=True)
+    params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in sig.parameters.values()]
+    at = [p.name for p in params].index("slurm")
+    names = [name for name, _, _ in _SLURM_PARAMS]
+    added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=tp)
+             for name, tp, info in _SLURM_PARAMS]
+
+    @functools.wraps(command)
+    def run(**kwargs):
+        slurm = SlurmOptions(**{name: kwargs.pop(name) for name in names})
+        return command(**kwargs, slurm=slurm)
+
+    run.__signature__ = sig.replace(parameters=params[:at] + added + params[at + 1:])
+    return run
+
+
+def require_sbatch(submit: bool, cluster: str) -> None:
+    """--submit on a machine without SLURM: one line before anything is written."""
+    import shutil
+
+    from quantdyn.errors import QuantdynError
+
+    if submit and cluster == "slurm" and not shutil.which("sbatch"):
+        raise QuantdynError("--submit needs SLURM here (no sbatch on PATH); run on the cluster's login node, "
+                            "or drop --submit and sbatch the written script there")
+
+
+def split_list(text: Optional[str]) -> list[str]:
+    """'a,b,,c' -> ['a', 'b', 'c'] (a comma-separated option; None -> [])."""
+    return [x.strip() for x in (text or "").split(",") if x.strip()]
