@@ -119,9 +119,13 @@ def test_quantize_export_streams_a_deployable_checkpoint(hf_models, fmt, tmp_pat
     for name, layer in layers.items():
         assert torch.equal(layer.codes, codes[f"{name}.codes"]), name  # the engine's decisions, exactly
         assert torch.equal(layer.g_idx.long(), codes[f"{name}.g_idx"].long()), name
-    r = cli("quantize", hf_models["llama"], "--method", "rtn", "--bits", "2", "--export", "compressed-tensors",
-            "--out", tmp_path / "two")
+    cache = tmp_path / "fresh-cache"  # a refused export is refused before any data is tokenized
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("QUANTDYN_CACHE", str(cache))
+        r = cli("quantize", hf_models["llama"], "--method", "rtn", "--bits", "2", "--export", "compressed-tensors",
+                "--out", tmp_path / "two")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "two").exists()
+    assert not cache.exists() or not any(cache.iterdir()), "the refused export tokenized its data first"
     r = cli("quantize", hf_models["llama"], "--export", "gptq")
     assert r.returncode == 2 and "--out" in r.stderr
     if fmt == "gptq":  # --export-option reaches the format: v2 zero points, read back to the same codes

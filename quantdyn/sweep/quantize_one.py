@@ -200,28 +200,29 @@ def quantize_one(
     dev = resolve_device(device)
     weights = open_checkpoint(model_ref)  # validated before any data is prepared
     source = LazyModel(weights, compute_dtype_of(cfg.dtype))
-    tok = tokenizer or (str(weights.path) if Path(model_ref).is_dir() else model_ref)
-    calib = prepare_data(DataConfig(source=calib_data, tokenizer=tok), progress=progress)
-    evald = calib if not eval_data or eval_data == calib_data else prepare_data(
-        DataConfig(source=eval_data, tokenizer=tok), progress=progress)
-    vocab = weights.config.get("vocab_size")
-    if vocab is not None and calib.vocab_size > int(vocab):
-        raise QuantdynError(f"tokenizer '{tok}' has {calib.vocab_size} tokens but the model only {vocab}; use the "
-                            "model's own tokenizer")
-    draws = calibration_draws(calib, n_calib_samples, calib_seq_len, 0, repeats, repeat_vary)
-    variants: dict[str, QuantConfig] = {}
-    calib_of: dict[str, Any] = {}
-    for qc in qcs:
-        for label, ids in zip(repeat_labels(qc.name, repeats), draws):
-            variants[label], calib_of[label] = qc, ids
-    n_windows = n_eval_tokens // eval_seq_len
-    eval_windows = evald.eval_windows(eval_seq_len, n_windows)
+    # the writer first: what an export cannot hold is refused before any data is tokenized
     writer = None
     if out is not None and export:
         writer = ExportSink(export, out, source, qcs[0], qcs[0].name, **dict(export_options or {}))
     elif out is not None:
         writer = QuantizedCheckpointWriter(out, source, qcs[0], qcs[0].name, weights.config.get("model_type", "?"))
     try:
+        tok = tokenizer or (str(weights.path) if Path(model_ref).is_dir() else model_ref)
+        calib = prepare_data(DataConfig(source=calib_data, tokenizer=tok), progress=progress)
+        evald = calib if not eval_data or eval_data == calib_data else prepare_data(
+            DataConfig(source=eval_data, tokenizer=tok), progress=progress)
+        vocab = weights.config.get("vocab_size")
+        if vocab is not None and calib.vocab_size > int(vocab):
+            raise QuantdynError(f"tokenizer '{tok}' has {calib.vocab_size} tokens but the model only {vocab}; use "
+                                "the model's own tokenizer")
+        draws = calibration_draws(calib, n_calib_samples, calib_seq_len, 0, repeats, repeat_vary)
+        variants: dict[str, QuantConfig] = {}
+        calib_of: dict[str, Any] = {}
+        for qc in qcs:
+            for label, ids in zip(repeat_labels(qc.name, repeats), draws):
+                variants[label], calib_of[label] = qc, ids
+        n_windows = n_eval_tokens // eval_seq_len
+        eval_windows = evald.eval_windows(eval_seq_len, n_windows)
         m = measure(source, variants, eval_windows, calib_of, device=dev, cfg=cfg, on_layer=writer,
                     on_block=echo if progress else None)
     except BaseException:
