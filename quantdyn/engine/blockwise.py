@@ -23,7 +23,7 @@ import torch.nn as nn
 from quantdyn.errors import QuantdynError
 from quantdyn.models.adapters import get_weight, set_weight
 from quantdyn.models.gpt import GPT
-from quantdyn.quantize.config import QUANTIZERS, QuantConfig
+from quantdyn.quantize.config import QUANTIZERS, QuantConfig, TensorSite, config_for_tensor, grid_bits_per_weight
 from quantdyn.quantize.gptq import ActStats, stats_update
 from quantdyn.quantize.primitives import QuantResult, num_threads
 
@@ -195,15 +195,24 @@ def check_finite_weights(groups: list[list[tuple[str, nn.Module]]], prefix: str)
 
 
 def quantize_layer(name: str, module: nn.Module, stats: ActStats | None, cfg: QuantConfig,
-                   threads: int | None) -> tuple[QuantResult, torch.Tensor]:
-    """Quantize one linear layer in place; returns the result and the original weight (float32)."""
+                   threads: int | None, site: TensorSite | None = None) -> tuple[QuantResult, torch.Tensor]:
+    """Quantize one linear layer in place; returns the result and the original weight (float32).
+
+    A format that chooses per tensor (llama.cpp's mixes and shape fallbacks) resolves ``cfg`` for ``site``
+    first; the choice lands in ``res.diagnostics`` (``quantizer_method`` and the format's notes). A format
+    with activation quantization (W8A8) also gets a forward pre-hook on ``module`` that fake-quantizes its input."""
     W = get_weight(module).detach().float().clone()
+    act_quant = QUANTIZERS.get(cfg.method).act_quant
+    cfg, notes = config_for_tensor(cfg, site or TensorSite(name, 0, 1, tuple(W.shape)))
     fn = QUANTIZERS.get(cfg.method).fn
     with num_threads(threads):
         res = fn(W, stats, cfg)
     if not torch.isfinite(res.weight).all():
         raise QuantdynError(f"quantizing '{name}' produced NaN/Inf; raise damp_percent or check the calibration data")
+    res.diagnostics.update(notes)
     set_weight(module, res.weight)
+    if act_quant is not None:
+        module.register_forward_pre_hook(lambda m, args: (act_quant(args[0]).to(args[0].dtype), *args[1:]))
     return res, W
 
 
@@ -211,8 +220,10 @@ def layer_row(block_idx: int, name: str, full: str, W: torch.Tensor, res: QuantR
               cfg: QuantConfig) -> dict:
     """The per-layer diagnostics row: shapes, quantizer loss, output error ½ tr(ΔW H ΔWᵀ) and its relative size."""
     row = dict(block=block_idx, layer=full, name=name, out_features=W.shape[0], in_features=W.shape[1],
-               method=cfg.method, bits=cfg.bits, group_size=cfg.group_size, loss=res.loss,
-               seconds=res.seconds, n_samples=None, tokens=None, output_error=None, rel_error=None)
+               method=cfg.method, bits=res.bits, group_size=cfg.group_size, loss=res.loss,
+               seconds=res.seconds, n_samples=None, tokens=None, output_error=None, rel_error=None,
+               bits_per_weight=(res.bits_per_weight if res.bits_per_weight is not None
+                                else grid_bits_per_weight(cfg, W.shape[0], W.shape[1])))
     if stats is not None:
         H = stats.H.to(W)
         dW = W - res.weight.to(W)
@@ -230,13 +241,14 @@ LayerCallback = Callable[[str, QuantResult, nn.Module], None]
 
 def quantize_block(block: nn.Module, groups: list[list[tuple[str, nn.Module]]], block_idx: int, prefix: str,
                    inputs: Sequence[torch.Tensor] | None, args_of: Callable[[int], BlockArgs], cfg: QuantConfig,
-                   layer_threads: int | None = None, on_layer: LayerCallback | None = None) -> list[dict]:
+                   layer_threads: int | None = None, on_layer: LayerCallback | None = None,
+                   n_blocks: int = 0) -> list[dict]:
     """Quantize the linear layers of one block in place; returns one diagnostics row per layer.
 
     ``inputs`` are the block's calibration hidden states per batch (None: no statistics, only
     for calibration-free quantizers); ``args_of(i)`` the other arguments of batch ``i``.
     ``groups`` are the block's layers in true-sequential groups (flattened into one unless
-    ``cfg.true_sequential``)."""
+    ``cfg.true_sequential``). ``n_blocks`` (the model's) lets formats choose a type per tensor."""
     if not cfg.true_sequential:
         groups = [[x for grp in groups for x in grp]]
     need_abs = cfg.method == "awq"
@@ -258,7 +270,8 @@ def quantize_block(block: nn.Module, groups: list[list[tuple[str, nn.Module]]], 
                     h.remove()
         for name, m in grp:
             full = f"{prefix}.{block_idx}.{name}"
-            res, W = quantize_layer(full, m, stats[name], cfg, layer_threads)
+            site = TensorSite(name, block_idx, n_blocks or block_idx + 1, tuple(get_weight(m).shape))
+            res, W = quantize_layer(full, m, stats[name], cfg, layer_threads, site)
             rows.append(layer_row(block_idx, name, full, W, res, stats[name], cfg))
             if on_layer is not None:
                 on_layer(full, res, m)

@@ -6,8 +6,9 @@ identity (``calib_hash``) live in :mod:`quantdyn.results.schema`:
 
 * ``ptq_what`` — the ``what`` of a PTQ row's key (quantizer config, calibration set, repeats);
 * ``calibration_draws`` / ``repeat_labels`` — the calibration sets and engine labels of R repeats;
-* ``quantizer_fields`` / ``ptq_fields`` — what a PTQ row says about its quantizer, its error
-  and how it was computed (batch size and threads while calibrating, timings).
+* ``quantizer_fields`` / ``ptq_fields`` — what a PTQ row says about its quantizer, its error,
+  its storage cost (``storage_fields``: bits per weight, GGUF fallbacks) and how it was computed
+  (batch size and threads while calibrating, timings).
 """
 from __future__ import annotations
 
@@ -77,6 +78,18 @@ def _combine_repeats(ms: list[dict]) -> dict:
     }
 
 
+def storage_fields(layer_rows: list[dict]) -> dict:
+    """What the quantized layers cost to store: ``bits_per_weight`` (scales included, as each format stores them;
+    weighted by the layers' sizes, the head too when it is quantized) and ``format_fallbacks`` (GGUF tensors whose
+    rows did not fit their type and took llama.cpp's fallback: ``{layer: "q4_K->q5_0"}``, None if none)."""
+    known = [(r["out_features"] * r["in_features"], r["bits_per_weight"]) for r in layer_rows
+             if r.get("bits_per_weight") is not None and r.get("out_features") and r.get("in_features")]
+    bpw = sum(n * b for n, b in known) / sum(n for n, _ in known) if known else None
+    fallbacks = {r.get("layer"): f"{r['gguf_fallback_from']}->{r.get('gguf_type')}" for r in layer_rows
+                 if r.get("gguf_fallback_from")}
+    return {"bits_per_weight": bpw, "format_fallbacks": fallbacks or None}
+
+
 def ptq_fields(label: str, qc: QuantConfig, m: Measurement, cfg: MeasureConfig, threads: int, repeats: int = 1,
                vary: str = "draw") -> dict:
     """Quantizer, error metrics, per-layer loss total and how it was computed, for one quantizer of a measurement.
@@ -98,6 +111,7 @@ def ptq_fields(label: str, qc: QuantConfig, m: Measurement, cfg: MeasureConfig, 
     return {
         **quantizer_fields(label, qc),
         **errors,
+        **storage_fields(vs[0].rows),
         "repeat_vary": vary if repeats > 1 else None,
         "layer_loss_sum": float(sum(losses)) if losses else None,
         "n_calibration": vs[0].n_calibration,

@@ -55,7 +55,7 @@ from quantdyn.engine.lazy_model import BlockSource, InMemoryModel
 from quantdyn.engine.streams import Stream, StreamStore, trim_heap
 from quantdyn.errors import QuantdynError
 from quantdyn.models.adapters import model_type_of
-from quantdyn.quantize.config import QUANTIZERS, BlockTransform, QuantConfig, parse_quantizer
+from quantdyn.quantize.config import QUANTIZERS, BlockTransform, QuantConfig, TensorSite, parse_quantizer
 from quantdyn.quantize.gptq import stats_update
 from quantdyn.quantize.primitives import QuantResult, num_threads
 
@@ -275,7 +275,7 @@ def walk(
                 cal_args = (lambda i, b=b, c=cal_of[label]: c.args(b, i)) if label in cal_of else None
                 with num_threads(cfg.calib_threads or None):
                     rows = quantize_block(qblock, qgroups, b, prefix, qcal.get(label), cal_args, qc,
-                                          cfg.layer_threads, hook)
+                                          cfg.layer_threads, hook, n_blocks=len(blocks))
                     if label in qcal:
                         run_block(qblock, qcal[label], cal_args)
                 variants[label].rows += rows
@@ -330,7 +330,8 @@ def walk(
                 if label in qcal:
                     for i in range(len(qcal[label])):
                         stats = stats_update(stats, norm(qcal[label][i]), need_abs=qc.method == "awq")
-                res, W = quantize_layer(adapter.head, qhead, stats, qc, cfg.layer_threads)
+                site = TensorSite(adapter.head, -1, len(blocks), tuple(qhead.weight.shape))
+                res, W = quantize_layer(adapter.head, qhead, stats, qc, cfg.layer_threads, site)
             v.rows.append(layer_row(-1, adapter.head, adapter.head, W, res, stats, qc))
             if on_layer is not None:
                 on_layer(label, adapter.head, res, qhead)

@@ -18,6 +18,17 @@ Tokens after the head, applied left to right: a preset name; ``sym``/``asym``,
 ``damp<x>`` (damp_percent), ``dampinc<x>`` (damp_auto_increment),
 ``block<n>`` (block_size), ``grid<n>`` (awq_grid), e.g. ``gptq3-act-damp0.1``.
 
+Deployment formats
+------------------
+GGUF block types, FP8, NF4, MXFP4 and NVFP4 register under their own labels (module
+``quantize.formats``): ``q8_0 q4_0 q4_1 q5_0 q5_1 q2_k q3_k q4_k q5_k q6_k``, the llama.cpp mixes
+``q3_k_m q4_k_m q5_k_m``, each GGUF label but ``q8_0`` also as ``<label>-imatrix`` (llama.cpp's
+quantization with an importance matrix from the calibration activations), ``fp8`` (per tensor),
+``fp8-channel``, ``w8a8-fp8`` (FP8 per channel weights and FP8 per-token activations), ``nf4``,
+``mxfp4``, ``nvfp4``. A format fixes its bits and group size; the only token a format label takes
+is ``head``/``nohead`` (``q4_k_m-head``). GGUF tensors whose rows do not fit the block take
+llama.cpp's fallback type (recorded in the layer rows).
+
 Presets
 -------
 ``reference``  IST-DASLab/gptq (``llama.py``/``opt.py`` argument defaults, commit
@@ -61,7 +72,7 @@ class QuantConfig:
     """How to quantize the linear weights of a model (weight-only, integer grid)."""
 
     method: str = "gptq"
-    """Quantizer: one of QUANTIZERS ('rtn', 'gptq', 'awq')."""
+    """Quantizer: one of QUANTIZERS ('rtn', 'gptq', 'awq', or a deployment format such as 'q4_k_m', 'fp8')."""
     bits: int = 4
     """Bit width of the codes, 2..8."""
     group_size: int | None = 128
@@ -99,6 +110,9 @@ class QuantConfig:
     def __post_init__(self):
         if not isinstance(self.method, str) or self.method not in QUANTIZERS:
             raise unknown_name("quantizer", str(self.method), QUANTIZERS.names())
+        spec = QUANTIZERS.get(self.method).format
+        if spec is not None:
+            _check_format_fields(self, spec)
         bits = _integer(self.bits)
         if bits is None or not 2 <= bits <= 8:
             raise QuantdynError(f"quantizer bits={self.bits!r} is not supported; choose an integer from 2 to 8")
@@ -162,6 +176,31 @@ def _real(value: Any) -> float | None:
 # ----------------------------------------------------------------------------- registry
 
 
+class FormatSpec(NamedTuple):
+    """What a deployment format fixes (GGUF, FP8, NF4, MXFP4, NVFP4)."""
+
+    label: str
+    """How labels spell it (``q4_k_m``, ``fp8-channel``, ``q4_k-imatrix``)."""
+    bits: int
+    """Bits of one code (a mix: of its default type)."""
+    group_size: int
+    """Weights sharing one scale along a row (0: a whole row, or, for ``fp8``, the whole tensor)."""
+
+
+@dataclass(frozen=True)
+class TensorSite:
+    """Where a weight sits, for formats that choose per tensor (llama.cpp's mixes and shape fallbacks)."""
+
+    name: str
+    """The layer's path inside its block (``attention.query_key_value``), or the head's path."""
+    block: int
+    """Block index; -1 for the head."""
+    n_blocks: int
+    """Number of blocks of the model."""
+    shape: tuple[int, int]
+    """(out_features, in_features)."""
+
+
 class QuantMethod(NamedTuple):
     """A registered quantizer: ``fn(W, stats, cfg) -> QuantResult``."""
 
@@ -169,10 +208,77 @@ class QuantMethod(NamedTuple):
     """The pure tensor function (stats: quantize.gptq.ActStats or None)."""
     needs_calibration: bool
     """Whether apply must collect activation statistics (H, mean |x|)."""
+    format: FormatSpec | None = None
+    """Set for deployment formats: their label, bits and group size (fixed, not configurable)."""
+    for_tensor: Callable[[Any, TensorSite], tuple[str, dict]] | None = None
+    """``for_tensor(cfg, site) -> (method, notes)``: the registered method that quantizes this tensor (a mix's
+    type for it, or llama.cpp's fallback) and what to record in its layer row; None = ``cfg.method`` itself."""
+    act_quant: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """Activation fake quantization applied to the input of every quantized layer (W8A8); None = weights only."""
 
 
 QUANTIZERS: Registry[QuantMethod] = Registry("quantizer")
 """rtn, gptq and awq register themselves from their modules (imported by quantize/__init__)."""
+
+
+_FORMAT_FREE = ("quantize_head",)
+"""The only QuantConfig field a deployment format leaves to the user."""
+
+
+def _check_format_fields(cfg: "QuantConfig", spec: FormatSpec) -> None:
+    """A format fixes bits and group size (the QuantConfig defaults give way to them) and has no GPTQ/AWQ
+    options: anything else set is an error naming the field."""
+    defaults = {f.name: f.default for f in dataclasses.fields(QuantConfig)}
+    for name, fixed in (("bits", spec.bits), ("group_size", spec.group_size)):
+        value = getattr(cfg, name)
+        if value != fixed and value != defaults[name]:
+            raise QuantdynError(f"quantizer {spec.label} has {name}={fixed} by definition; leave {name} out "
+                                f"(got {value!r})")
+        object.__setattr__(cfg, name, fixed)
+    for f in dataclasses.fields(QuantConfig):
+        if f.name in ("method", "bits", "group_size", *_FORMAT_FREE):
+            continue
+        if getattr(cfg, f.name) != f.default:
+            raise QuantdynError(f"quantizer option {f.name} does not apply to the format {spec.label}; "
+                                f"a format label takes only -head/-nohead (e.g. {spec.label}-head)")
+
+
+def format_labels() -> dict[str, str]:
+    """Every deployment-format label (and the method name where it differs, e.g. fp8_channel) -> its method."""
+    out: dict[str, str] = {}
+    for name in QUANTIZERS:
+        spec = QUANTIZERS.get(name).format
+        if spec is not None:
+            out[spec.label] = name
+            out[name] = name
+    return out
+
+
+def _format_head(spec: str) -> tuple[str, list[str]] | None:
+    """(method, remaining tokens) if ``spec`` starts with a format label (longest match), else None."""
+    labels = format_labels()
+    for label in sorted(labels, key=len, reverse=True):
+        if spec == label or spec.startswith(label + "-"):
+            rest = spec[len(label) + 1:]
+            return labels[label], [t for t in rest.split("-") if t] if rest else []
+    return None
+
+
+def _parse_format(spec: str, method: str, tokens: list[str]) -> dict[str, Any]:
+    fields: dict[str, Any] = {"method": method}
+    for t in tokens:
+        if t in ("head", "nohead"):
+            fields["quantize_head"] = t == "head"
+        elif t == "imatrix":
+            with_im = f"{QUANTIZERS.get(method).format.label}-imatrix"
+            if with_im not in QUANTIZERS:
+                raise QuantdynError(f"quantizer '{spec}': {QUANTIZERS.get(method).format.label} takes no importance "
+                                    f"matrix (llama.cpp ignores it for this type)")
+            fields["method"] = with_im
+        else:
+            raise QuantdynError(f"unknown option '{t}' in quantizer '{spec}'{did_you_mean(t, ['head', 'nohead', 'imatrix'])}"
+                                f"; a format label takes only -head, -nohead (and GGUF types -imatrix)")
+    return fields
 
 
 # ----------------------------------------------------------------------------- presets
@@ -219,6 +325,9 @@ def _number_token(value: float | int) -> str:
 
 def canonical_label(cfg: "QuantConfig") -> str:
     """The one label of ``cfg``; ``parse_quantizer(canonical_label(cfg)) == cfg``."""
+    spec = QUANTIZERS.get(cfg.method).format
+    if spec is not None:
+        return spec.label + ("-head" if cfg.quantize_head else "")
     defaults = {f.name: f.default for f in dataclasses.fields(QuantConfig)}
     head = f"{cfg.method}{cfg.bits}" + ("" if cfg.group_size == _DEFAULT_GROUP else f"g{cfg.group_size}")
     best = ""
@@ -246,7 +355,11 @@ def quant_preset(name: str, **overrides: Any) -> QuantConfig:
 
 def _parse_short(spec: str) -> dict[str, Any]:
     """'gptq4g64-gptqmodel-mse' -> field dict (preset first, then flags, then method/bits/group)."""
-    head, *tokens = spec.strip().lower().split("-")
+    text = spec.strip().lower()
+    fmt = _format_head(text)
+    if fmt is not None:
+        return _parse_format(spec, *fmt)
+    head, *tokens = text.split("-")
     # preset names may contain '-' (gptqmodel-v5): rejoin greedily
     parts: list[str] = []
     i = 0
@@ -259,9 +372,11 @@ def _parse_short(spec: str) -> dict[str, Any]:
             i += 1
     m = _SPEC.match(head)
     if m is None:
+        formats = sorted(format_labels())
         raise QuantdynError(
-            f"cannot read quantizer '{spec}'; write <method><bits>[g<group>][-<preset or flag>...], "
-            f"e.g. gptq4, rtn3g64, gptq4-gptqmodel, awq4-sym (methods: {', '.join(QUANTIZERS.names())})"
+            f"cannot read quantizer '{spec}'{did_you_mean(text, formats)}; write <method><bits>[g<group>][-<preset or "
+            f"flag>...], e.g. gptq4, rtn3g64, gptq4-gptqmodel, awq4-sym, or a format: "
+            f"{', '.join(l for l in formats if l == QUANTIZERS.get(format_labels()[l]).format.label)}"
         )
     fields: dict[str, Any] = {}
     for t in parts:
@@ -287,7 +402,10 @@ def _parse_short(spec: str) -> dict[str, Any]:
             )
     method = m["method"]
     if method not in QUANTIZERS:
-        raise unknown_name("quantizer", method, QUANTIZERS.names())
+        labels = sorted({QUANTIZERS.get(n).format.label if QUANTIZERS.get(n).format else n for n in QUANTIZERS})
+        raise QuantdynError(f"unknown quantizer '{spec}'{did_you_mean(text, labels)}; choose a method "
+                            f"({', '.join(n for n in QUANTIZERS.names() if QUANTIZERS.get(n).format is None)}) with "
+                            f"bits, e.g. gptq4, or a format: {', '.join(l for l in labels if l not in QUANTIZERS or QUANTIZERS.get(l).format)}")
     fields.update(method=method, bits=int(m["bits"]))
     if m["group"] is not None:
         fields["group_size"] = int(m["group"])
@@ -330,6 +448,33 @@ def row_fields(label: str, qc: QuantConfig) -> dict:
     the hash, never by a label)."""
     return {"quantizer": qc.name, "quantizer_spec": label, "method": qc.method, "bits": qc.bits,
             "group_size": qc.group_size, "quant_config": to_dict(qc), "quant_config_hash": config_hash(qc)}
+
+
+def config_for_tensor(cfg: QuantConfig, site: TensorSite) -> tuple[QuantConfig, dict]:
+    """The configuration that quantizes the tensor at ``site`` and the notes for its layer row: ``cfg`` itself,
+    or, for formats that choose per tensor (llama.cpp's mixes and shape fallbacks), the registered format the
+    tensor gets (notes: ``quantizer_method``, ``gguf_fallback_from``)."""
+    method = QUANTIZERS.get(cfg.method)
+    if method.for_tensor is None:
+        return cfg, {}
+    resolved, notes = method.for_tensor(cfg, site)
+    if resolved == cfg.method:
+        return cfg, notes
+    spec = QUANTIZERS.get(resolved).format
+    fixed = {"bits": spec.bits, "group_size": spec.group_size} if spec is not None else {}
+    return dataclasses.replace(cfg, method=resolved, **fixed), {**notes, "quantizer_method": resolved}
+
+
+def grid_bits_per_weight(cfg: QuantConfig, out_features: int, in_features: int) -> float:
+    """Storage bits per weight of an integer-grid quantizer (rtn, gptq, awq) as a packed GPTQ / compressed-tensors
+    checkpoint stores it: the codes, an fp16 scale per group, a ``bits``-bit zero point per group unless
+    symmetric, and with act-order an int32 group index per input column (AWQ's scales fold into the previous
+    layer). Deployment formats report their own (``QuantResult.bits_per_weight``)."""
+    g = cfg.group_size or in_features
+    bpw = cfg.bits + 16 / g + (0 if cfg.sym else cfg.bits / g)
+    if cfg.act_order or cfg.act_group_aware:
+        bpw += 32 / out_features
+    return float(bpw)
 
 
 def compute_dtype(W: torch.Tensor) -> torch.dtype:

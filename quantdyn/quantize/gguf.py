@@ -791,3 +791,79 @@ def unpack_gguf(data: torch.Tensor, t: str, cols: int) -> GGUFQuant:
         fields = dict(d=half(208), sc=B[..., 192:208].to(torch.uint8).view(torch.int8))
     codes = codes.reshape(rows, cols).to(torch.uint8)
     return GGUFQuant(t, codes, fields, dequantize_fields(t, codes, fields))
+
+
+# ----------------------------------------------------------------------------- per-tensor types (llama.cpp's recipes)
+
+MIXES: dict[str, str] = {"q3_k_m": "q3_k", "q4_k_m": "q4_k", "q5_k_m": "q5_k"}
+"""llama.cpp's ``LLAMA_FTYPE_MOSTLY_Q*_K_M`` mixes and their default block type."""
+
+TENSOR_CATEGORY: dict[str, str] = {
+    # GPT-NeoX / Pythia (and quantdyn's GPT)
+    "attention.query_key_value": "attn_qkv", "attention.dense": "attn_output",
+    "mlp.dense_h_to_4h": "ffn_up", "mlp.dense_4h_to_h": "ffn_down",
+    # LLaMA-like (llama, olmo, qwen2)
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    # GPT-2
+    "attn.c_attn": "attn_qkv", "attn.c_proj": "attn_output", "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down",
+}
+"""A block's layer (its path inside the block) -> the llama.cpp tensor name it becomes (``blk.N.<name>.weight``),
+which is what llama.cpp's type recipe keys on; the head is ``output``."""
+
+_FALLBACK = {"q2_k": "q4_0", "q3_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
+"""llama.cpp's ``tensor_type_fallback`` for a row length that is not a multiple of 256."""
+
+
+def tensor_category(name: str) -> str:
+    """llama.cpp's category of a block layer path (``output`` for the head, ``other`` if unknown)."""
+    return TENSOR_CATEGORY.get(name, "other")
+
+
+def fallback_type(t: str, cols: int) -> str | None:
+    """The type llama.cpp quantizes a tensor of row length ``cols`` with when ``t`` does not fit: Q2_K/Q3_K ->
+    Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0 (32-weight blocks); None if ``t`` fits. Where even the
+    fallback does not fit (rows not a multiple of 32) llama.cpp stores F16, which quantdyn refuses instead."""
+    if cols % GGML_TYPES[t].block == 0:
+        return None
+    alt = _FALLBACK.get(t, t)
+    if cols % GGML_TYPES[alt].block:
+        raise QuantdynError(f"rows of {cols} weights fit no GGUF block type (llama.cpp would store the tensor in F16; "
+                            f"quantdyn does not emulate that): GGUF needs a multiple of 32")
+    return alt
+
+
+def _use_more_bits(i: int, n: int) -> bool:
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def mix_type(mix: str, category: str, layer: int, n_layers: int, cols: int) -> str:
+    """The block type llama.cpp's ``llama_tensor_get_type`` gives a tensor in a Q*_K_M mix (commit 0c1e570), for
+    the dense, non-Falcon architectures quantdyn walks (GPT-NeoX, LLaMA, GPT-2): ``layer`` is the tensor's
+    block, which is also llama.cpp's running count of attn_v-like and ffn_down tensors when blocks are written
+    in order; ``n_layers`` the number of blocks. Before the shape fallback (:func:`fallback_type`).
+
+    * output (the head): Q6_K, or Q8_0 if its rows are not a multiple of 256;
+    * attn_v and attn_qkv (llama.cpp counts both as attn_v-like): Q3_K_M -> Q5_K in the first 2 blocks
+      else Q4_K; Q4_K_M / Q5_K_M -> Q6_K in the blocks where ``use_more_bits`` (the first and last eighth
+      and every third in between), else the default;
+    * ffn_down: Q3_K_M -> Q5_K in the first sixteenth, else Q4_K; Q4_K_M / Q5_K_M -> Q6_K where
+      ``use_more_bits``;
+    * attn_output: Q3_K_M -> Q4_K;
+    * everything else: the mix's default type (Q3_K, Q4_K, Q5_K).
+    """
+    default = MIXES[mix]
+    if category == "output":
+        return "q8_0" if cols % QK_K else "q6_k"
+    if category in ("attn_v", "attn_qkv"):
+        if mix == "q3_k_m":
+            return "q5_k" if layer < 2 else "q4_k"
+        return "q6_k" if _use_more_bits(layer, n_layers) else default
+    if category == "ffn_down":
+        if mix == "q3_k_m":
+            return "q5_k" if layer < n_layers // 16 else "q4_k"
+        return "q6_k" if _use_more_bits(layer, n_layers) else default
+    if category == "attn_output" and mix == "q3_k_m":
+        return "q4_k"
+    return default

@@ -43,7 +43,7 @@ class QuantResult:
     """One quantized weight matrix ``W`` of shape (out_features, in_features).
 
     ``weight == dequantize_weight(codes, scales, zeros, g_idx) / awq_scales``
-    (the division only for AWQ).
+    (the division only for AWQ); deployment formats set ``format`` and their own fields below.
     """
 
     weight: torch.Tensor
@@ -70,6 +70,18 @@ class QuantResult:
     """Column order used by act-order / group-aware reordering (None = natural order)."""
     awq_scales: torch.Tensor | None = None
     """AWQ per-input-channel scales s (in,): codes quantize W·diag(s)."""
+    format: str | None = None
+    """Deployment formats: the stored type (``q4_K``, ``fp8_e4m3``, ``nf4``, ``mxfp4``, ``nvfp4``); None for the
+    integer grid above."""
+    codebook: torch.Tensor | None = None
+    """Float formats: the value of every code, so that ``weight == scales[:, g_idx] * codebook[codes]``
+    (``zeros`` are 0). None: the integer grid (for GGUF types with a minimum, ``zeros`` = min / scale, real)."""
+    storage: dict | None = None
+    """Deployment formats: their stored fields besides the codes, as the format stores them (GGUF block scales,
+    E8M0/E4M3 scale bytes, NF4's double-quantized absmax ...); exporters read these."""
+    bits_per_weight: float | None = None
+    """Storage bits per weight with the scales, as the format stores it (None: see
+    ``quantize.config.grid_bits_per_weight``)."""
 
 
 # ----------------------------------------------------------------------------- threads

@@ -111,11 +111,19 @@ DATA = _table("""
 QUANTIZER = _table("""
     quantizer          str | None   Canonical quantizer label (gptq3, rtn4g64 ...): one spelling per configuration.
     quantizer_spec     str          The quantizer as the user wrote it.
-    method             str          Quantization method: rtn, gptq, awq (qat-<method> on qat rows).
+    method             str          Quantization method: rtn, gptq, awq, or a deployment format (q4_k_m, q8_0,
+                                    fp8, fp8_channel, w8a8_fp8, nf4, mxfp4, nvfp4 ...; quantize/formats.py)
+                                    (qat-<method> on qat rows).
     bits               int          Weight bits.
     group_size         int          Quantization group size (0: per channel).
     quant_config       dict | None  The full quantizer config.
     quant_config_hash  str | None   Hash of quant_config; rows are keyed by it, never by a label.
+    bits_per_weight    float | None  Storage bits per quantized weight with its scales, as the format stores them
+                                    (GGUF blocks, FP8/E8M0/E4M3 scales, NF4's double-quantized absmax; integer
+                                    grids as a packed GPTQ checkpoint), averaged over the quantized layers
+                                    weighted by size (the head too when quantized).
+    format_fallbacks   dict | None  GGUF tensors whose rows did not fit their block type and took llama.cpp's
+                                    fallback type: {layer: "q4_K->q5_0"}; None when none did.
 """)
 ERRORS = _table("""
     ce_fp                 float         Mean next-token cross-entropy of the full-precision model on the evaluation

@@ -1,0 +1,157 @@
+"""The deployment formats as quantizers: every GGUF block type and mix (``quantize.gguf``) and the float
+formats (``quantize.float_formats``) registered in QUANTIZERS, so that the engine, sweeps, the monitor and
+studies take them like rtn or gptq (labels: see ``quantize.config``, "Deployment formats").
+
+Each entry turns the pure format function's output into a :class:`QuantResult`: the codes, the scale of every
+group, the format's stored fields (``storage``) and its bits per weight. With calibration statistics the
+result also carries the layer loss ½ tr(ΔW H ΔWᵀ) like RTN's.
+
+* ``<gguf type>-imatrix`` and ``<mix>-imatrix`` quantize with llama.cpp's importance matrix: per input
+  column the mean of x_j² over the calibration tokens (what ``llama-imatrix`` accumulates and
+  ``llama-quantize`` divides by its token count), read off the walk's statistics:
+  mean x_j² = diag(H)_j · n / (2 · tokens), H = 2/n Σ x xᵀ.
+* A mix resolves per tensor (``QuantMethod.for_tensor``) to the block type llama.cpp's recipe gives it
+  (``gguf.mix_type``); every GGUF type falls back as llama.cpp does when a row does not fit its block
+  (``gguf.fallback_type``); the layer row records ``gguf_type`` and ``gguf_fallback_from``.
+* ``w8a8-fp8`` is ``fp8-channel`` weights plus FP8 per-token activations (``QuantMethod.act_quant``),
+  applied by the engine to the input of every quantized layer.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from quantdyn.errors import QuantdynError
+from quantdyn.quantize import float_formats as ff
+from quantdyn.quantize import gguf
+from quantdyn.quantize.config import QUANTIZERS, FormatSpec, QuantConfig, QuantMethod, TensorSite
+from quantdyn.quantize.gptq import ActStats
+from quantdyn.quantize.primitives import QuantResult, layer_loss
+
+
+def imatrix_from_stats(stats: ActStats) -> torch.Tensor:
+    """llama.cpp's importance matrix of a layer from its calibration statistics: mean over tokens of x_j² (in,)."""
+    if stats.tokens <= 0:
+        raise QuantdynError("the importance matrix needs calibration tokens; none reached this layer")
+    return (torch.diagonal(stats.H).double() * stats.n / (2.0 * stats.tokens)).float()
+
+
+def _g_idx(cols: int, group: int) -> torch.Tensor:
+    return (torch.arange(cols) // (group or cols)).to(torch.int32)
+
+
+def _loss(W: torch.Tensor, W_hat: torch.Tensor, stats: ActStats | None) -> float | None:
+    if stats is None:
+        return None
+    if stats.H.shape != (W.shape[1], W.shape[1]):
+        raise QuantdynError(f"Hessian of shape {tuple(stats.H.shape)} does not match in_features={W.shape[1]}")
+    return layer_loss(W.float(), W_hat, stats.H)
+
+
+# ----------------------------------------------------------------------------- GGUF
+
+
+def _gguf_fn(t: str, imatrix: bool) -> Callable[..., QuantResult]:
+    def fn(W: torch.Tensor, stats: ActStats | None, cfg: QuantConfig) -> QuantResult:
+        t0 = time.perf_counter()
+        im = None
+        if imatrix:
+            if stats is None:
+                raise QuantdynError(f"{cfg.name} needs calibration data: its importance matrix is the mean x^2 of each "
+                                    "input column over the calibration tokens")
+            im = imatrix_from_stats(stats)
+        q = gguf.quantize_gguf(W, t, im)
+        step, zero = q.step_and_zero()
+        g = q.ggml
+        return QuantResult(
+            weight=q.weight, codes=q.codes, scales=step, zeros=zero, g_idx=_g_idx(W.shape[1], g.group), bits=g.bits,
+            loss=_loss(W, q.weight, stats), seconds=time.perf_counter() - t0, diagnostics=dict(gguf_type=g.name),
+            format=g.name, storage=q.fields, bits_per_weight=g.bits_per_weight)
+    return fn
+
+
+def _gguf_for_tensor(cfg: QuantConfig, site: TensorSite) -> tuple[str, dict]:
+    imatrix = cfg.method.endswith("-imatrix")
+    base = cfg.method.removesuffix("-imatrix")
+    cols = site.shape[1]
+    where = "the head" if site.block < 0 else f"layer {site.name} of block {site.block}"
+    t = base
+    if base in gguf.MIXES:
+        category = "output" if site.block < 0 else gguf.tensor_category(site.name)
+        t = gguf.mix_type(base, category, max(site.block, 0), site.n_blocks, cols)
+    try:
+        fb = gguf.fallback_type(t, cols)
+    except QuantdynError as e:
+        raise QuantdynError(f"{where}: {e}") from None
+    notes: dict = {}
+    if fb is not None:
+        notes["gguf_fallback_from"] = gguf.GGML_TYPES[t].name
+        t = fb
+    return (f"{t}-imatrix" if imatrix and t != "q8_0" else t), notes
+
+
+def _mix_fn(mix: str, imatrix: bool) -> Callable[..., QuantResult]:
+    """Called without a tensor site (a direct call, not through the engine): the mix's default type."""
+    return _gguf_fn(gguf.MIXES[mix], imatrix)
+
+
+# ----------------------------------------------------------------------------- float formats
+
+
+def _float_fn(quantize: Callable[[torch.Tensor], ff.FloatQuant], bits: int) -> Callable[..., QuantResult]:
+    def fn(W: torch.Tensor, stats: ActStats | None, cfg: QuantConfig) -> QuantResult:
+        t0 = time.perf_counter()
+        q = quantize(W)
+        return QuantResult(
+            weight=q.weight, codes=q.codes, scales=q.scales, zeros=torch.zeros_like(q.scales),
+            g_idx=_g_idx(W.shape[1], q.group), bits=bits, loss=_loss(W, q.weight, stats),
+            seconds=time.perf_counter() - t0, format=q.format, codebook=q.codebook, storage=q.storage,
+            bits_per_weight=q.bits_per_weight)
+    return fn
+
+
+def _rows_of(block: int, label: str) -> Callable[[QuantConfig, TensorSite], tuple[str, dict]]:
+    """A float format whose scales cover ``block`` consecutive weights of a row: one line if the rows do not fit."""
+    def for_tensor(cfg: QuantConfig, site: TensorSite) -> tuple[str, dict]:
+        cols = site.shape[1]
+        if block and cols % block:
+            where = "the head" if site.block < 0 else f"layer {site.name} of block {site.block}"
+            raise QuantdynError(f"{where} has {cols} input features; {label} needs a multiple of {block} "
+                                f"(one scale per {block} consecutive weights of a row)")
+        return cfg.method, {}
+    return for_tensor
+
+
+# ----------------------------------------------------------------------------- registration
+
+
+def _register() -> None:
+    for name, t in gguf.GGML_TYPES.items():
+        QUANTIZERS.add(name, QuantMethod(_gguf_fn(name, False), False, FormatSpec(name, t.bits, t.group),
+                                         _gguf_for_tensor))
+        if name != "q8_0":  # ggml's Q8_0 ignores an importance matrix
+            label = f"{name}-imatrix"
+            QUANTIZERS.add(label, QuantMethod(_gguf_fn(name, True), True, FormatSpec(label, t.bits, t.group),
+                                              _gguf_for_tensor))
+    for mix, default in gguf.MIXES.items():
+        t = gguf.GGML_TYPES[default]
+        QUANTIZERS.add(mix, QuantMethod(_mix_fn(mix, False), False, FormatSpec(mix, t.bits, t.group), _gguf_for_tensor))
+        QUANTIZERS.add(f"{mix}-imatrix", QuantMethod(_mix_fn(mix, True), True,
+                                                     FormatSpec(f"{mix}-imatrix", t.bits, t.group), _gguf_for_tensor))
+    QUANTIZERS.add("fp8", QuantMethod(_float_fn(ff.fp8_per_tensor, 8), False, FormatSpec("fp8", 8, 0),
+                                      _rows_of(0, "fp8")))
+    QUANTIZERS.add("fp8_channel", QuantMethod(_float_fn(ff.fp8_per_channel, 8), False,
+                                              FormatSpec("fp8-channel", 8, 0), _rows_of(0, "fp8-channel")))
+    QUANTIZERS.add("w8a8_fp8", QuantMethod(_float_fn(ff.fp8_per_channel, 8), False, FormatSpec("w8a8-fp8", 8, 0),
+                                           _rows_of(0, "w8a8-fp8"), act_quant=ff.fp8_per_token))
+    QUANTIZERS.add("nf4", QuantMethod(_float_fn(ff.nf4, 4), False, FormatSpec("nf4", 4, ff.NF4_BLOCK),
+                                      _rows_of(ff.NF4_BLOCK, "nf4")))
+    QUANTIZERS.add("mxfp4", QuantMethod(_float_fn(ff.mxfp4, 4), False, FormatSpec("mxfp4", 4, 32),
+                                        _rows_of(32, "mxfp4")))
+    QUANTIZERS.add("nvfp4", QuantMethod(_float_fn(ff.nvfp4, 4), False, FormatSpec("nvfp4", 4, 16),
+                                        _rows_of(16, "nvfp4")))
+
+
+_register()
