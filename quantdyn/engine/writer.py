@@ -210,7 +210,7 @@ class ExportSink(_LayerSink):
 
     def _add(self, full: str, key: str, res: QuantResult, module: nn.Module) -> None:
         self.writer.add_quantized(key.rsplit(".", 1)[0], res.codes, res.scales, res.zeros, res.g_idx,
-                                  awq_scales=res.awq_scales)
+                                  awq_scales=res.awq_scales, **({"result": res} if res.format else {}))
         self.written.add(key)
 
     def close(self) -> Path:

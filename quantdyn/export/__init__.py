@@ -1,4 +1,4 @@
-"""Deployable exports of quantized models: GPTQ and compressed-tensors (pack-quantized).
+"""Deployable exports of quantized models: GPTQ and compressed-tensors (pack-quantized), GGUF (llama.cpp).
 
 * :func:`open_export` -> :class:`ExportWriter`: stream quantized layers and plain tensors into a
   sharded safetensors checkpoint that ``transformers.AutoModelForCausalLM.from_pretrained``,
@@ -8,6 +8,7 @@
 * :func:`push_to_hub`: upload an export to the Hugging Face Hub.
 """
 from quantdyn.export.formats import EXPORT_FORMATS, ExportFormat, ExportSettings, check_exportable
+from quantdyn.export import gguf as _gguf  # noqa: F401  (registers 'gguf')
 from quantdyn.export.hub import push_to_hub
 from quantdyn.export.reader import ExportedLayer, ExportReader, read_export
 from quantdyn.export.writer import ExportWriter, open_export

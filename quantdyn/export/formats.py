@@ -68,7 +68,7 @@ from quantdyn import __version__
 from quantdyn.config import config_hash, to_dict
 from quantdyn.errors import QuantdynError
 from quantdyn.export.packing import pack_rows
-from quantdyn.quantize.config import QuantConfig
+from quantdyn.quantize.config import QUANTIZERS, QuantConfig
 from quantdyn.registry import Registry
 
 GPTQ_BITS = (2, 3, 4, 8)
@@ -110,6 +110,9 @@ class ExportFormat:
     """(layer name, quantdyn codes/scales/zeros/g_idx, qcfg, settings) -> checkpoint tensors."""
     config: Callable[[QuantConfig, list[str], ExportSettings], dict]
     """(qcfg, quantized layer names, settings) -> the quantization_config of config.json."""
+    open_writer: Callable[..., Any] | None = None
+    """Formats that are not a safetensors directory (GGUF: one file) bring their own writer:
+    ``open_writer(out, source_config, qcfg, model_type, **options)`` with ExportWriter's methods."""
 
 
 EXPORT_FORMATS: Registry[ExportFormat] = Registry("export format")
@@ -125,6 +128,9 @@ def permuted_groups(qcfg: QuantConfig) -> bool:
 
 
 def _common_refusals(qcfg: QuantConfig, fmt: str) -> None:
+    if QUANTIZERS.get(qcfg.method).format is not None:
+        raise QuantdynError(f"{fmt} checkpoints hold integer grids; the format {qcfg.name} is exported with "
+                            f"--export gguf (GGUF block types) or not at all")
     if qcfg.method == "awq":
         raise QuantdynError(
             f"{fmt} checkpoints have no per-input-channel scales, and quantdyn's AWQ gives every linear its own "

@@ -230,4 +230,7 @@ def open_export(fmt: str, out_dir: str | Path, source_config: dict, qcfg: QuantC
     format cannot hold is refused here, before anything is written -- except what only the codes tell (a GPTQ
     v1 zero point of 0), refused by :meth:`ExportWriter.add_quantized` (abort then leaves nothing behind).
     """
+    own = EXPORT_FORMATS.get(fmt).open_writer
+    if own is not None:  # a single-file format (GGUF)
+        return own(out_dir, source_config, qcfg, model_type, **options)
     return ExportWriter(fmt, out_dir, source_config, qcfg, model_type, **options)
