@@ -470,8 +470,9 @@ def grid_bits_per_weight(cfg: QuantConfig, out_features: int, in_features: int) 
     checkpoint stores it: the codes, an fp16 scale per group, a ``bits``-bit zero point per group unless
     symmetric, and with act-order an int32 group index per input column (AWQ's scales fold into the previous
     layer). Deployment formats report their own (``QuantResult.bits_per_weight``)."""
-    g = cfg.group_size or in_features
-    bpw = cfg.bits + 16 / g + (0 if cfg.sym else cfg.bits / g)
+    g = cfg.group_size
+    groups = 1 if not g or g >= in_features else -(-in_features // g)
+    bpw = cfg.bits + (16 + (0 if cfg.sym else cfg.bits)) * groups / in_features
     if cfg.act_order or cfg.act_group_aware:
         bpw += 32 / out_features
     return float(bpw)
