@@ -18,7 +18,6 @@ loop order, so quantdyn pays Python-level loops over the 16-32 elements of a blo
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import sys
 import time
@@ -30,7 +29,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
 
+from make_gguf_reference import ggml_bytes, load_ggml  # noqa: E402  (tests/fixtures: ggml through ctypes)
 from quantdyn.quantize import float_formats as ff  # noqa: E402
 from quantdyn.quantize import gguf as qg  # noqa: E402
 from quantdyn.quantize.primitives import num_threads  # noqa: E402
@@ -42,7 +44,6 @@ LAYERS = {  # pythia-160m: d_model 768, d_ff 3072
     "dense_4h_to_h": (768, 3072),
 }
 GGUF_TYPES = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
-TYPE_IDS = dict(q4_0=2, q4_1=3, q5_0=6, q5_1=7, q8_0=8, q2_k=10, q3_k=11, q4_k=12, q5_k=13, q6_k=14)
 
 
 def best(fn, repeat: int) -> tuple[float, object]:
@@ -55,30 +56,18 @@ def best(fn, repeat: int) -> tuple[float, object]:
 
 
 def ggml_lib(path: str | None):
+    """libggml-base through ctypes (the fixture maker's loader), or None without one."""
     if path is None:
         try:
             import llama_cpp
             path = str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so")
         except ImportError:
             return None
-    lib = ctypes.CDLL(path)
-    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
-    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-    lib.ggml_row_size.restype = ctypes.c_size_t
-    lib.ggml_row_size.argtypes = [ctypes.c_int, ctypes.c_int64]
-    lib.ggml_quantize_init.argtypes = [ctypes.c_int]
-    return lib
+    return load_ggml(path)
 
 
 def ggml_quantize(lib, W: np.ndarray, t: str, im: np.ndarray | None) -> torch.Tensor:
-    tid = TYPE_IDS[t]
-    lib.ggml_quantize_init(tid)
-    rows, cols = W.shape
-    out = np.zeros(rows * lib.ggml_row_size(tid, cols), dtype=np.uint8)
-    lib.ggml_quantize_chunk(tid, W.ctypes.data, out.ctypes.data, 0, rows, cols,
-                            None if im is None else im.ctypes.data)
-    return torch.from_numpy(out.reshape(rows, -1))
+    return torch.from_numpy(ggml_bytes(lib, np.ascontiguousarray(W, dtype=np.float32), t, im))
 
 
 def references(lib):

@@ -134,7 +134,9 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """float32 -> 4-bit E2M1 codes, round to nearest even, saturating at +-6 (the sign of -0 and of negative
     values that round to 0 is kept, as a float cast does). uint8."""
     a = x.abs()
-    mag = (a[..., None] > _E2M1_THRESHOLDS).sum(-1) + ((a[..., None] == _E2M1_THRESHOLDS) & _E2M1_TIE_UP).sum(-1)
+    mag = torch.bucketize(a, _E2M1_THRESHOLDS)  # thresholds strictly below a
+    at = mag.clamp(max=len(_E2M1_THRESHOLDS) - 1)
+    mag = mag + ((a == _E2M1_THRESHOLDS[at]) & _E2M1_TIE_UP[at]).to(mag.dtype)
     sign = torch.signbit(x).to(torch.int64) << 3
     return (mag | sign).to(torch.uint8)
 
