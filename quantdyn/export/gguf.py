@@ -144,11 +144,9 @@ class GGUFExportWriter:
         self.n_layer = int(source_config["num_hidden_layers"])
         self.float_type = F16_TYPE if float_type == "f16" else F32_TYPE
         self.name = name or str(source_config.get("_name_or_path") or "quantdyn-export")
-        for layer, (_, cols) in (layers or {}).items():  # what only the shapes tell, refused before any work
+        for layer, (rows, cols) in (layers or {}).items():  # what only the shapes tell, refused before any work
             self._gguf_name(f"{layer}.weight")
-            if cols % qg.QK:
-                raise QuantdynError(f"layer '{layer}' has rows of {cols} weights; every GGUF block type needs a "
-                                    f"multiple of {qg.QK} (llama.cpp would keep it in F16, which quantdyn does not)")
+            _check_layer(layer, rows, cols, self.qcfg)
         self.out = Path(out)
         if self.out.exists():
             raise QuantdynError(f"'{self.out}' exists; choose a new --out file for the GGUF export (nothing was written)")
@@ -381,6 +379,13 @@ class GGUFExportWriter:
             self.close()
 
 
+def _check_layer(name: str, out_features: int, in_features: int, qcfg: QuantConfig) -> None:
+    """A layer whose rows fit no ggml block (not a multiple of 32) is refused before any work."""
+    if in_features % qg.QK:
+        raise QuantdynError(f"layer '{name}' has rows of {in_features} weights; every GGUF block type needs a "
+                            f"multiple of {qg.QK} (llama.cpp would keep it in F16, which quantdyn does not)")
+
+
 def _check(qcfg: QuantConfig, model_type: str, model_dtype: torch.dtype, options: dict):
     """The export-format check for ``check_exportable('gguf', ...)``: a one-line refusal or None."""
     gguf_quantizer(qcfg)
@@ -395,7 +400,8 @@ def _register() -> None:
 
     EXPORT_FORMATS.add("gguf", ExportFormat(
         name="gguf", summary="one .gguf file for llama.cpp (GGUF block types and mixes)",
-        check=_check, layer_tensors=_no_layout, config=_no_layout, open_writer=GGUFExportWriter))
+        check=_check, check_layer=_check_layer, layer_tensors=_no_layout, config=_no_layout,
+        open_writer=GGUFExportWriter))
 
 
 _register()
