@@ -145,3 +145,24 @@ def test_monitor_takes_format_labels(format_run):
     assert {k.split("/")[1] for k in got if k.count("/") == 2} == {"q4_k_m", "nvfp4", "w8a8-fp8"}
     with pytest.raises(QuantdynError, match="needs calibration data"):
         PTQMonitor(["q4_k_m-imatrix"], ev)
+
+
+def test_imatrix_comes_from_full_precision_activations():
+    """As llama-imatrix: block 1's importance matrix is the FP model's mean x^2 there, not the quantized stream's."""
+    from quantdyn.quantize import gguf as qg
+    from quantdyn.quantize.formats import imatrix_from_stats
+    from quantdyn.quantize.gptq import stats_update
+
+    model = tiny(d=256)
+    cal = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(2))
+    got = {}
+    measure(model, {"q4_k-imatrix": "q4_k-imatrix"}, None, cal,
+            on_layer=lambda label, full, res, m: got.setdefault(full, res.codes.clone()))
+    layer = model.gpt_neox.layers[1].mlp.dense_h_to_4h
+    stats = {}
+    hook = layer.register_forward_hook(lambda m, i, o: stats.update(s=stats_update(None, i[0].detach())))
+    with torch.no_grad():
+        model(cal)
+    hook.remove()
+    want = qg.quantize_gguf(layer.weight.detach(), "q4_k", imatrix_from_stats(stats["s"])).codes
+    assert torch.equal(got["gpt_neox.layers.1.mlp.dense_h_to_4h"], want)

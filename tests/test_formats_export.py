@@ -149,3 +149,19 @@ def test_cli_quantize_export_gguf(tmp_path, kjv_small, cli):
     r = cli("quantize", ck, "--method", "nf4", "--export", "gguf", "--out", tmp_path / "n.gguf", *short)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "no ggml type" in r.stderr
     assert not (tmp_path / "n.gguf").exists()
+
+
+def test_tied_gpt_neox_gets_an_output_tensor(tmp_path):
+    """llama.cpp's gptneox has no tied head: a tied checkpoint's export carries token_embd again as output."""
+    gguf = pytest.importorskip("gguf")
+    from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config
+    from quantdyn.models.hf_io import save_hf
+
+    torch.manual_seed(0)
+    ck = save_hf(GPT(resolve_model_config(ModelConfig(n_layer=1, d_model=64, n_head=2, max_seq_len=64, vocab_size=96,
+                                                      tie_embeddings=True))), tmp_path / "tied")
+    source = LazyModel(CheckpointWeights(ck))
+    sink = ExportSink("gguf", tmp_path / "t.gguf", source, "q8_0", "q8_0")
+    measure(source, {"q8_0": "q8_0"}, None, None, on_layer=sink)
+    tensors = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(sink.close())).tensors}
+    assert np.array_equal(tensors["output.weight"], tensors["token_embd.weight"])

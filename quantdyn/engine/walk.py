@@ -276,8 +276,9 @@ def walk(
                 with num_threads(cfg.calib_threads or None):
                     rows = quantize_block(qblock, qgroups, b, prefix, qcal.get(label), cal_args, qc,
                                           cfg.layer_threads, hook, n_blocks=len(blocks))
-                    if label in qcal:
-                        run_block(qblock, qcal[label], cal_args)
+                    if label in qcal:  # statistics of the FP model's activations where the method asks (imatrix)
+                        fp_stats = QUANTIZERS.get(qc.method).fp_calibration and not cfg.in_place
+                        run_block(block if fp_stats else qblock, qcal[label], cal_args)
                 variants[label].rows += rows
                 variants[label].seconds += time.perf_counter() - t0
                 t0 = time.perf_counter()

@@ -12,7 +12,8 @@ without the ``gguf`` package): header, metadata, tensor infos, aligned tensor da
 * ``gptneox`` (GPT-NeoX, Pythia, quantdyn's GPT): ``token_embd``, ``blk.N.attn_norm``, ``blk.N.attn_qkv``
   (rows reordered from the per-head interleaved ``(head, q|k|v, dim)`` of HF to ``[Q; K; V]``),
   ``blk.N.attn_output``, ``blk.N.ffn_norm``, ``blk.N.ffn_up``, ``blk.N.ffn_down`` (weights and biases),
-  ``output_norm``, ``output``; rope of ``rotary_pct * head_dim`` dimensions (NeoX style);
+  ``output_norm``, ``output`` (a copy of ``token_embd`` for tied embeddings: llama.cpp's gptneox requires
+  it); rope of ``rotary_pct * head_dim`` dimensions (NeoX style);
 * ``llama`` (LLaMA-like ``model_type: llama``): ``attn_q``/``attn_k`` rows permuted from HF's rotate-half
   layout to llama.cpp's interleaved rope (convert's ``LlamaModel.permute``), ``attn_v``, ``attn_output``,
   ``ffn_gate``/``ffn_up``/``ffn_down``, RMS norms; a tied head writes no ``output``.
@@ -155,6 +156,7 @@ class GGUFExportWriter:
         self._tensors: list[tuple[str, list[int], int, int, int]] = []  # name, ne (ne0 first), type, offset, nbytes
         self._names: set[str] = set()
         self._tokenizer: dict | None = None
+        self._embd: tuple | None = None  # token_embd, for a tied head (llama.cpp's gptneox needs output.weight)
         self._layers: list[str] = []
         fd, tmp = tempfile.mkstemp(prefix=f".{self.out.name}.", suffix=".data", dir=self.out.parent)
         self._data_path = Path(tmp)
@@ -247,6 +249,8 @@ class GGUFExportWriter:
         ttype = F32_TYPE if t.dim() == 1 else self.float_type
         arr = t.contiguous().numpy().astype(np.float16 if ttype == F16_TYPE else np.float32)
         self._write(gname, list(reversed(t.shape)), ttype, arr.tobytes())
+        if gname == "token_embd.weight":
+            self._embd = (list(reversed(t.shape)), ttype, arr.tobytes())
 
     def add_file(self, name: str, source: str | Path | bytes) -> None:
         """Only ``tokenizer.json`` matters to a GGUF file (its vocabulary goes into the metadata)."""
@@ -328,6 +332,8 @@ class GGUFExportWriter:
             self.abort()
             raise QuantdynError("no quantized layer was added; nothing was exported")
         try:
+            if self.arch == "gptneox" and "output.weight" not in self._names and self._embd is not None:
+                self._write("output.weight", *self._embd)  # tied embeddings: llama.cpp's gptneox has no tying
             self._data.close()
             self._data = None
             meta_kv = self._metadata()

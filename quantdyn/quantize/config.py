@@ -215,6 +215,11 @@ class QuantMethod(NamedTuple):
     type for it, or llama.cpp's fallback) and what to record in its layer row; None = ``cfg.method`` itself."""
     act_quant: Callable[[torch.Tensor], torch.Tensor] | None = None
     """Activation fake quantization applied to the input of every quantized layer (W8A8); None = weights only."""
+    fp_calibration: bool = False
+    """Calibration statistics from the full-precision model's activations (llama-imatrix runs the unquantized
+    model), not from the stream through this quantizer's own already quantized blocks (GPTQ's sequential way).
+    An in-place walk (``quantize_model``) has no full-precision copy of a block once it is quantized: there the
+    stream goes through the quantized block."""
 
 
 QUANTIZERS: Registry[QuantMethod] = Registry("quantizer")

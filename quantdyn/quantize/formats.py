@@ -9,7 +9,8 @@ result also carries the layer loss ½ tr(ΔW H ΔWᵀ) like RTN's.
 * ``<gguf type>-imatrix`` and ``<mix>-imatrix`` quantize with llama.cpp's importance matrix: per input
   column the mean of x_j² over the calibration tokens (what ``llama-imatrix`` accumulates and
   ``llama-quantize`` divides by its token count), read off the walk's statistics:
-  mean x_j² = diag(H)_j · n / (2 · tokens), H = 2/n Σ x xᵀ.
+  mean x_j² = diag(H)_j · n / (2 · tokens), H = 2/n Σ x xᵀ. Like llama-imatrix, the statistics come from
+  the full-precision model's activations (``QuantMethod.fp_calibration``), not from the quantized blocks.
 * A mix resolves per tensor (``QuantMethod.for_tensor``) to the block type llama.cpp's recipe gives it
   (``gguf.mix_type``); every GGUF type falls back as llama.cpp does when a row does not fit its block
   (``gguf.fallback_type``); the layer row records ``gguf_type`` and ``gguf_fallback_from``.
@@ -134,12 +135,12 @@ def _register() -> None:
         if name != "q8_0":  # ggml's Q8_0 ignores an importance matrix
             label = f"{name}-imatrix"
             QUANTIZERS.add(label, QuantMethod(_gguf_fn(name, True), True, FormatSpec(label, t.bits, t.group),
-                                              _gguf_for_tensor))
+                                              _gguf_for_tensor, fp_calibration=True))
     for mix, default in gguf.MIXES.items():
         t = gguf.GGML_TYPES[default]
         QUANTIZERS.add(mix, QuantMethod(_mix_fn(mix, False), False, FormatSpec(mix, t.bits, t.group), _gguf_for_tensor))
-        QUANTIZERS.add(f"{mix}-imatrix", QuantMethod(_mix_fn(mix, True), True,
-                                                     FormatSpec(f"{mix}-imatrix", t.bits, t.group), _gguf_for_tensor))
+        QUANTIZERS.add(f"{mix}-imatrix", QuantMethod(_mix_fn(mix, True), True, FormatSpec(f"{mix}-imatrix", t.bits, t.group),
+                                                     _gguf_for_tensor, fp_calibration=True))
     QUANTIZERS.add("fp8", QuantMethod(_float_fn(ff.fp8_per_tensor, 8), False, FormatSpec("fp8", 8, 0),
                                       _rows_of(0, "fp8")))
     QUANTIZERS.add("fp8_channel", QuantMethod(_float_fn(ff.fp8_per_channel, 8), False,
