@@ -137,7 +137,7 @@ def test_cli_quantize_export_gguf(tmp_path, kjv_small, cli):
     data.tokenizer.save_pretrained(str(ck))
     out = tmp_path / "m.gguf"
     short = ["--calib-samples", "4", "--calib-seq-len", "32", "--eval-seq-len", "32", "--eval-tokens", "1024", "--json"]
-    r = cli("quantize", ck, "--method", "q4_k_m", "--export", "gguf", "--out", out, *short)
+    r = cli("quantize", ck, "--quantizers", "q4_k_m", "--export", "gguf", "--out", out, *short)
     assert r.returncode == 0, r.stderr[-1500:]
     row = json.loads(r.stdout.strip().splitlines()[-1])
     assert row["export"] == {"format": "gguf", "path": str(out)} and row["quantizer"] == "q4_k_m"
@@ -146,7 +146,7 @@ def test_cli_quantize_export_gguf(tmp_path, kjv_small, cli):
     reader = gguf.GGUFReader(str(out))
     tokens = reader.fields["tokenizer.ggml.tokens"]
     assert len(tokens.data) == 512 and len(reader.fields["tokenizer.ggml.merges"].data) > 0
-    r = cli("quantize", ck, "--method", "nf4", "--export", "gguf", "--out", tmp_path / "n.gguf", *short)
+    r = cli("quantize", ck, "--quantizers", "nf4", "--export", "gguf", "--out", tmp_path / "n.gguf", *short)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "no ggml type" in r.stderr
     assert not (tmp_path / "n.gguf").exists()
 
