@@ -9,6 +9,12 @@ Source specs:
                           (.txt.gz, .jsonl.gz and .json.gz are read through gzip)
   DIRECTORY               every .txt/.jsonl/.json/.parquet(.gz) file under it, recursively, in
                           sorted path order (hidden files and other types are skipped)
+  files:EXT[,EXT...]:DIRECTORY
+                          every file under DIRECTORY whose name ends in one of the extensions
+                          (``files:py,md,rst:/usr/lib/python3.12``: a tree of source code and docs),
+                          recursively, in sorted path order, hidden files and folders skipped;
+                          each file is ONE document (blank lines in code separate functions, not
+                          documents), read as UTF-8 with undecodable bytes replaced
   hf:NAME[:CONFIG][:SPLIT][@REVISION]
                           a Hugging Face dataset, streamed once (NAME may be a hub id or a
                           local dataset directory); SPLIT defaults to ``train``, REVISION (a
@@ -26,6 +32,7 @@ import gzip
 import hashlib
 import importlib.util
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -188,9 +195,10 @@ def parse_hf_spec(spec: str) -> HFSpec:
 
 def _hf_documents(hf: HFSpec, text_field: str) -> Iterator[str]:
     try:
-        import datasets
+        import datasets  # the optional extra 'hf': only hf: sources need it
     except ImportError:
-        raise QuantdynError("hf: sources need the 'datasets' package; run `pip install datasets`") from None
+        raise QuantdynError("hf: sources need the 'datasets' package, quantdyn's extra 'hf': run "
+                            "`pip install 'quantdyn[hf]'` (or `pip install datasets`)") from None
     try:
         ds = datasets.load_dataset(hf.name, hf.config, split=hf.split, revision=hf.revision, streaming=True)
     except Exception as e:  # datasets raises many types for missing/offline data or a bad split
@@ -241,10 +249,71 @@ def _folder_documents(files: list[Path], text_field: str) -> Iterator[str]:
         yield from _READERS[_suffix(p)](p, text_field)
 
 
+FILES_SYNTAX = "files:EXT[,EXT...]:DIRECTORY (e.g. files:py,md,rst:/usr/lib/python3.12)"
+
+
+def parse_files_spec(spec: str) -> tuple[tuple[str, ...], Path]:
+    """'files:py,.MD:/a/b' -> (('.md', '.py'), Path('/a/b')): the extensions lower-cased with a leading dot,
+    sorted and without repeats; everything after the second ':' is the folder (it may contain ':')."""
+    body = spec[len("files:"):]
+    exts, sep, folder = body.partition(":")
+    if not sep or not folder:
+        raise QuantdynError(f"data source '{spec}' has no folder; use {FILES_SYNTAX}")
+    names = sorted({"." + e.strip().lower().lstrip(".") for e in exts.split(",") if e.strip().strip(".")})
+    if not names:
+        raise QuantdynError(f"data source '{spec}' names no file extensions; use {FILES_SYNTAX}")
+    if any(c in e for e in names for c in "/*?["):
+        raise QuantdynError(f"data source '{spec}': extensions are plain name endings (py, md, txt.gz), "
+                            f"not paths or patterns; use {FILES_SYNTAX}")
+    return tuple(names), Path(folder).expanduser()
+
+
+def files_with_extensions(root: Path, extensions: tuple[str, ...]) -> list[Path]:
+    """The files under ``root`` whose lower-cased name ends in one of ``extensions``, in sorted relative-path
+    order; hidden files and folders are skipped and symbolic links to folders are not followed (no loops)."""
+    out = []
+    for here, dirs, names in os.walk(root, followlinks=False):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for n in names:
+            if not n.startswith(".") and n.lower().endswith(extensions):
+                p = Path(here) / n
+                if p.is_file():
+                    out.append(p)
+    return sorted(out, key=lambda p: p.relative_to(root).parts)
+
+
+def _whole_file_documents(files: list[Path]) -> Iterator[str]:
+    for p in files:
+        with _open_text(p) as f:
+            text = f.read()
+        if text.strip():
+            yield text
+
+
+def _resolve_files(spec: str) -> tuple[SourceInfo, Callable[[], Iterator[str]]]:
+    extensions, root = parse_files_spec(spec)
+    listed = ", ".join(extensions[:-1]) + (" or " if len(extensions) > 1 else "") + extensions[-1]
+    if not root.is_dir():
+        raise QuantdynError(f"data source '{spec}': '{root}' is not a folder; use {FILES_SYNTAX}")
+    files = files_with_extensions(root, extensions)
+    if not files:
+        raise QuantdynError(f"folder '{root}' holds no {listed} files (hidden ones skipped); check the folder "
+                            "and the extension list of the files: source")
+    stats = [(p, p.stat()) for p in files]
+    ident = hashlib.sha1(("files:" + ",".join(extensions) + ":" + ":".join(
+        f"{p.relative_to(root)}={st.st_size}:{int(st.st_mtime)}" for p, st in stats)).encode()).hexdigest()[:12]
+    details = {"folder": str(root.resolve()), "extensions": list(extensions), "files": len(files),
+               "bytes": sum(st.st_size for _, st in stats)}
+    return SourceInfo(spec, "files", ident, details=details), lambda: _whole_file_documents(files)
+
+
 def resolve_source(spec: str, text_field: str = "text") -> tuple[SourceInfo, Callable[[], Iterator[str]]]:
     """Parse a source spec into its info and a document-iterator factory."""
     if not spec:
-        raise QuantdynError("data.source is empty; use builtin:kjv, a .txt/.jsonl/.parquet file or folder, or hf:NAME")
+        raise QuantdynError("data.source is empty; use builtin:kjv, a .txt/.jsonl/.parquet file or folder, "
+                            "files:EXTS:FOLDER, or hf:NAME")
+    if spec.startswith("files:"):
+        return _resolve_files(spec)
     if spec.startswith("builtin:"):
         name = spec.split(":", 1)[1]
         fn = BUILTIN.get(name)
@@ -276,7 +345,7 @@ def resolve_source(spec: str, text_field: str = "text") -> tuple[SourceInfo, Cal
         if not files:
             raise QuantdynError(
                 f"folder '{spec}' holds no .txt, .jsonl, .json or .parquet files (optionally .gz); point data.source "
-                "at a folder of text files"
+                f"at a folder of text files, or name its files' extensions: {FILES_SYNTAX}"
             )
         ident = hashlib.sha1(
             (":".join(f"{p.relative_to(path)}={_file_identity(p)}" for p in files) + f":{text_field}").encode()
