@@ -67,3 +67,69 @@ crosscheck:
 	$(AVENV)/bin/pip install -q $(TORCH_SPEC)
 	$(AVENV)/bin/pip install -q -e '.[crosscheck-awq]'
 	$(AVENV)/bin/python bench/crosscheck_awq.py
+
+# ---------------------------------------------------------------------------------------------- the GPU image
+# The GPU machines (tools/gpu_bundle.py; BENCHMARKS.md, "GPU readiness / pipeline race", has the runbook) run
+# Python 3.12 with torch 2.11.0 and transformers 5.17.0 and lack a few of our dependencies.
+#   make gpu-bundle       the wheels the image lacks into .whl/ (carried to the GPU machine), the carry-limit
+#                         check, and the set-up line that installs them there
+#   make test-gpu-image   a venv with the image's versions (torch 2.11.0+cu130 runs on a CPU) and only what the
+#                         image has plus the bundle, installed as on the GPU machine; runs the core tests there
+#   make gpu-check        on the GPU machine: pytest -m gpu, then the CUDA benchmarks (bench/gpu_check.py)
+#   make gpu-check-dry    the same driver on this CPU with tiny shapes, in seconds (CI runs it)
+GVENV ?= .cache/venv-gpu-image
+GPU_IMAGE_PYTHON ?= $(shell $(PYTHON) tools/gpu_bundle.py find-python)
+# models (GPT vs transformers), engine, quantizers, training (FSDP2 on gloo too), export, data, sweep, and the
+# GPU run itself: the import check without the absent packages and the gpu-check dry run
+GPU_IMAGE_TESTS ?= tests/test_model.py tests/test_measure.py tests/test_streams.py tests/test_gptq.py \
+	tests/test_quant_primitives.py tests/test_quant_apply.py tests/test_awq.py tests/test_hessian.py \
+	tests/test_train.py tests/test_fsdp.py tests/test_export.py tests/test_data.py tests/test_files_source.py \
+	tests/test_sweep.py tests/test_gpu_image.py tests/test_gpu_check.py tests/gpu
+# tests of optional paths whose packages the image lacks (tools/gpu_bundle.py absent): pytorch-optimizer's
+# optimizers, hf: sources (datasets), lm-eval tasks; the GPU run uses none of them
+GPU_IMAGE_DESELECT ?= "tests/test_train.py::test_exact_resume_stateful_optimizers" \
+	tests/test_train.py::test_resume_checks_the_edited_config_before_writing_anything \
+	tests/test_fsdp.py::test_fsdp2_needs_torchrun_and_elementwise_optimizers \
+	"tests/test_data.py::test_local_sources[hf]" tests/test_data.py::test_hf_source_is_streamed_once_and_revision_is_passed \
+	tests/test_sweep.py::test_sweep_eval_tasks_and_accuracy_panel
+.PHONY: gpu-bundle test-gpu-image gpu-check gpu-check-dry
+
+gpu-bundle:
+	$(PYTHON) tools/gpu_bundle.py bundle
+
+$(GVENV)/.installed: pyproject.toml tools/gpu_bundle.py
+	@test -n "$(GPU_IMAGE_PYTHON)" || { echo "make test-gpu-image needs a Python 3.12 (the GPU image's)"; exit 2; }
+	test -x $(GVENV)/bin/python || $(GPU_IMAGE_PYTHON) -m venv $(GVENV)
+	$(GVENV)/bin/python -m pip install -q --upgrade pip
+	$(PYTHON) tools/gpu_bundle.py requirements > $(GVENV)/requirements.txt
+	$(GVENV)/bin/python -m pip install -q -r $(GVENV)/requirements.txt
+	touch $@
+
+test-gpu-image: $(GVENV)/.installed gpu-bundle
+	eval "$$($(PYTHON) tools/gpu_bundle.py install-command --python $(GVENV)/bin/python --site $(GVENV)/site)"
+	$(GVENV)/bin/python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+	PYTHONPATH=$(CURDIR):$(CURDIR)/$(GVENV)/site $(GVENV)/bin/python -m pytest -q -p no:cacheprovider --timeout=900 \
+		$(GPU_IMAGE_TESTS) $(addprefix --deselect ,$(GPU_IMAGE_DESELECT))
+
+# One command for a GPU machine (bench/gpu_check.py: its --budget-s keeps it inside a 10-minute command).
+# There, without make: the set-up line of `make gpu-bundle`, then `python3 bench/gpu_check.py`.
+GPU_CHECK_ARGS ?=
+gpu-check:
+	$(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3) bench/gpu_check.py $(GPU_CHECK_ARGS)
+
+gpu-check-dry: $(STAMP)
+	$(VENV)/bin/python bench/gpu_check.py --device cpu --dry-run --results-dir .cache/gpu-check-dry
+
+# The pipeline race (bench/crosscheck_race.py; BENCHMARKS.md, "GPU readiness / pipeline race"): GPTQModel's
+# quantize -> save -> reload -> evaluate per quantizer against one `quantdyn sweep`, in the crosscheck venv.
+RACE_ARGS ?=
+.PHONY: race
+$(XVENV)/.installed: pyproject.toml
+	test -x $(XVENV)/bin/python || $(PYTHON) -m venv $(XVENV)
+	$(XVENV)/bin/pip install -q --upgrade pip setuptools
+	$(XVENV)/bin/pip install -q $(TORCH_SPEC)
+	$(XVENV)/bin/pip install -q -e '.[test,eval,crosscheck]'
+	touch $@
+
+race: $(XVENV)/.installed
+	GPTQMODEL_CPU_WORKERS=2 $(XVENV)/bin/python bench/crosscheck_race.py $(RACE_ARGS)

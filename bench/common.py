@@ -26,12 +26,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 RESULTS_ENV = "QUANTDYN_BENCH_RESULTS"
-NOT_BENCHMARKS = {"common.py"}
+RESULTS_DIR_ENV = "QUANTDYN_BENCH_RESULTS_DIR"  # where results files go (default bench/results; tests use a tmp dir)
+NOT_BENCHMARKS = {"common.py", "gpu_check.py"}  # gpu_check: `make gpu-check`, on a GPU machine
 SEPARATE = ("crosscheck_",)  # run by `make crosscheck` in their own venvs
 
 
@@ -67,6 +69,19 @@ def _git_sha() -> str:
         return "unknown"
 
 
+def _versions(*packages: str) -> dict[str, str | None]:
+    """Installed versions of ``packages`` (None where one is not installed), read without importing them."""
+    from importlib import metadata
+
+    out: dict[str, str | None] = {}
+    for p in packages:
+        try:
+            out[p] = metadata.version(p)
+        except metadata.PackageNotFoundError:
+            out[p] = None
+    return out
+
+
 def machine() -> dict[str, Any]:
     """CPU, memory, GPUs and software of this machine (no host name)."""
     import torch
@@ -80,6 +95,7 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
+        **_versions("transformers", "numpy", "triton"),
         "gpus": [],
     }
     if torch.cuda.is_available():
@@ -87,7 +103,17 @@ def machine() -> dict[str, Any]:
             p = torch.cuda.get_device_properties(i)
             m["gpus"].append({"name": p.name, "memory_gb": round(p.total_memory / 2**30, 1),
                               "capability": f"{p.major}.{p.minor}"})
+        m["cuda_driver"] = _nvidia_driver()
     return m
+
+
+def _nvidia_driver() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout.strip()
+        return out.splitlines()[0] if out else None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def machine_slug(m: dict[str, Any]) -> str:
@@ -100,10 +126,16 @@ def machine_slug(m: dict[str, Any]) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
-def results_path(root: Path = HERE / "results", m: dict[str, Any] | None = None, date: str | None = None,
+def results_dir() -> Path:
+    """bench/results, or ``$QUANTDYN_BENCH_RESULTS_DIR`` when set."""
+    return Path(os.environ.get(RESULTS_DIR_ENV) or HERE / "results")
+
+
+def results_path(root: Path | None = None, m: dict[str, Any] | None = None, date: str | None = None,
                  name: str = "", suffix: str = "") -> Path:
-    """``root/[<name>-]<machine>-<date>[-<suffix>].json``; a second run on the same day gets ``-2``, ``-3``, ...
-    (nothing is overwritten)."""
+    """``root/[<name>-]<machine>-<date>[-<suffix>].json`` (root: :func:`results_dir`); a second run on the same
+    day gets ``-2``, ``-3``, ... (nothing is overwritten)."""
+    root = root or results_dir()
     parts = (name, machine_slug(m or machine()), date or time.strftime("%Y-%m-%d"), suffix)
     stem = "-".join(x for x in parts if x)
     p, k = root / f"{stem}.json", 2
@@ -154,33 +186,78 @@ def benchmarks() -> list[Path]:
     return [p for p in sorted(HERE.glob("*.py")) if p.name not in NOT_BENCHMARKS and not p.name.startswith(SEPARATE)]
 
 
-def run_all(quick: bool, only: list[str] | None = None) -> Path:
-    m = machine()
-    path = results_path(m=m)
-    _write(path, {"machine": m, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "mode": "quick" if quick else "full",
-                  "git_sha": _git_sha(), "benches": {}})
-    print(f"# make bench ({'quick' if quick else 'full'}) on {machine_slug(m)} -> {path}", flush=True)
-    failed = []
-    for b in benchmarks():
-        if only and b.stem not in only:
-            continue
-        cmd = [sys.executable, str(b), *(["--quick"] if quick else [])]
-        print(f"\n## {b.stem}: {' '.join(cmd[1:])}", flush=True)
-        t0 = time.perf_counter()
-        env = dict(os.environ, **{RESULTS_ENV: str(path)})
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                cwd=HERE.parent)
-        lines = []
+@dataclass(frozen=True)
+class Step:
+    """One benchmark of a run: a child process whose figures land in the run's file under ``name``."""
+
+    name: str
+    cmd: list[str]
+    """The command (``sys.executable`` first); it runs in the repo root with $QUANTDYN_BENCH_RESULTS set."""
+    timeout_s: float | None = None
+    """Killed after this many seconds (status 'timeout'); None = no limit."""
+    ok_codes: tuple[int, ...] = (0,)
+    """Exit codes that count as success (pytest's 5, 'no tests collected', where that is expected)."""
+
+
+def run_step(step: Step, path: Path) -> dict[str, Any]:
+    """Run ``step``, showing its output as it comes; record status, exit code, seconds and the output's tail in
+    ``path`` under ``step.name``. Returns those fields."""
+    print(f"\n## {step.name}: {' '.join(str(c) for c in step.cmd[1:])}", flush=True)
+    t0 = time.perf_counter()
+    env = dict(os.environ, **{RESULTS_ENV: str(path)})
+    proc = subprocess.Popen(step.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=HERE.parent, start_new_session=True)
+    lines: list[str] = []
+    timer = None
+    if step.timeout_s is not None:
+        import signal
+        import threading
+
+        def kill():  # the whole process group: a benchmark's own children (torchrun, measured cases) too
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        timer = threading.Timer(step.timeout_s, kill)
+        timer.start()
+    try:
         for line in proc.stdout:  # shown as it comes, kept for the file
             print(line, end="", flush=True)
             lines.append(line)
         rc = proc.wait()
-        seconds = round(time.perf_counter() - t0, 1)
-        status = "ok" if rc == 0 else "failed"
-        if rc:
+    finally:
+        if timer is not None:
+            timer.cancel()
+    seconds = round(time.perf_counter() - t0, 1)
+    timed_out = step.timeout_s is not None and rc < 0 and seconds >= step.timeout_s - 1
+    status = "timeout" if timed_out else ("ok" if rc in step.ok_codes else "failed")
+    fields = dict(status=status, exit_code=rc, seconds=seconds, output="".join(lines)[-20000:])
+    _update(path, step.name, **fields)
+    print(f"## {step.name}: {status} in {seconds} s" + (f" (limit {step.timeout_s:.0f} s)" if timed_out else ""),
+          flush=True)
+    return fields
+
+
+def start_run(mode: str, name: str = "", **fields: Any) -> Path:
+    """A new results file ``bench/results/[<name>-]<machine>-<date>.json`` with the machine, date, mode and git
+    SHA; the steps then add themselves to its ``benches``."""
+    m = machine()
+    path = results_path(m=m, name=name)
+    _write(path, {"machine": m, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "mode": mode, "git_sha": _git_sha(),
+                  **fields, "benches": {}})
+    return path
+
+
+def run_all(quick: bool, only: list[str] | None = None) -> Path:
+    path = start_run("quick" if quick else "full")
+    print(f"# make bench ({'quick' if quick else 'full'}) on {machine_slug(json.loads(path.read_text())['machine'])}"
+          f" -> {path}", flush=True)
+    failed = []
+    for b in benchmarks():
+        if only and b.stem not in only:
+            continue
+        if run_step(Step(b.stem, [sys.executable, str(b), *(["--quick"] if quick else [])]), path)["status"] != "ok":
             failed.append(b.stem)
-        _update(path, b.stem, status=status, exit_code=rc, seconds=seconds, output="".join(lines)[-20000:])
-        print(f"## {b.stem}: {status} in {seconds} s", flush=True)
     print(f"\nresults: {path}" + (f"; failed: {', '.join(failed)}" if failed else ""), flush=True)
     if failed:
         sys.exit(1)

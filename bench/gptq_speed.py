@@ -1,6 +1,7 @@
 """GPTQ speed: quantdyn vs a textbook column-by-column GPTQ vs the reference.
 
     .venv/bin/python bench/gptq_speed.py [--reference-dir /tmp/gptqref] [--quick]
+    python3 bench/gptq_speed.py --device cuda --model-sizes 160m,1b --n-calib 128 --seq-len 2048   # a GPU
 
 Per layer (pythia-70m shapes, W random, H from correlated random inputs):
 seconds of quantdyn's ``gptq`` at 1 and 2 threads, of the textbook version in
@@ -11,6 +12,10 @@ outputs are equal. Then the whole-model time of ``quantize_model`` on a
 pythia-70m-shaped quantdyn GPT at 1 and 2 threads. Everything is printed as
 seconds and ratios from one run of this script (per-layer numbers: best of
 ``--repeat`` calls; on a shared machine they are noisy).
+
+``--device cuda``: the per-layer times on the GPU (threads do not apply; the textbook version is
+skipped), then whole-model GPTQ 4-bit g128 of each ``--model-sizes`` shape (Pythia shapes with
+random weights, the model kept on the GPU) with its seconds and the GPU's peak memory.
 """
 from __future__ import annotations
 
@@ -84,6 +89,64 @@ def timed(fn, repeat: int = 1):
     return best, out
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_layers_device(args, device: torch.device) -> list[dict]:
+    """Per-layer GPTQ seconds on ``device`` (best of --repeat, synchronized)."""
+    cfg = QuantConfig(bits=4, group_size=128)
+    layers = dict(list(LAYERS.items())[:2]) if args.quick else LAYERS
+    print(f"per layer on {device}, {cfg.name} (best of {args.repeat} calls, seconds)")
+    rows = []
+    for name, (R, C) in layers.items():
+        W, H = (t.to(device) for t in layer_inputs(R, C))
+        gptq(W[:8], H, cfg)  # warm-up (kernels, cuBLAS/cuSOLVER handles)
+        _sync(device)
+
+        def run():
+            out = gptq(W, H, cfg)
+            _sync(device)
+            return out
+        t, _ = timed(run, args.repeat)
+        print(f"{name:>16} {R:>4}x{C:<5} {t:8.4f}", flush=True)
+        rows.append({"layer": name, "shape": [R, C], "device": str(device), "seconds": t})
+    return rows
+
+
+def bench_model_device(args, device: torch.device, size: str) -> dict:
+    """Whole-model GPTQ 4-bit g128 of a Pythia ``size`` shape (random weights) on ``device``."""
+    from quantdyn.engine.walk import quantize_model
+    from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config
+
+    from sweep_memory import model_config  # the Pythia shapes the benchmarks share (1b included)
+
+    torch.manual_seed(0)
+    mcfg = resolve_model_config(model_config(size))
+    model = GPT(mcfg).to(device)
+    ids = torch.randint(0, mcfg.vocab_size, (args.n_calib, args.seq_len))
+    cfg = QuantConfig(bits=4, group_size=128, true_sequential=True)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    _sync(device)
+    t = time.perf_counter()
+    res = quantize_model(model, ids, cfg, device=device, progress=False, batch_size=args.calib_batch)
+    _sync(device)
+    t = time.perf_counter() - t
+    n = sum(p.numel() for p in model.parameters())
+    out = {"model": f"pythia-{size} shape", "params_m": round(n / 1e6, 1), "device": str(device),
+           "quantizer": cfg.name, "calib": [args.n_calib, args.seq_len], "seconds": t,
+           "gptq_seconds": sum(r["seconds"] for r in res.rows), "layers": len(res.rows),
+           "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+    print(f"whole model pythia-{size} shape ({n / 1e6:.0f} M params), {cfg.name}, calibration {args.n_calib} x "
+          f"{args.seq_len}: {t:.1f} s ({out['gptq_seconds']:.1f} s inside gptq(), {len(res.rows)} layers)"
+          + (f", peak GPU memory {out['peak_gpu_bytes'] / 2**30:.2f} GiB" if out["peak_gpu_bytes"] else ""),
+          flush=True)
+    del model
+    return out
+
+
 def bench_layers(args, ref) -> list[dict]:
     cfg = QuantConfig(bits=4, group_size=128)
     rows = []
@@ -154,11 +217,27 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3, help="per-layer timings: best of this many calls")
     p.add_argument("--n-calib", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda: per-layer and whole-model times on the GPU (--model-sizes)")
+    p.add_argument("--model-sizes", default="", help="--device runs: whole-model GPTQ of these Pythia shapes, "
+                                                      "e.g. 160m,1b (default 70m)")
+    p.add_argument("--calib-batch", type=int, default=8, help="calibration sequences per forward")
     args = p.parse_args()
     if args.quick:
         args.n_calib, args.seq_len, args.repeat, args.no_textbook = 4, 64, 1, True
-    ref = load_reference(args.reference_dir) if args.reference_dir else None
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA GPU is visible here (torch.cuda.is_available() is False)")
     print(f"torch {torch.__version__}, default threads {torch.get_num_threads()}")
+    if args.device == "cuda" or args.model_sizes:
+        device = torch.device(args.device)
+        figures = {"layers": bench_layers_device(args, device)}
+        if not args.no_model:
+            figures["models"] = [bench_model_device(args, device, s) for s in (args.model_sizes or "70m").split(",")]
+        from common import record
+
+        record("gptq_speed", figures, args)
+        return
+    ref = load_reference(args.reference_dir) if args.reference_dir else None
     figures = {"layers": bench_layers(args, ref)}
     if not args.no_model:
         figures["model"] = bench_model(args)

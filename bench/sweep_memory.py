@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results
+from common import record, write_results
 
 SIZES = {"14m": "pythia-14m", "70m": "pythia-70m", "160m": "pythia-160m", "410m": "pythia-410m", "1b": "pythia-1b"}
 PYTHIA_1B = {"n_layer": 16, "d_model": 2048, "n_head": 8, "max_seq_len": 2048, "vocab_size": 50304}
@@ -44,21 +44,38 @@ QUANTIZERS = ["gptq3", "gptq4", "rtn2", "rtn3", "rtn4", "gptq2", "awq4", "rtn8"]
 
 
 # ----------------------------------------------------------------------------- checkpoints
+def model_config(size: str):
+    """The ModelConfig of a Pythia size of SIZES (1b: pythia-1b's shape)."""
+    from quantdyn.models.gpt import ModelConfig
+
+    return ModelConfig(**PYTHIA_1B) if size == "1b" else ModelConfig(preset=SIZES[size])
+
+
 def write_pythia(size: str, out: Path) -> Path:
     """A Pythia-shaped checkpoint with random weights (fp32 safetensors, as quantdyn saves them)."""
-    from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config
+    from quantdyn.models.gpt import GPT, resolve_model_config
     from quantdyn.models.hf_io import save_hf
 
     if (out / "model.safetensors").is_file():
         return out
     torch.manual_seed(0)
-    cfg = ModelConfig(**PYTHIA_1B) if size == "1b" else ModelConfig(preset=SIZES[size])
-    save_hf(GPT(resolve_model_config(cfg)), out)
+    save_hf(GPT(resolve_model_config(model_config(size))), out)
     return out
 
 
-def write_llama7b(out: Path, shard_bytes: int = 2 * 10**9) -> Path:
-    """Llama-2-7B-shape bf16 checkpoint with random weights, written tensor by tensor into shards."""
+LLAMA_SHAPES = {  # name -> LlamaConfig keys; 'tiny' is the same code path in seconds (the CPU dry run)
+    "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096),
+    "tiny": dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=4, vocab_size=512, max_position_embeddings=256),
+}
+
+
+def write_llama7b(out: Path, shard_bytes: int = 2 * 10**9, shape: str = "7b", gen_device: str = "cpu") -> Path:
+    """Llama-2-7B-shape bf16 checkpoint with random weights, written tensor by tensor into shards.
+
+    gen_device: where the random numbers are drawn (cuda: seconds instead of a minute for 6.7 B values; a
+    different stream than the CPU's, so the two checkpoints differ: only their shapes matter)."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -67,13 +84,11 @@ def write_llama7b(out: Path, shard_bytes: int = 2 * 10**9) -> Path:
     if (out / "model.safetensors.index.json").is_file():
         return out
     out.mkdir(parents=True, exist_ok=True)
-    cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5,
-                      tie_word_embeddings=False, torch_dtype="bfloat16")
+    cfg = LlamaConfig(**LLAMA_SHAPES[shape], rms_norm_eps=1e-5, tie_word_embeddings=False, torch_dtype="bfloat16")
     with params_on_meta():
         skel = AutoModelForCausalLM.from_config(cfg)
     cfg.save_pretrained(out)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device=gen_device).manual_seed(0)
     shard: dict[str, torch.Tensor] = {}
     size, files, weight_map = 0, [], {}
 
@@ -89,7 +104,8 @@ def write_llama7b(out: Path, shard_bytes: int = 2 * 10**9) -> Path:
         if p.dim() == 1:
             t = torch.ones(p.shape, dtype=torch.bfloat16)
         else:
-            t = (torch.randn(p.shape, generator=g, dtype=torch.float32) * 0.02).to(torch.bfloat16)
+            t = (torch.randn(p.shape, generator=g, dtype=torch.float32, device=gen_device) * 0.02).to(
+                torch.bfloat16).cpu()
         shard[name] = t
         size += t.numel() * 2
         if size >= shard_bytes:
@@ -189,6 +205,8 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=200)
     ap.add_argument("--calib", type=int, default=32)
     ap.add_argument("--llama-counts", default="1,2", help="--llama7b cases: 1 = rtn4, 2 = rtn4,rtn3")
+    ap.add_argument("--llama-shape", default="7b", choices=sorted(LLAMA_SHAPES),
+                    help="--llama7b: the shape (tiny: the same code path in seconds, for the CPU dry run)")
     ap.add_argument("--out", default="", help="results JSON (default bench/results/sweep_memory-<machine>-<date>"
                                              "-<cases>.json)")
     ap.add_argument("--child", default="")
@@ -230,21 +248,25 @@ def main() -> None:
     for n in counts:
         results["counts"].append(row(f"pythia-{a.count_size} x{n}", ck, QUANTIZERS[:n]))
     if a.llama7b:
-        ck = write_llama7b(work / "llama2-7b-shape")
+        ck = write_llama7b(work / f"llama2-{a.llama_shape}-shape", shape=a.llama_shape,
+                           gen_device="cuda" if a.device.startswith("cuda") else "cpu")
         fb = file_bytes(ck)
         keep = a.no_reference
         a.no_reference, a.windows = True, min(a.windows, 8)
         llama_cases = {1: ["rtn4"], 2: ["rtn4", "rtn3"]}
         for n, qs in ((int(c), llama_cases[int(c)]) for c in a.llama_counts.split(",") if c):
             e = run_case(str(ck), "engine", qs, a, no_calib=True)
-            print(f"{'llama2-7b-shape bf16 x' + str(n):<22}{fb / 2**30:>9.2f}G{e['peak_rss_bytes'] / 2**30:>11.2f}G"
-                  f"{e['peak_rss_bytes'] / fb:>8.2f}{'-':>12}{'-':>8}{e['seconds']:>10.1f}", flush=True)
+            print(f"{'llama2-' + a.llama_shape + '-shape bf16 x' + str(n):<22}{fb / 2**30:>9.2f}G{e['peak_rss_bytes'] / 2**30:>11.2f}G"
+                  f"{e['peak_rss_bytes'] / fb:>8.2f}{'-':>12}{'-':>8}{e['seconds']:>10.1f}"
+                  + (f"   peak GPU memory {e['gpu_peak_bytes'] / 2**30:.2f} GiB" if e.get("gpu_peak_bytes") else ""),
+                  flush=True)
             results.setdefault("llama7b_runs", []).append({"file_bytes": fb, "quantizers": qs, "engine": e,
                                                            "windows": a.windows})
         a.no_reference = keep
     cases = "_".join([f"s{s}" for s in a.sizes.split(",") if s] + [f"n{a.count_size}x{c}" for c in counts]
-                     + (["llama7b"] if a.llama7b else []))
+                     + ([f"llama{a.llama_shape}"] if a.llama7b else []))
     print(f"wrote {write_results('sweep_memory', results, a.out, suffix=cases)}")
+    record("sweep_memory", results, a)  # the same figures in a `make bench` / gpu_check run's file
 
 
 if __name__ == "__main__":

@@ -2,11 +2,14 @@
 batch, precision and optimizer, measured in the same run.
 
     .venv/bin/python bench/train_throughput.py [--preset tiny-4x128] [--steps 30] [--seq 128] [--batch 16] [--quick]
+                                               [--device auto|cpu|cuda] [--large] [--no-compile]
 
 1. The configured shape (default tiny-4x128, fp32) on this machine's device: quantdyn's
    ``train()`` against a plain loop (same GPT module, same AdamW, clipping), ratio goal >= 1.0.
-2. On a CUDA machine also Pythia-160M at sequence length 2048 in bf16 with ``torch.compile`` and
-   fused AdamW (issue #16's target shape), both ways, with MFU.
+2. On a CUDA device (or with ``--large``) also Pythia-160M at sequence length 2048 in bf16 with
+   ``torch.compile`` and fused AdamW (issue #16's target shape), both ways, with MFU on a GPU.
+   ``--large --device cpu --gpu-preset tiny-2x64 --gpu-seq 64 ...`` runs that code path on a CPU
+   in seconds (bench/gpu_check.py --dry-run), so it cannot rot before a GPU is at hand.
 
 MFU = model FLOPs per second / the GPU's dense bf16 peak.  Model FLOPs per token follow nanoGPT's
 ``estimate_mfu`` (PaLM appendix B): 6·N + 12·L·d·T, with N the parameters that do matmuls (all but
@@ -120,13 +123,21 @@ def main() -> None:
     ap.add_argument("--gpu-batch", type=int, default=16, help="sequences per step of the CUDA comparison")
     ap.add_argument("--gpu-preset", default="pythia-160m", help="model of the CUDA comparison")
     ap.add_argument("--gpu-seq", type=int, default=2048, help="sequence length of the CUDA comparison")
+    ap.add_argument("--gpu-max-tokens", type=int, default=0,
+                    help="train-split token budget of the large comparison's data (0 = all of KJV)")
+    ap.add_argument("--large", action="store_true", help="run the bf16/compile/fused comparison on a CPU too")
+    ap.add_argument("--no-compile", action="store_true", help="the large comparison without torch.compile")
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                    help="auto: cuda when a GPU is visible, else cpu")
     ap.add_argument("--quick", action="store_true", help="fewer steps and a smaller token budget")
     a = ap.parse_args()
     if a.quick:
         a.steps, a.batch, a.gpu_steps = 10, 8, 20
     if a.threads:
         torch.set_num_threads(a.threads)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA GPU is visible here (torch.cuda.is_available() is False)")
+    device = torch.device(a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     data = {"tokenizer": "bpe:4096", **({"max_tokens": 300_000, "bpe_train_chars": 2_000_000} if a.quick else {})}
     figures: dict = {"device": str(device), "threads": torch.get_num_threads()}
     with tempfile.TemporaryDirectory() as tmp:
@@ -146,7 +157,7 @@ def main() -> None:
     figures["small"] = {"preset": a.preset, "params_m": round(n_params / 1e6, 3), "batch": a.batch, "seq": a.seq,
                         "dtype": "float32", "quantdyn_tokens_per_s": ours, "plain_tokens_per_s": ref,
                         "ratio": ours / ref}
-    if device.type == "cuda":
+    if device.type == "cuda" or a.large:
         figures["pythia160m"] = gpu_suite(a, device)
     try:
         from common import record
@@ -156,32 +167,36 @@ def main() -> None:
 
 
 def gpu_suite(a, device) -> dict:
-    """Pythia-160M (--gpu-preset), sequence 2048 (--gpu-seq), bf16 autocast, torch.compile, fused AdamW:
-    quantdyn vs the plain loop."""
-    name = torch.cuda.get_device_name(device)
-    peak = a.peak_tflops or peak_tflops(name)
+    """Pythia-160M (--gpu-preset), sequence 2048 (--gpu-seq), bf16 autocast, torch.compile (unless
+    --no-compile), fused AdamW: quantdyn vs the plain loop."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({device})"
+    peak = a.peak_tflops or (peak_tflops(name) if device.type == "cuda" else None)
+    compile = not a.no_compile
     seq, batch, steps = a.gpu_seq, a.gpu_batch, max(10, a.gpu_steps // 10 * 10)
     model = {"preset": a.gpu_preset, "max_seq_len": seq}
-    data = {"tokenizer": "gpt2"}  # 50257 tokens -> Pythia's padded vocabulary of 50304
+    data = {"tokenizer": "gpt2",  # 50257 tokens -> Pythia's padded vocabulary of 50304
+            **({"max_tokens": a.gpu_max_tokens} if a.gpu_max_tokens else {})}
     with tempfile.TemporaryDirectory() as tmp:
-        ours, cfg = quantdyn_loop(tmp, "p160", model, data, steps, batch, seq, device, compile=True,
+        ours, cfg = quantdyn_loop(tmp, "p160", model, data, steps, batch, seq, device, compile=compile,
                                   dtype="bfloat16", optim_extra={"fused": True}, warmup=10, log_every=10)
         from quantdyn.data.prepare import prepare_data
 
         td = prepare_data(cfg.data, progress=False)
         mcfg = resolve_model_config(cfg.model, td.vocab_size)
-        ref = plain_loop(mcfg, steps, batch, seq, device, td.train, bf16=True, compile=True, fused=True, warmup=10)
+        ref = plain_loop(mcfg, steps, batch, seq, device, td.train, bf16=True, compile=compile, fused=True,
+                         warmup=10)
     fpt = flops_per_token(mcfg, seq)
-    out = {"gpu": name, "preset": a.gpu_preset, "batch": batch, "steps": steps, "seq": seq, "dtype": "bfloat16", "compile": True, "fused_adamw": True,
+    out = {"gpu": name, "preset": a.gpu_preset, "batch": batch, "steps": steps, "seq": seq, "dtype": "bfloat16",
+           "compile": compile, "fused_adamw": True,
            "flops_per_token": fpt, "peak_tflops": peak, "quantdyn_tokens_per_s": ours, "plain_tokens_per_s": ref,
            "ratio": ours / ref,
            "quantdyn_mfu": fpt * ours / (peak * 1e12) if peak else None,
            "plain_mfu": fpt * ref / (peak * 1e12) if peak else None}
-    print(f"\n{name}: {a.gpu_preset}, batch {batch} x seq {seq}, bf16, compile, fused AdamW")
+    print(f"\n{name}: {a.gpu_preset}, batch {batch} x seq {seq}, bf16, {'compile' if compile else 'eager'}, fused AdamW")
     print(f"quantdyn trainer : {ours:10.0f} tokens/s" + (f"  MFU {100 * out['quantdyn_mfu']:.1f} %" if peak else ""))
     print(f"plain loop       : {ref:10.0f} tokens/s" + (f"  MFU {100 * out['plain_mfu']:.1f} %" if peak else ""))
     print(f"ratio            : {ours / ref:10.3f}  (goal >= 1.0; MFU goal >= 50 % on an H100)")
-    if not peak:
+    if not peak and device.type == "cuda":
         print(f"no bf16 peak known for '{name}': pass --peak-tflops for MFU")
     return out
 

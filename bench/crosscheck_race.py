@@ -1,0 +1,301 @@
+"""The pipeline race: paper A's pipeline (GPTQModel: quantize -> save -> reload -> evaluate, once per quantizer)
+against `quantdyn sweep` measuring the same quantizers in one streamed pass over the checkpoint.
+
+    make race                    # the crosscheck venv (.cache/venv-crosscheck: GPTQModel pins numpy), this CPU
+    GPTQMODEL_CPU_WORKERS=2 .cache/venv-crosscheck/bin/python bench/crosscheck_race.py [--sizes 70m,160m]
+                                                                                        [--bits 4,3,2] [--quick]
+
+Per model size (Pythia block shapes: 70m = 6 x 512, 160m = 12 x 768; a 4096-token BPE vocabulary on KJV so that
+a CPU can train the model briefly, which gives the weights the structure that makes Δ CE mean something):
+
+1. set-up, not timed: the model trained --train-steps steps with quantdyn's trainer (cached under .cache/race),
+   saved as a plain HF checkpoint with its tokenizer; the token shards that both pipelines read prepared once;
+2. GPTQModel, in a fresh process, as a paper-A-style script does it: the FP checkpoint's CE, then per quantizer
+   GPTQModel.load -> quantize (calibration ids) -> save -> transformers.from_pretrained of the saved GPTQ
+   checkpoint (GPTQModel's kernels) -> CE on the evaluation windows (bench/crosscheck_gptqmodel.py's
+   gptqmodel_quantize and ce);
+3. quantdyn, in a fresh process: `python -m quantdyn.cli sweep SPEC` with the same quantizers
+   (gptq{b}g{group}-gptqmodel-v5: GPTQModel 7.6's defaults) over the same checkpoint, calibration windows
+   (TokenData.calib_windows, seed 0) and evaluation windows, its defaults otherwise (quantize_threads 1).
+
+Measured for each: wall time of the process (interpreter start and imports included, as a user waits for it)
+and peak memory (the largest sum of resident memory over the process and its children, sampled every 50 ms,
+and the kernel's ru_maxrss of the process). Equal Δ CE: per quantizer |Δ CE quantdyn - Δ CE GPTQModel| <=
+max(0.15 |Δ CE GPTQModel|, 0.005) nats (bench/crosscheck_gptqmodel.py's tolerance). Goal (issue 31): quantdyn
+<= 0.3x the time and <= 0.3x the peak memory with 3 quantizers. /proc/loadavg is recorded before and after each
+process (the machine is shared). Writes bench/results/crosscheck_race-<machine>-<date>.json and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(2, os.cpu_count() or 2)))  # 1 worker fails on 2 cores
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
+
+import torch  # noqa: E402
+
+from crosscheck_gptqmodel import CE_ABS_TOL, CE_REL_TOL, ce, gptqmodel_quantize  # noqa: E402
+
+SHAPES = {"14m": "pythia-14m", "70m": "pythia-70m", "160m": "pythia-160m"}
+TIME_GOAL = MEMORY_GOAL = 0.3
+
+
+def spec_of(bits: int, group: int) -> str:
+    """quantdyn's quantizer for GPTQModel 7.6's defaults at ``bits``/``group``."""
+    return f"gptq{bits}g{group}-gptqmodel-v5"
+
+
+# ----------------------------------------------------------------------------- set-up (not timed)
+def data_config(tokenizer: str):
+    from quantdyn.data.prepare import DataConfig
+
+    return DataConfig(source="builtin:kjv", tokenizer=tokenizer)
+
+
+def trained_checkpoint(size: str, steps: int, work: Path) -> Path:
+    """pythia-<size> block shapes, BPE 4096 on KJV, trained ``steps`` steps; saved as a plain HF checkpoint with
+    its tokenizer (cached: a second call returns the directory)."""
+    from quantdyn.config import from_dict
+    from quantdyn.models.hf_io import load_gpt, save_hf
+    from quantdyn.train.checkpoint import list_checkpoints
+    from quantdyn.train.config import RunConfig
+    from quantdyn.train.trainer import train
+
+    out = work / f"fp-{size}-s{steps}"
+    if (out / "model.safetensors").is_file():
+        return out
+    cfg = from_dict(RunConfig, {
+        "name": f"{size}-s{steps}", "out_dir": str(work / "runs"), "seed": 0,
+        "model": {"preset": SHAPES[size], "vocab_size": 4096, "max_seq_len": 256},
+        "data": {"source": "builtin:kjv", "tokenizer": "bpe:4096"},
+        "optim": {"name": "adamw", "lr": 1.0e-3, "betas": [0.9, 0.95], "weight_decay": 0.1},
+        "schedule": {"name": "wsd", "warmup": max(1, steps // 10), "decay": max(1, steps // 5)},
+        "train": {"steps": steps, "batch_size": 16, "seq_len": 128, "eval_every": 0, "eval_windows": 8,
+                  "checkpoint_every": steps, "log_every": max(1, steps // 5)},
+    })
+    run = train(cfg, progress=False)
+    final = list_checkpoints(run)[-1].path
+    model = load_gpt(final)
+    save_hf(model, out)
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(str(final)).save_pretrained(str(out))
+    return out
+
+
+def tokens(ckpt: Path, calib: int, windows: int, seq: int):
+    """(calibration ids, evaluation ids) as `quantdyn sweep` draws them for this checkpoint: its own tokenizer
+    on builtin:kjv, calib_windows(calib, seq, seed 0), eval_windows(seq, windows)."""
+    from quantdyn.data.prepare import prepare_data
+
+    data = prepare_data(data_config(str(ckpt)), progress=False)
+    return data.calib_windows(calib, seq, 0), data.eval_windows(seq, windows)
+
+
+# ----------------------------------------------------------------------------- measured processes
+def _tree_rss(pid: int) -> int:
+    """Resident bytes of ``pid`` and its descendants (Linux /proc)."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+            for t in Path(f"/proc/{p}/task").iterdir():
+                kids = (t / "children").read_text().split()
+                todo += [int(k) for k in kids]
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+def measured(cmd: list[str], env: dict | None = None) -> dict:
+    """Run ``cmd``; its wall time, peak memory (tree-sampled and ru_maxrss), load average, output."""
+    load0 = Path("/proc/loadavg").read_text().split()[:3]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, **(env or {})})
+    peak = [0]
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], _tree_rss(proc.pid))
+            done.wait(0.05)
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    out_chunks, err_chunks = [], []
+    readers = [threading.Thread(target=lambda s=s, c=c: c.append(s.read()), daemon=True)
+               for s, c in ((proc.stdout, out_chunks), (proc.stderr, err_chunks))]
+    for r in readers:
+        r.start()
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    done.set()
+    th.join()
+    for r in readers:
+        r.join()
+    out, err = "".join(out_chunks), "".join(err_chunks)
+    rc = os.waitstatus_to_exitcode(status)
+    if rc != 0:
+        raise SystemExit(f"`{' '.join(cmd[:4])} ...` failed ({rc}):\n{err[-3000:]}")
+    return {"wall_s": wall, "peak_tree_rss_bytes": peak[0], "ru_maxrss_bytes": usage.ru_maxrss * 1024,
+            "peak_bytes": max(peak[0], usage.ru_maxrss * 1024), "loadavg_before": load0,
+            "loadavg_after": Path("/proc/loadavg").read_text().split()[:3], "stdout": out, "stderr_tail": err[-2000:]}
+
+
+def gptqmodel_child(a) -> None:
+    """Paper A's pipeline over the quantizers, in this process (spawned by :func:`race`)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    ids = torch.load(a.ids, weights_only=True)
+    calib, windows = ids["calib"], ids["eval"]
+    phases: dict = {}
+    t = time.perf_counter()
+    fp = AutoModelForCausalLM.from_pretrained(a.ckpt, dtype=torch.float32).eval()
+    ce_fp = ce(fp, windows)
+    del fp
+    phases["fp_eval_s"] = time.perf_counter() - t
+    out = {"ce_fp": ce_fp, "quantizers": {}, "phases": phases}
+    for bits in (int(b) for b in a.bits.split(",")):
+        dst = Path(a.work) / f"gptqmodel-{bits}bit"
+        q_s, _ = gptqmodel_quantize(Path(a.ckpt), dst, calib, bits, a.group_size, v5_defaults=True)  # + save
+        t = time.perf_counter()
+        model = AutoModelForCausalLM.from_pretrained(str(dst), dtype=torch.float32).eval()
+        reload_s = time.perf_counter() - t
+        t = time.perf_counter()
+        ce_q = ce(model, windows)
+        eval_s = time.perf_counter() - t
+        del model
+        out["quantizers"][spec_of(bits, a.group_size)] = {"delta_ce": ce_q - ce_fp, "quantize_save_s": q_s,
+                                                          "reload_s": reload_s, "eval_s": eval_s}
+    print("RESULT " + json.dumps(out))
+
+
+def quantdyn_command(ckpt: Path, bits: list[int], group: int, calib: int, windows: int, seq: int,
+                     work: Path) -> tuple[list[str], Path]:
+    """The `quantdyn sweep` command of the race and its results store (a new, empty one)."""
+    import yaml
+
+    store = work / f"store-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    spec = {"trajectory": {"checkpoints": [str(ckpt)]}, "quantizers": [spec_of(b, group) for b in bits],
+            "store": str(store), "device": "cpu",
+            "data": {"source": "builtin:kjv", "calib_samples": calib, "calib_seq_len": seq, "calib_seed": 0,
+                     "eval_windows": windows, "eval_seq_len": seq}}
+    path = work / "sweep.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return [sys.executable, "-m", "quantdyn.cli", "sweep", str(path)], store
+
+
+def quantdyn_rows(store: Path) -> dict[str, float]:
+    from quantdyn.results.store import ResultStore
+
+    return {r.get("quantizer_spec") or r["quantizer"]: r["delta_ce"] for r in ResultStore(store).rows()
+            if r.get("kind") == "ptq"}
+
+
+def race(size: str, a) -> dict:
+    work = Path(a.work) / size
+    work.mkdir(parents=True, exist_ok=True)
+    bits = [int(b) for b in a.bits.split(",")]
+    ckpt = trained_checkpoint(size, a.train_steps, Path(a.work))
+    calib, windows = tokens(ckpt, a.calib, a.windows, a.seq_len)
+    ids = work / "ids.pt"
+    torch.save({"calib": calib, "eval": windows}, ids)
+    print(f"\n## pythia-{size} shape: {ckpt} ({sum(f.stat().st_size for f in ckpt.glob('*.safetensors')) / 2**20:.0f}"
+          f" MiB fp32); calibration {a.calib} x {a.seq_len}, evaluation {a.windows} x {a.seq_len} tokens; "
+          f"quantizers {', '.join(spec_of(b, a.group_size) for b in bits)}", flush=True)
+    g = measured([sys.executable, __file__, "--child", "gptqmodel", "--ckpt", str(ckpt), "--ids", str(ids),
+                  "--bits", a.bits, "--group-size", str(a.group_size), "--work", str(work)])
+    gres = json.loads(next(x[7:] for x in g.pop("stdout").splitlines() if x.startswith("RESULT ")))
+    print(f"GPTQModel pipeline: {g['wall_s']:.1f} s, peak {g['peak_bytes'] / 2**30:.2f} GiB", flush=True)
+    cmd, store = quantdyn_command(ckpt, bits, a.group_size, a.calib, a.windows, a.seq_len, work)
+    q = measured(cmd)
+    q.pop("stdout")
+    qres = quantdyn_rows(store)
+    print(f"quantdyn sweep:     {q['wall_s']:.1f} s, peak {q['peak_bytes'] / 2**30:.2f} GiB", flush=True)
+    per = {}
+    for label, gq in gres["quantizers"].items():
+        d_g, d_q = gq["delta_ce"], qres.get(label)
+        tol = max(CE_REL_TOL * abs(d_g), CE_ABS_TOL)
+        per[label] = {"delta_ce_gptqmodel": d_g, "delta_ce_quantdyn": d_q, "tolerance": tol,
+                      "equal": d_q is not None and abs(d_q - d_g) <= tol, **{f"gptqmodel_{k}": v for k, v in gq.items()
+                                                                            if k != "delta_ce"}}
+    time_ratio, mem_ratio = q["wall_s"] / g["wall_s"], q["peak_bytes"] / g["peak_bytes"]
+    return {"size": size, "checkpoint": str(ckpt), "train_steps": a.train_steps, "ce_fp_gptqmodel": gres["ce_fp"],
+            "gptqmodel": {**g, "phases": gres["phases"]}, "quantdyn": q, "quantizers": per,
+            "time_ratio": time_ratio, "memory_ratio": mem_ratio,
+            "equal_delta_ce": all(p["equal"] for p in per.values()),
+            "goal_met": time_ratio <= TIME_GOAL and mem_ratio <= MEMORY_GOAL}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="70m,160m", help=f"Pythia block shapes of {', '.join(SHAPES)}")
+    ap.add_argument("--bits", default="4,3,2", help="one GPTQ quantizer per bit width")
+    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--train-steps", type=int, default=60)
+    ap.add_argument("--calib", type=int, default=64, help="calibration sequences")
+    ap.add_argument("--windows", type=int, default=128, help="evaluation windows")
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--work", default=str(ROOT / ".cache" / "race"))
+    ap.add_argument("--quick", action="store_true", help="the 14m shape, 2 quantizers, 10 training steps (a smoke run)")
+    ap.add_argument("--child", default="")
+    ap.add_argument("--ckpt", default="")
+    ap.add_argument("--ids", default="")
+    a = ap.parse_args()
+    if a.child:
+        gptqmodel_child(a)
+        return 0
+    if a.quick:
+        a.sizes, a.bits, a.train_steps, a.calib, a.windows = "14m", "4,3", 10, 8, 16
+    try:
+        import gptqmodel
+    except ImportError:  # `make bench` runs every bench script in the main venv, which has no GPTQModel
+        print("crosscheck_race: skipped, gptqmodel is not installed here; run `make race`")
+        return 0
+    import platform
+
+    import transformers
+
+    from common import write_results
+
+    rows = [race(s, a) for s in a.sizes.split(",") if s]
+    info = {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "gptqmodel": gptqmodel.__version__,
+            "gptqmodel_cpu_workers": os.environ.get("GPTQMODEL_CPU_WORKERS"),
+            "calib": [a.calib, a.seq_len], "eval": [a.windows, a.seq_len], "group_size": a.group_size,
+            "goal": {"time_ratio": TIME_GOAL, "memory_ratio": MEMORY_GOAL}, "races": rows}
+    path = write_results("crosscheck_race", info)
+    print(f"\nPipeline race (gptqmodel {gptqmodel.__version__}, torch {torch.__version__}; "
+          f"{len(a.bits.split(','))} quantizers; goal quantdyn <= {TIME_GOAL}x time and memory)")
+    print(f"{'model':<18}{'GPTQModel s':>12}{'quantdyn s':>11}{'time x':>8}{'GPTQModel GiB':>14}{'quantdyn GiB':>13}"
+          f"{'memory x':>9}  equal Δ CE  goal")
+    for r in rows:
+        print(f"{'pythia-' + r['size'] + ' shape':<18}{r['gptqmodel']['wall_s']:>12.1f}{r['quantdyn']['wall_s']:>11.1f}"
+              f"{r['time_ratio']:>8.2f}{r['gptqmodel']['peak_bytes'] / 2**30:>14.2f}"
+              f"{r['quantdyn']['peak_bytes'] / 2**30:>13.2f}{r['memory_ratio']:>9.2f}  {str(r['equal_delta_ce']):<10}  "
+              f"{'met' if r['goal_met'] else 'not met'}")
+        for label, p in r["quantizers"].items():
+            dq = "-" if p["delta_ce_quantdyn"] is None else f"{p['delta_ce_quantdyn']:.4f}"
+            print(f"    {label:<26} Δ CE GPTQModel {p['delta_ce_gptqmodel']:.4f}  quantdyn {dq}  "
+                  f"(tolerance {p['tolerance']:.4f})")
+    print(f"written: {path}")
+    return 0 if all(r["equal_delta_ce"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
