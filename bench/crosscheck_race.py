@@ -19,8 +19,8 @@ a CPU can train the model briefly, which gives the weights the structure that ma
    (TokenData.calib_windows, seed 0) and evaluation windows, its defaults otherwise (quantize_threads 1).
 
 Measured for each: wall time of the process (interpreter start and imports included, as a user waits for it)
-and peak memory (the largest sum of resident memory over the process and its children, sampled every 50 ms,
-and the kernel's ru_maxrss of the process). Equal Δ CE: per quantizer |Δ CE quantdyn - Δ CE GPTQModel| <=
+and peak memory: the larger of the kernel's ru_maxrss of the process and the largest proportional set size (PSS)
+of the process with its children, sampled every 50 ms (PSS counts pages a fork shares with its parent once). Equal Δ CE: per quantizer |Δ CE quantdyn - Δ CE GPTQModel| <=
 max(0.15 |Δ CE GPTQModel|, 0.005) nats (bench/crosscheck_gptqmodel.py's tolerance). Goal (issue 31): quantdyn
 <= 0.3x the time and <= 0.3x the peak memory with 3 quantizers. /proc/loadavg is recorded before and after each
 process (the machine is shared). Writes bench/results/crosscheck_race-<machine>-<date>.json and prints a table.
@@ -104,18 +104,20 @@ def tokens(ckpt: Path, calib: int, windows: int, seq: int):
 
 
 # ----------------------------------------------------------------------------- measured processes
-def _tree_rss(pid: int) -> int:
-    """Resident bytes of ``pid`` and its descendants (Linux /proc)."""
+def _tree_pss(pid: int) -> int:
+    """Proportional set size of ``pid`` and its descendants (Linux /proc): pages shared between them (a fork's
+    copy-on-write image of its parent, the libraries) are counted once, split between their sharers, where a
+    sum of resident sizes would count a forked 2 GB process twice."""
     total, todo = 0, [pid]
     while todo:
         p = todo.pop()
         try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
+            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
                     total += int(line.split()[1]) * 1024
+                    break
             for t in Path(f"/proc/{p}/task").iterdir():
-                kids = (t / "children").read_text().split()
-                todo += [int(k) for k in kids]
+                todo += [int(k) for k in (t / "children").read_text().split()]
         except (OSError, ValueError):
             continue
     return total
@@ -132,7 +134,7 @@ def measured(cmd: list[str], env: dict | None = None) -> dict:
 
     def sample():
         while not done.is_set():
-            peak[0] = max(peak[0], _tree_rss(proc.pid))
+            peak[0] = max(peak[0], _tree_pss(proc.pid))
             done.wait(0.05)
     th = threading.Thread(target=sample, daemon=True)
     th.start()
@@ -151,7 +153,7 @@ def measured(cmd: list[str], env: dict | None = None) -> dict:
     rc = os.waitstatus_to_exitcode(status)
     if rc != 0:
         raise SystemExit(f"`{' '.join(cmd[:4])} ...` failed ({rc}):\n{err[-3000:]}")
-    return {"wall_s": wall, "peak_tree_rss_bytes": peak[0], "ru_maxrss_bytes": usage.ru_maxrss * 1024,
+    return {"wall_s": wall, "peak_tree_pss_bytes": peak[0], "ru_maxrss_bytes": usage.ru_maxrss * 1024,
             "peak_bytes": max(peak[0], usage.ru_maxrss * 1024), "loadavg_before": load0,
             "loadavg_after": Path("/proc/loadavg").read_text().split()[:3], "stdout": out, "stderr_tail": err[-2000:]}
 
@@ -207,11 +209,21 @@ def quantdyn_rows(store: Path) -> dict[str, float]:
             if r.get("kind") == "ptq"}
 
 
+def steps_of(spec: str, size: str) -> int:
+    """'40' -> 40 for every size; '70m:40,160m:12' -> the size's own."""
+    if ":" not in spec:
+        return int(spec)
+    table = dict(x.split(":") for x in spec.split(",") if x)
+    if size not in table:
+        raise SystemExit(f"--train-steps {spec} names no steps for size {size}")
+    return int(table[size])
+
+
 def race(size: str, a) -> dict:
     work = Path(a.work) / size
     work.mkdir(parents=True, exist_ok=True)
     bits = [int(b) for b in a.bits.split(",")]
-    ckpt = trained_checkpoint(size, a.train_steps, Path(a.work))
+    ckpt = trained_checkpoint(size, steps_of(a.train_steps, size), Path(a.work))
     calib, windows = tokens(ckpt, a.calib, a.windows, a.seq_len)
     ids = work / "ids.pt"
     torch.save({"calib": calib, "eval": windows}, ids)
@@ -235,7 +247,7 @@ def race(size: str, a) -> dict:
                       "equal": d_q is not None and abs(d_q - d_g) <= tol, **{f"gptqmodel_{k}": v for k, v in gq.items()
                                                                             if k != "delta_ce"}}
     time_ratio, mem_ratio = q["wall_s"] / g["wall_s"], q["peak_bytes"] / g["peak_bytes"]
-    return {"size": size, "checkpoint": str(ckpt), "train_steps": a.train_steps, "ce_fp_gptqmodel": gres["ce_fp"],
+    return {"size": size, "checkpoint": str(ckpt), "train_steps": steps_of(a.train_steps, size), "ce_fp_gptqmodel": gres["ce_fp"],
             "gptqmodel": {**g, "phases": gres["phases"]}, "quantdyn": q, "quantizers": per,
             "time_ratio": time_ratio, "memory_ratio": mem_ratio,
             "equal_delta_ce": all(p["equal"] for p in per.values()),
@@ -247,7 +259,8 @@ def main() -> int:
     ap.add_argument("--sizes", default="70m,160m", help=f"Pythia block shapes of {', '.join(SHAPES)}")
     ap.add_argument("--bits", default="4,3,2", help="one GPTQ quantizer per bit width")
     ap.add_argument("--group-size", type=int, default=128)
-    ap.add_argument("--train-steps", type=int, default=60)
+    ap.add_argument("--train-steps", default="40", help="training steps of the set-up model: N, or SIZE:N,... per "
+                                                      "size (e.g. 70m:40,160m:12)")
     ap.add_argument("--calib", type=int, default=64, help="calibration sequences")
     ap.add_argument("--windows", type=int, default=128, help="evaluation windows")
     ap.add_argument("--seq-len", type=int, default=128)
@@ -261,7 +274,7 @@ def main() -> int:
         gptqmodel_child(a)
         return 0
     if a.quick:
-        a.sizes, a.bits, a.train_steps, a.calib, a.windows = "14m", "4,3", 10, 8, 16
+        a.sizes, a.bits, a.train_steps, a.calib, a.windows = "14m", "4,3", "10", 8, 16
     try:
         import gptqmodel
     except ImportError:  # `make bench` runs every bench script in the main venv, which has no GPTQModel

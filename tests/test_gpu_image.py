@@ -83,7 +83,7 @@ def test_the_set_up_line_installs_the_bundle_with_no_index(tmp_path):
     imports with the working tree and that folder on PYTHONPATH, as on the GPU machine."""
     line = gpu_bundle.setup_line()
     assert line.startswith("python3 -m pip install") and "--no-index" in line and "--no-deps" in line
-    assert line.endswith("export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 || exit;")
+    assert line.endswith("export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 || exit;")
     dest = tmp_path / ".whl"
     dest.mkdir()
     _wheel(dest, "qdbundleprobe", "1.2.3")

@@ -144,8 +144,9 @@ def install_command(python: str = "python3", dest: str = DEST, site: str = SITE)
 
 def setup_line(dest: str = DEST) -> str:
     """The command that starts every device-tool call that runs quantdyn: installs the bundle into /tmp/site and
-    puts the working tree (quantdyn itself: no build step, no setuptools needed) and the bundle on PYTHONPATH."""
-    return f"{install_command(dest=dest)} && export PYTHONPATH=$PWD:{SITE} PYTHONUNBUFFERED=1 || exit;"
+    puts the working tree (quantdyn itself: no build step, no setuptools needed) and the bundle on PYTHONPATH;
+    HF_HUB_OFFLINE=1 makes any Hugging Face lookup fail at once instead of waiting on a network that is not there."""
+    return f"{install_command(dest=dest)} && export PYTHONPATH=$PWD:{SITE} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 || exit;"
 
 
 def travelling_bytes(extra: list[Path]) -> tuple[int, int]:
