@@ -20,7 +20,8 @@ a CPU can train the model briefly, which gives the weights the structure that ma
 
 Measured for each: wall time of the process (interpreter start and imports included, as a user waits for it)
 and peak memory: the larger of the kernel's ru_maxrss of the process and the largest proportional set size (PSS)
-of the process with its children, sampled every 50 ms (PSS counts pages a fork shares with its parent once). Equal Δ CE: per quantizer |Δ CE quantdyn - Δ CE GPTQModel| <=
+of the process with its children, sampled every 50 ms (PSS counts pages a fork shares with its parent once).
+Equal Δ CE: per quantizer |Δ CE quantdyn - Δ CE GPTQModel| <=
 max(0.15 |Δ CE GPTQModel|, 0.005) nats (bench/crosscheck_gptqmodel.py's tolerance). Goal (issue 31): quantdyn
 <= 0.3x the time and <= 0.3x the peak memory with 3 quantizers. /proc/loadavg is recorded before and after each
 process (the machine is shared). Writes bench/results/crosscheck_race-<machine>-<date>.json and prints a table.
@@ -247,7 +248,8 @@ def race(size: str, a) -> dict:
                       "equal": d_q is not None and abs(d_q - d_g) <= tol, **{f"gptqmodel_{k}": v for k, v in gq.items()
                                                                             if k != "delta_ce"}}
     time_ratio, mem_ratio = q["wall_s"] / g["wall_s"], q["peak_bytes"] / g["peak_bytes"]
-    return {"size": size, "checkpoint": str(ckpt), "train_steps": steps_of(a.train_steps, size), "ce_fp_gptqmodel": gres["ce_fp"],
+    return {"size": size, "checkpoint": str(ckpt), "train_steps": steps_of(a.train_steps, size),
+            "ce_fp_gptqmodel": gres["ce_fp"],
             "gptqmodel": {**g, "phases": gres["phases"]}, "quantdyn": q, "quantizers": per,
             "time_ratio": time_ratio, "memory_ratio": mem_ratio,
             "equal_delta_ce": all(p["equal"] for p in per.values()),
@@ -284,10 +286,11 @@ def main() -> int:
 
     import transformers
 
-    from common import write_results
+    from common import _git_sha, write_results
 
     rows = [race(s, a) for s in a.sizes.split(",") if s]
-    info = {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+    info = {"git_sha": _git_sha(), "cpu_count": os.cpu_count(), "platform": platform.platform(),
+            "torch": torch.__version__,
             "transformers": transformers.__version__, "gptqmodel": gptqmodel.__version__,
             "gptqmodel_cpu_workers": os.environ.get("GPTQMODEL_CPU_WORKERS"),
             "calib": [a.calib, a.seq_len], "eval": [a.windows, a.seq_len], "group_size": a.group_size,

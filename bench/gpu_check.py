@@ -124,9 +124,11 @@ def table(data: dict) -> list[str]:
             fig = s.get("summary", "")
         elif name == "train_throughput" and f.get("pythia160m"):
             g = f["pythia160m"]
+            mfu_q = _fmt(g["quantdyn_mfu"] and 100 * g["quantdyn_mfu"], " %")
+            mfu_p = _fmt(g["plain_mfu"] and 100 * g["plain_mfu"], " %")
             fig = (f"{g['preset']} seq {g['seq']} bf16{' compile' if g['compile'] else ''}: quantdyn "
-                   f"{g['quantdyn_tokens_per_s']:.0f} tok/s (MFU {_fmt(g['quantdyn_mfu'] and 100 * g['quantdyn_mfu'], ' %')})"
-                   f", plain {g['plain_tokens_per_s']:.0f} tok/s (MFU {_fmt(g['plain_mfu'] and 100 * g['plain_mfu'], ' %')})"
+                   f"{g['quantdyn_tokens_per_s']:.0f} tok/s (MFU {mfu_q}), plain {g['plain_tokens_per_s']:.0f} tok/s "
+                   f"(MFU {mfu_p})"
                    f", ratio {g['ratio']:.3f} (goals: MFU >= 50 % on an H100, ratio >= 1.0)")
         elif name == "gptq_speed" and f.get("models"):
             fig = "; ".join(f"{m['model']} {m['quantizer']}: {m['seconds']:.1f} s"

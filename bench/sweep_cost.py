@@ -61,7 +61,8 @@ def main() -> None:
                                                      "checkpoints (default 5,20; quick 2,6)")
     ap.add_argument("--no-one-at-a-time", action="store_true",
                     help="skip the evaluation with one quantized copy at a time (eval_group 1)")
-    ap.add_argument("--quick", action="store_true", help="12 training steps (6 checkpoints): 2 vs 6 checkpoints, 16 windows")
+    ap.add_argument("--quick", action="store_true",
+                    help="12 training steps (6 checkpoints): 2 vs 6 checkpoints, 16 windows")
     a = ap.parse_args()
     small, large = (2, 6) if a.quick else (5, 20)
     if a.checkpoints:
@@ -102,7 +103,8 @@ def main() -> None:
         p = c["parts"]
         print(f"{c['n']:>2} checkpoints: {c['wall']:7.1f}s total, {c['per_ckpt']:6.2f}s/ckpt "
               f"(load {p['load']:.2f}  quantize {p['quantize']:.2f}  evaluate {p['evaluate']:.2f})")
-    print(f"per-checkpoint cost, {large} vs {small}: ratio {c20['per_ckpt'] / c5['per_ckpt']:.3f}  (goal ~1.0: linear growth)")
+    print(f"per-checkpoint cost, {large} vs {small}: ratio {c20['per_ckpt'] / c5['per_ckpt']:.3f}  "
+          "(goal ~1.0: linear growth)")
     if c5_one is not None:
         p1 = c5_one["parts"]
         print(f"{small:>2} checkpoints, one quantized copy at a time: {c5_one['wall']:7.1f}s total "

@@ -256,7 +256,8 @@ def main() -> None:
         llama_cases = {1: ["rtn4"], 2: ["rtn4", "rtn3"]}
         for n, qs in ((int(c), llama_cases[int(c)]) for c in a.llama_counts.split(",") if c):
             e = run_case(str(ck), "engine", qs, a, no_calib=True)
-            print(f"{'llama2-' + a.llama_shape + '-shape bf16 x' + str(n):<22}{fb / 2**30:>9.2f}G{e['peak_rss_bytes'] / 2**30:>11.2f}G"
+            label = f"llama2-{a.llama_shape}-shape bf16 x{n}"
+            print(f"{label:<22}{fb / 2**30:>9.2f}G{e['peak_rss_bytes'] / 2**30:>11.2f}G"
                   f"{e['peak_rss_bytes'] / fb:>8.2f}{'-':>12}{'-':>8}{e['seconds']:>10.1f}"
                   + (f"   peak GPU memory {e['gpu_peak_bytes'] / 2**30:.2f} GiB" if e.get("gpu_peak_bytes") else ""),
                   flush=True)
