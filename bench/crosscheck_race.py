@@ -18,9 +18,10 @@ a CPU can train the model briefly, which gives the weights the structure that ma
    (gptq{b}g{group}-gptqmodel-v5: GPTQModel 7.6's defaults) over the same checkpoint, calibration windows
    (TokenData.calib_windows, seed 0) and evaluation windows, its defaults otherwise (quantize_threads 1).
 
-Measured for each: wall time of the process (interpreter start and imports included, as a user waits for it)
-and peak memory: the larger of the kernel's ru_maxrss of the process and the largest proportional set size (PSS)
-of the process with its children, sampled every 50 ms (PSS counts pages a fork shares with its parent once).
+Measured for each: wall time of the process (interpreter start and imports included, as a user waits for it), its
+CPU time (user + system: on a shared machine the steadier figure; both tools get 2 threads) and peak memory: the
+larger of the kernel's ru_maxrss of the process and the largest proportional set size (PSS) of the process with its
+children, sampled every 50 ms (PSS counts pages a fork shares with its parent once).
 Equal Δ CE: per quantizer |Δ CE quantdyn - Δ CE GPTQModel| <=
 max(0.15 |Δ CE GPTQModel|, 0.005) nats (bench/crosscheck_gptqmodel.py's tolerance). Goal (issue 31): quantdyn
 <= 0.3x the time and <= 0.3x the peak memory with 3 quantizers. /proc/loadavg is recorded before and after each
@@ -125,7 +126,8 @@ def _tree_pss(pid: int) -> int:
 
 
 def measured(cmd: list[str], env: dict | None = None) -> dict:
-    """Run ``cmd``; its wall time, peak memory (tree-sampled and ru_maxrss), load average, output."""
+    """Run ``cmd``; its wall time, CPU time (user + system, its waited-for children included: on a shared machine
+    the steadier figure), peak memory (tree-sampled PSS and ru_maxrss), load average, output."""
     load0 = Path("/proc/loadavg").read_text().split()[:3]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
@@ -154,7 +156,8 @@ def measured(cmd: list[str], env: dict | None = None) -> dict:
     rc = os.waitstatus_to_exitcode(status)
     if rc != 0:
         raise SystemExit(f"`{' '.join(cmd[:4])} ...` failed ({rc}):\n{err[-3000:]}")
-    return {"wall_s": wall, "peak_tree_pss_bytes": peak[0], "ru_maxrss_bytes": usage.ru_maxrss * 1024,
+    return {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime,
+            "peak_tree_pss_bytes": peak[0], "ru_maxrss_bytes": usage.ru_maxrss * 1024,
             "peak_bytes": max(peak[0], usage.ru_maxrss * 1024), "loadavg_before": load0,
             "loadavg_after": Path("/proc/loadavg").read_text().split()[:3], "stdout": out, "stderr_tail": err[-2000:]}
 
@@ -234,12 +237,14 @@ def race(size: str, a) -> dict:
     g = measured([sys.executable, __file__, "--child", "gptqmodel", "--ckpt", str(ckpt), "--ids", str(ids),
                   "--bits", a.bits, "--group-size", str(a.group_size), "--work", str(work)])
     gres = json.loads(next(x[7:] for x in g.pop("stdout").splitlines() if x.startswith("RESULT ")))
-    print(f"GPTQModel pipeline: {g['wall_s']:.1f} s, peak {g['peak_bytes'] / 2**30:.2f} GiB", flush=True)
+    print(f"GPTQModel pipeline: {g['wall_s']:.1f} s ({g['cpu_s']:.1f} s CPU), peak {g['peak_bytes'] / 2**30:.2f} GiB",
+          flush=True)
     cmd, store = quantdyn_command(ckpt, bits, a.group_size, a.calib, a.windows, a.seq_len, work)
     q = measured(cmd)
     q.pop("stdout")
     qres = quantdyn_rows(store)
-    print(f"quantdyn sweep:     {q['wall_s']:.1f} s, peak {q['peak_bytes'] / 2**30:.2f} GiB", flush=True)
+    print(f"quantdyn sweep:     {q['wall_s']:.1f} s ({q['cpu_s']:.1f} s CPU), peak {q['peak_bytes'] / 2**30:.2f} GiB",
+          flush=True)
     per = {}
     for label, gq in gres["quantizers"].items():
         d_g, d_q = gq["delta_ce"], qres.get(label)
@@ -248,10 +253,11 @@ def race(size: str, a) -> dict:
                       "equal": d_q is not None and abs(d_q - d_g) <= tol, **{f"gptqmodel_{k}": v for k, v in gq.items()
                                                                             if k != "delta_ce"}}
     time_ratio, mem_ratio = q["wall_s"] / g["wall_s"], q["peak_bytes"] / g["peak_bytes"]
+    cpu_ratio = q["cpu_s"] / g["cpu_s"]
     return {"size": size, "checkpoint": str(ckpt), "train_steps": steps_of(a.train_steps, size),
             "ce_fp_gptqmodel": gres["ce_fp"],
             "gptqmodel": {**g, "phases": gres["phases"]}, "quantdyn": q, "quantizers": per,
-            "time_ratio": time_ratio, "memory_ratio": mem_ratio,
+            "time_ratio": time_ratio, "cpu_ratio": cpu_ratio, "memory_ratio": mem_ratio,
             "equal_delta_ce": all(p["equal"] for p in per.values()),
             "goal_met": time_ratio <= TIME_GOAL and mem_ratio <= MEMORY_GOAL}
 
@@ -288,21 +294,24 @@ def main() -> int:
 
     from common import _git_sha, write_results
 
-    rows = [race(s, a) for s in a.sizes.split(",") if s]
+    rows: list[dict] = []
+    path = None
     info = {"git_sha": _git_sha(), "cpu_count": os.cpu_count(), "platform": platform.platform(),
             "torch": torch.__version__,
             "transformers": transformers.__version__, "gptqmodel": gptqmodel.__version__,
             "gptqmodel_cpu_workers": os.environ.get("GPTQMODEL_CPU_WORKERS"),
             "calib": [a.calib, a.seq_len], "eval": [a.windows, a.seq_len], "group_size": a.group_size,
             "goal": {"time_ratio": TIME_GOAL, "memory_ratio": MEMORY_GOAL}, "races": rows}
-    path = write_results("crosscheck_race", info)
+    for size in (s for s in a.sizes.split(",") if s):
+        rows.append(race(size, a))
+        path = write_results("crosscheck_race", info, out=path or "")  # after every size: a stopped race keeps it
     print(f"\nPipeline race (gptqmodel {gptqmodel.__version__}, torch {torch.__version__}; "
           f"{len(a.bits.split(','))} quantizers; goal quantdyn <= {TIME_GOAL}x time and memory)")
-    print(f"{'model':<18}{'GPTQModel s':>12}{'quantdyn s':>11}{'time x':>8}{'GPTQModel GiB':>14}{'quantdyn GiB':>13}"
-          f"{'memory x':>9}  equal Δ CE  goal")
+    print(f"{'model':<18}{'GPTQModel s':>12}{'quantdyn s':>11}{'time x':>8}{'CPU x':>7}{'GPTQModel GiB':>14}"
+          f"{'quantdyn GiB':>13}{'memory x':>9}  equal Δ CE  goal")
     for r in rows:
         print(f"{'pythia-' + r['size'] + ' shape':<18}{r['gptqmodel']['wall_s']:>12.1f}{r['quantdyn']['wall_s']:>11.1f}"
-              f"{r['time_ratio']:>8.2f}{r['gptqmodel']['peak_bytes'] / 2**30:>14.2f}"
+              f"{r['time_ratio']:>8.2f}{r['cpu_ratio']:>7.2f}{r['gptqmodel']['peak_bytes'] / 2**30:>14.2f}"
               f"{r['quantdyn']['peak_bytes'] / 2**30:>13.2f}{r['memory_ratio']:>9.2f}  {str(r['equal_delta_ce']):<10}  "
               f"{'met' if r['goal_met'] else 'not met'}")
         for label, p in r["quantizers"].items():
