@@ -76,7 +76,7 @@ crosscheck:
 #   make test-gpu-image   a venv with the image's versions (torch 2.11.0+cu130 runs on a CPU) and only what the
 #                         image has plus the bundle, installed as on the GPU machine; runs the core tests there
 #   make gpu-check        on the GPU machine: pytest -m gpu, then the CUDA benchmarks (bench/gpu_check.py)
-#   make gpu-check-dry    the same driver on this CPU with tiny shapes, in seconds (CI runs it)
+#   make gpu-check-dry    the same driver on this CPU with tiny shapes (tests/test_gpu_check.py runs it in CI)
 GVENV ?= .cache/venv-gpu-image
 GPU_IMAGE_PYTHON ?= $(shell $(PYTHON) tools/gpu_bundle.py find-python)
 # models (GPT vs transformers), engine, quantizers, training (FSDP2 on gloo too), export, data, sweep, and the

@@ -119,7 +119,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="bf16 dense peak (default: from the GPU's name)")
-    ap.add_argument("--gpu-steps", type=int, default=50, help="timed steps of the Pythia-160M comparison (CUDA)")
+    ap.add_argument("--gpu-steps", type=int, default=0,
+                    help="timed steps of the Pythia-160M comparison (default 50; 20 with --quick)")
     ap.add_argument("--gpu-batch", type=int, default=16, help="sequences per step of the CUDA comparison")
     ap.add_argument("--gpu-preset", default="pythia-160m", help="model of the CUDA comparison")
     ap.add_argument("--gpu-seq", type=int, default=2048, help="sequence length of the CUDA comparison")
@@ -132,7 +133,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer steps and a smaller token budget")
     a = ap.parse_args()
     if a.quick:
-        a.steps, a.batch, a.gpu_steps = 10, 8, 20
+        a.steps, a.batch = 10, 8
+    a.gpu_steps = a.gpu_steps or (20 if a.quick else 50)
     if a.threads:
         torch.set_num_threads(a.threads)
     if a.device == "cuda" and not torch.cuda.is_available():
