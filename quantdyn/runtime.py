@@ -24,7 +24,10 @@ log = logging.getLogger("quantdyn")
 def resolve_device(name: str = "auto") -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):  # torch's message lists every backend type; say what quantdyn takes
+        raise QuantdynError(f"device '{name}' is not a device; use cpu, cuda, cuda:N or auto") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise QuantdynError(f"device '{name}' was asked for but no CUDA GPU is visible; use device=cpu")
     return dev

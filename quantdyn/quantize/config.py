@@ -379,7 +379,7 @@ def _parse_short(spec: str) -> dict[str, Any]:
     if m is None:
         formats = sorted(format_labels())
         raise QuantdynError(
-            f"cannot read quantizer '{spec}'{did_you_mean(text, formats)}; write <method><bits>[g<group>][-<preset or "
+            f"cannot read quantizer {spec!r}{did_you_mean(text, formats)}; write <method><bits>[g<group>][-<preset or "
             f"flag>...], e.g. gptq4, rtn3g64, gptq4-gptqmodel, awq4-sym, or a format: "
             f"{', '.join(l for l in formats if l == QUANTIZERS.get(format_labels()[l]).format.label)}"
         )

@@ -11,6 +11,7 @@ import typing
 from pathlib import Path
 
 import pytest
+import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -31,8 +32,20 @@ JUNK = ["0", "-1", "1", "2", "9", "-0.5", "3.5", "1e999", "nan", "inf", "", " ",
         "optim.lr=x", "model.n_layer=-3", "gptq4", "gptq1", "rtn4g-1", "awq4-frob", "gptq4-damp0", "1/0", "0/0",
         "2/1", "-", "--", "é", "'; DROP TABLE x; --", "bits = ", "[", "{", "null", "true", "cuda:7", "cpu"]
 
+UNKNOWN_OPTIONS = ["--frob", "-x"]
+"""Options no command has (checked in _commands): a line that holds one is a usage error, whatever else it holds."""
 
-def _commands():
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    path: tuple[str, ...]
+    options: list[tuple[str, bool]]
+    """(name, is_flag) of every option."""
+    arguments: list[tuple[bool, int]]
+    """(required, nargs) of every positional argument, in order (nargs -1: any number)."""
+
+
+def _commands() -> list[Command]:
     import typer
 
     from quantdyn.cli import app
@@ -47,10 +60,11 @@ def _commands():
             return
         if path in NOT_FUZZED:
             return
-        options = [(p.opts[0], bool(getattr(p, "is_flag", False))) for p in cmd.params
-                   if p.param_type_name == "option"]
-        n_args = sum(1 for p in cmd.params if p.param_type_name == "argument")
-        out.append((path, options, n_args))
+        names = {o for p in cmd.params for o in p.opts + p.secondary_opts}
+        assert not names & set(UNKNOWN_OPTIONS), (path, names & set(UNKNOWN_OPTIONS))
+        out.append(Command(path, [(p.opts[0], bool(getattr(p, "is_flag", False))) for p in cmd.params
+                                  if p.param_type_name == "option"],
+                           [(p.required, p.nargs) for p in cmd.params if p.param_type_name == "argument"]))
 
     walk(typer.main.get_command(app), ())
     return out
@@ -61,7 +75,7 @@ COMMANDS = _commands()
 
 @pytest.fixture(scope="module")
 def places(tmp_path_factory):
-    """Paths a fuzzed argument can name: missing, empty, garbage, wrong kind of YAML."""
+    """Paths a fuzzed argument can name: missing, empty, garbage, wrong kind of YAML. ``missing`` never exists."""
     root = tmp_path_factory.mktemp("fuzz")
     (root / "empty").mkdir()
     (root / "garbage.yaml").write_bytes(b"\x01\x02: [unclosed\n{{")  # not UTF-8: one line too
@@ -70,9 +84,15 @@ def places(tmp_path_factory):
     store = root / "bad_store"
     store.mkdir()
     (store / "part-1.jsonl").write_bytes(b'{"key": "a", "run": "r"}\ngarbage\n')
-    paths = [str(root / "nope"), str(root / "empty"), str(root / "garbage.yaml"), str(root / "list.yaml"),
-             str(root / "keys.yaml"), str(store), str(root / "nope" / "deeper")]
-    return root, paths
+    missing = [str(root / "nope"), str(root / "nope" / "deeper")]
+    paths = [*missing, str(root / "empty"), str(root / "garbage.yaml"), str(root / "list.yaml"),
+             str(root / "keys.yaml"), str(store)]
+    return root, paths, missing
+
+
+def tree(root: Path) -> dict[str, bytes | None]:
+    """Every path under ``root`` with its bytes (None for a directory): what a refused command must not change."""
+    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
 
 
 def run_cli(argv: list[str], cwd: Path) -> tuple[int, str]:
@@ -93,37 +113,89 @@ def run_cli(argv: list[str], cwd: Path) -> tuple[int, str]:
     return code, err.getvalue()
 
 
+def _defects(cmd: Command) -> list[str]:
+    """The ways this command's line is made invalid by construction."""
+    out = ["unknown option"]
+    if cmd.arguments:
+        out.append("missing input")  # every command's first positional names something to read: a path, a preset
+    if any(required for required, _ in cmd.arguments):
+        out.append("no arguments")
+    if cmd.arguments and all(n > 0 for _, n in cmd.arguments):
+        out.append("extra argument")
+    return out
+
+
 @st.composite
-def command_lines(draw, paths):
-    path, options, n_args = draw(st.sampled_from(COMMANDS))
+def junk_command_lines(draw, paths, missing):
+    """A command line of a random command with junk option values and bad paths (either may happen to be valid)
+    and one defect that no value can repair: an unknown option, a missing path as the first argument, no
+    arguments where one is required, or one argument too many."""
+    cmd = draw(st.sampled_from(COMMANDS))
+    defect = draw(st.sampled_from(_defects(cmd)))
     values = st.one_of(st.sampled_from(JUNK), st.sampled_from(paths),
                        st.integers(-10**9, 10**9).map(str),
                        st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=10))
-    argv = list(path)
-    argv += [draw(st.sampled_from(paths)) for _ in range(draw(st.integers(0, n_args + 1)))]
-    for opt, is_flag in draw(st.lists(st.sampled_from(options), max_size=4)) if options else []:
+    n_fixed = sum(max(n, 0) for _, n in cmd.arguments)
+    if defect == "no arguments":
+        args = []
+    elif defect == "extra argument":
+        args = [draw(st.sampled_from(paths)) for _ in range(n_fixed + 1)]
+    else:
+        args = [draw(st.sampled_from(paths)) for _ in range(draw(st.integers(0, n_fixed + 1)))]
+        if defect == "missing input":
+            args = [draw(st.sampled_from(missing)), *args[1:]]
+    argv = [*cmd.path, *args]
+    for opt, is_flag in draw(st.lists(st.sampled_from(cmd.options), max_size=4)) if cmd.options else []:
         argv.append(opt)
         if not is_flag:
             argv.append(draw(values))
-    if draw(st.integers(0, 9)) == 0:
-        argv.insert(draw(st.integers(0, len(argv))), draw(st.sampled_from(["--frob", "-x", "--bits"])))
-    return argv
+    if defect == "unknown option":  # right after the command's name, where no option can take it as its value
+        argv.insert(len(cmd.path), draw(st.sampled_from(UNKNOWN_OPTIONS)))
+    return defect, argv
 
 
 @fuzz(250)
 @given(data=st.data())
 def test_fuzzed_command_lines_fail_in_one_line(places, data):
-    root, paths = places
-    argv = data.draw(command_lines(paths))
+    """The house rule for every refused command line: exit 2, one `error:` line on stderr, no traceback,
+    nothing created or changed."""
+    root, paths, missing = places
+    defect, argv = data.draw(junk_command_lines(paths, missing))
     TALLY["fuzzed command lines:trials"] += 1
+    before = tree(root)
     code, err = run_cli(argv, root)
-    assert "Traceback" not in err, (argv, err)
-    assert code in (0, 2), (argv, code, err)
-    if code == 2:
-        lines = [x for x in err.splitlines() if x.strip()]
-        errors = [x for x in lines if x.startswith("error: ")]
-        assert len(errors) == 1 and lines[-1] == errors[0], (argv, err)  # warnings may come first
+    assert "Traceback" not in err, (defect, argv, err)
+    assert code == 2, (defect, argv, code, err)
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), (defect, argv, err)
+    assert tree(root) == before, (defect, argv)
     TALLY["fuzzed command lines:survived"] += 1
+
+
+@pytest.mark.parametrize("device", ["x", "0", "cuda:x", ""])
+@pytest.mark.parametrize("command", [["quantize"], ["eval", "--tasks", "quantdyn_nextsent"]], ids=lambda c: c[0])
+def test_a_device_torch_cannot_parse_is_one_line(places, command, device):
+    """Found by the fuzzing above: `--device 0` (any name torch.device refuses) ended in a RuntimeError traceback."""
+    root, _, missing = places
+    code, err = run_cli([command[0], missing[0], *command[1:], "--device", device], root)
+    assert code == 2 and err == f"error: device '{device}' is not a device; use cpu, cuda, cuda:N or auto\n", err
+
+
+def _valid_command_lines():
+    """Lines that are valid by construction: listing the public trajectories and showing each one."""
+    from quantdyn.sources.presets import load_presets
+
+    return [["trajectories"], ["trajectories", "--json"],
+            *(["trajectories", name, *json] for name in sorted(load_presets()) for json in ([], ["--json"]))]
+
+
+@pytest.mark.parametrize("argv", _valid_command_lines(), ids=" ".join)
+def test_valid_command_lines_succeed_quietly(places, argv):
+    root, _, _ = places
+    before = tree(root)
+    code, err = run_cli(argv, root)
+    assert code == 0 and err == "", (argv, err)
+    assert tree(root) == before
 
 
 # --------------------------------------------------------------------------- configs
@@ -162,6 +234,17 @@ def config_dicts(cls, depth=0):
     return st.fixed_dictionaries({}, optional={**fields, **extra})
 
 
+def _same(a, b) -> bool:
+    """Equal configs, NaN fields included (a NaN the config accepts reads back as NaN)."""
+    if dataclasses.is_dataclass(a) and type(a) is type(b):
+        return all(_same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    if isinstance(a, (list, tuple)) and type(a) is type(b):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 def _config_classes():
     from quantdyn.data.prepare import DataConfig
     from quantdyn.quantize.config import QuantConfig
@@ -175,14 +258,19 @@ def _config_classes():
 def test_fuzzed_configs_are_built_or_refused_in_one_line(cls):
     from quantdyn.config import from_dict
 
+    from quantdyn.config import to_dict
+
     @fuzz(150)
     @given(config_dicts(cls))
     def check(data):
         TALLY["fuzzed configs:trials"] += 1
         try:
-            from_dict(cls, data)
+            cfg = from_dict(cls, data)
         except QuantdynError as e:
             assert "\n" not in str(e) and str(e), data
+        else:
+            assert "nonsense_key" not in data, data  # an unknown key is refused, whatever the other values
+            assert _same(from_dict(cls, to_dict(cfg)), cfg), data  # what was accepted is saved and read back
         TALLY["fuzzed configs:survived"] += 1
 
     check()
@@ -201,6 +289,7 @@ def test_fuzzed_quantizer_specs(spec):
     except QuantdynError as e:
         assert "\n" not in str(e)
     else:
+        assert not (isinstance(spec, dict) and "frob" in spec), spec  # an unknown field is refused
         assert parse_quantizer(cfg.name) == cfg  # whatever was accepted has a label that reads back
     TALLY["fuzzed quantizer specs:survived"] += 1
 
@@ -213,10 +302,18 @@ def test_fuzzed_yaml_files(tmp_path_factory, raw):
     TALLY["fuzzed YAML files:trials"] += 1
     p = tmp_path_factory.mktemp("y") / "c.yaml"
     p.write_bytes(raw)
-    try:
-        assert isinstance(load_yaml(p), dict)
-    except QuantdynError as e:
-        assert "\n" not in str(e)
+    try:  # what the file holds decides the outcome: a mapping (or nothing) is read, anything else refused
+        want = yaml.safe_load(raw.decode("utf-8"))
+    except (UnicodeDecodeError, yaml.YAMLError):
+        want = QuantdynError
+    if want is None:
+        want = {}
+    if isinstance(want, dict):
+        assert load_yaml(p) == want
+    else:
+        with pytest.raises(QuantdynError) as e:
+            load_yaml(p)
+        assert "\n" not in str(e.value) and str(p) in str(e.value)
     TALLY["fuzzed YAML files:survived"] += 1
 
 
