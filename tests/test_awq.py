@@ -73,8 +73,15 @@ def test_folded_fp_function_unchanged():
     w2, b2 = fold_into_norm(ln.weight.data, ln.bias.data, s)
     folded = torch.nn.functional.layer_norm(x, (64,), w2, b2) @ (lin.weight * s).T + lin.bias
     torch.testing.assert_close(folded, ref, rtol=1e-5, atol=1e-5)
-    # the divide-back form used by awq(): unquantized it is the identity
-    torch.testing.assert_close((lin.weight * s) / s, lin.weight, rtol=1e-6, atol=0)
+    # quantized: awq()'s divide-back weight and the deployable pair (norm folded by its s, Q(W·diag(s)) as the
+    # weight) compute the same outputs, so the rows measure the model one would deploy
+    x_ln = ln(x).detach()
+    a = awq(lin.weight.data, torch.cat([x_ln] * 8), QuantConfig(method="awq", bits=3, group_size=32))
+    w2, b2 = fold_into_norm(ln.weight.data, ln.bias.data, a.awq_scales)
+    deployed = torch.nn.functional.layer_norm(x, (64,), w2, b2) @ dequantize_weight(
+        a.codes, a.scales, a.zeros, a.g_idx).T + lin.bias
+    torch.testing.assert_close(deployed, x_ln @ a.weight.T + lin.bias, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(a.awq_scales, torch.ones(64))  # a real rescaling, not the identity
 
 
 def test_awq_needs_statistics():

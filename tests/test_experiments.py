@@ -4,6 +4,7 @@ combined uncertainty), and one lean end-to-end study on a corpus the test writes
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -258,7 +259,8 @@ def test_sharpness_findings_trace_differences_and_correlation():
 
 
 # ----------------------------------------------------------------------------------------------- paper B
-def test_predictor_findings_rl_predicts_mmr_does_not():
+def _predictor_rows(mmr_of) -> list[dict]:
+    """16 runs' final checkpoints: Δ CE rising with k, R_L tracking it, weight MMR = mmr_of(k, Δ CE)."""
     rng = np.random.default_rng(1)
     rows = []
     for k in range(16):
@@ -267,18 +269,31 @@ def test_predictor_findings_rl_predicts_mmr_does_not():
         rows.append(_ptq(run, "main", 4, "rtn3", dce, optimizer=["adamw", "muon"][k % 2]))
         rows.append(_ptq(run, "main", 2, "rtn3", dce / 2))  # an earlier checkpoint: not used
         rows.append({"kind": "analysis", "analysis": "outliers", "run": run, "branch": "main", "step": 4,
-                     "weight_mmr_mean": float(rng.normal(10, 1)), "weight_kurtosis_mean": float(rng.normal(4, 1))})
+                     "weight_mmr_mean": mmr_of(k, dce), "weight_kurtosis_mean": float(rng.normal(4, 1))})
         rows.append({"kind": "analysis", "analysis": "propagation", "run": run, "branch": "main", "step": 4,
                      "prop_R_final__rtn3": dce * 1.3 + float(rng.normal(0, 0.001)), "prop_R_final__gptq3": 99.0})
-    out, detail = fd.predictor_findings(rows, [f"o{k}-s{k % 2}" for k in range(16)],
+    return rows
+
+
+def test_predictor_findings_rl_predicts_mmr_does_not():
+    runs = [f"o{k}-s{k % 2}" for k in range(16)]
+    # MMR symmetric about the middle run: rank correlation with Δ CE exactly 0, by construction
+    out, detail = fd.predictor_findings(_predictor_rows(lambda k, dce: 10 + abs(k - 7.5)), runs,
                                         cfg=fd.CorrelateConfig(n_boot=300))
     rl = next(f for f in out if f["metric"] == "Spearman ρ" and "R_L" in f["comparison"])
     mmr = next(f for f in out if f["metric"] == "Spearman ρ" and "weight MMR" in f["comparison"])
     diff = next(f for f in out if f["metric"] == "Δ Spearman ρ" and "weight MMR" in f["comparison"])
     assert rl["verdict"] == fd.REPRODUCED and rl["effect"] > 0.9 and rl["n"] == 16
-    assert mmr["expected"] == "0" and mmr["verdict"] in (fd.NOT_RESOLVED, fd.OPPOSITE)
+    # the paper's claim is "no association": an interval holding 0 does not contradict it (nor establish it)
+    assert mmr["expected"] == "0" and mmr["effect"] == pytest.approx(0.0, abs=1e-12)
+    assert mmr["interval_lo"] < 0 < mmr["interval_hi"] and mmr["verdict"] == fd.NOT_RESOLVED
     assert diff["verdict"] == fd.REPRODUCED and diff["interval_lo"] > 0
     assert len(detail["predictors"]) == 16 and all(d["prop_R_final"] != 99.0 for d in detail["predictors"])
+    # an MMR that does track Δ CE contradicts the claim: "opposite", not "reproduced" (the sign +1 is not the claim)
+    out, _ = fd.predictor_findings(_predictor_rows(lambda k, dce: 10 + 100 * dce), runs,
+                                   cfg=fd.CorrelateConfig(n_boot=300))
+    mmr = next(f for f in out if f["metric"] == "Spearman ρ" and "weight MMR" in f["comparison"])
+    assert mmr["effect"] == pytest.approx(1.0) and mmr["interval_lo"] > 0 and mmr["verdict"] == fd.OPPOSITE
 
 
 def test_format_table_says_what_was_compared():
@@ -306,6 +321,17 @@ def _corpus(path):
         docs.append(f"Record {d}.\n" + " ".join(sent) + ".")
     path.write_text("\n\n".join(docs))
     return path
+
+
+def _verdict_of_numbers(f: dict) -> str:
+    """The verdict a finding's own numbers give under the one rule (results/stats.py): an interval for correlations,
+    effect against z·SE otherwise; "0" expected = a claim of no association."""
+    if f["expected"] == "0":
+        return fd.null_verdict(f["interval_lo"], f["interval_hi"])
+    sign = +1 if f["expected"] == "+" else -1
+    if f["interval_lo"] is not None or f["interval_hi"] is not None:
+        return fd.interval_verdict(f["interval_lo"], f["interval_hi"], sign)
+    return fd.verdict(f["effect"], f["se"], sign, f.get("z_threshold", fd.Z))
 
 
 @pytest.mark.slow
@@ -340,14 +366,20 @@ def test_averaging_and_sharpness_study_end_to_end_on_another_corpus(tmp_path):
     assert fams == {"averaging", "sharpness"}
     avg = [f for f in out["findings"] if f["family"] == "averaging"]
     assert {f["metric"] for f in avg} == {"Δ CE", "CE(quantized)"}
-    assert all(f["verdict"] in (fd.REPRODUCED, fd.OPPOSITE, fd.NOT_RESOLVED) for f in out["findings"])
+    for f in out["findings"]:  # each verdict is the one rule applied to the numbers stored beside it
+        assert f["verdict"] == _verdict_of_numbers(f), f
     assert all(f["se_run"] is not None for f in avg)  # R = 2: the run-to-run part is measured
     assert "A(c) weight averaging matches or beats LR decay" in text and "R = 2" in text
     import html
 
-    page = html.unescape((tmp_path / "rep" / "index.html").read_text())
+    raw = (tmp_path / "rep" / "index.html").read_text()
+    page = html.unescape(raw)
     assert "Findings: the papers' claims at this scale" in page
-    assert any(v in page for v in (fd.REPRODUCED, fd.OPPOSITE, fd.NOT_RESOLVED))
+    # the report's findings table shows every finding, in order, with the verdict computed for it
+    table = raw[raw.index("<!-- quantdyn findings -->"):raw.index("<!-- /quantdyn findings -->")]
+    cells = [[html.unescape(c) for c in re.findall(r"<td[^>]*>(.*?)</td>", tr)]
+             for tr in re.findall(r"<tr>(.*?)</tr>", table.split("<tbody>")[1])]
+    assert [(c[2], c[6]) for c in cells] == [(f["comparison"], f["verdict"]) for f in out["findings"]]
     assert (tmp_path / "rep" / "findings.json").is_file() and (tmp_path / "rep" / "findings.html").is_file()
     assert (tmp_path / "rep" / "findings_averaging.png").is_file() and (tmp_path / "rep" / "findings_sharpness.png").is_file()
     # a rerun trains nothing and measures nothing

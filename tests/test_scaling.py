@@ -30,7 +30,10 @@ def test_fit_by_optimizer_recovers_parameters_and_rho():
     assert set(fits) == {"adamw", "shampoo"}
     for opt, (params, rho) in truth.items():
         fp = fits[opt].fp
-        assert fp.rho == 1.0
+        assert fp.n_points == len(N)  # the full-precision points only
+        # the FP points measured against their own law have efficiency 1
+        L_fp = predict(ScalingFit(**params), N, D)
+        assert fit_parameter_efficiency(fp, N, D, L_fp, FAST).rho == pytest.approx(1.0, rel=1e-3)
         for k, v in params.items():
             assert getattr(fp, k) == pytest.approx(v, rel=1e-3), (opt, k)
         assert fits[opt].qat.rho == pytest.approx(rho, rel=0.02)

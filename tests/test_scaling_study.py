@@ -27,7 +27,9 @@ def test_scaling_fits_recover_rho_per_optimizer(tmp_path):
                                                                    bootstrap=0)}
     assert fits[("adamw", "qat")]["rho"] == pytest.approx(0.6, rel=0.02)
     assert fits[("shampoo", "qat")]["rho"] == pytest.approx(0.8, rel=0.02)
-    assert fits[("adamw", "fp")]["rho"] == 1.0
+    fp = fits[("adamw", "fp")]  # the full-precision law is fitted on the FP points alone and recovers the N term
+    assert fp["n_points"] == 10 and {p["precision"] for p in fp["points"]} == {"fp"}
+    assert fp["A"] == pytest.approx(400.0, rel=1e-3) and fp["alpha"] == pytest.approx(0.34, rel=1e-3)
     assert len([r for r in st.rows() if r["kind"] == "scaling"]) == 4
     from quantdyn.results.schema import undocumented
 
