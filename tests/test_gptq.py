@@ -219,6 +219,7 @@ def test_errors_and_damping():
     indefinite = torch.diag(torch.tensor([1.0] * 31 + [-0.015]))  # mean diag ~0.97: 1% damping is not enough
     r = gptq(W, indefinite, QuantConfig(group_size=0, damp_auto_increment=0.01))
     assert r.diagnostics["damp_percent"] > 0.01
-    assert isinstance(stats_from(torch.randn(4, 32)), ActStats)
+    finite = stats_from(torch.ones(4, 32))  # finite inputs are accepted: 4 tokens of ones
+    assert (finite.n, finite.tokens) == (1, 4) and torch.equal(finite.abs_mean, torch.ones(32))
     with pytest.raises(QuantdynError, match="NaN"):
         stats_from(torch.tensor([[float("inf"), 1.0]]))

@@ -410,7 +410,12 @@ def test_evict_revision_frees_one_revision_through_huggingface_hub(hf_cache, mon
     # the other revisions still load through transformers, offline
     from quantdyn.models.hf_io import load_causal_lm
 
-    assert load_causal_lm(f"{REPO}@step1000") is not None
+    from safetensors.torch import load_file
+
+    got = load_causal_lm(f"{REPO}@step1000").state_dict()
+    want = load_file(str(tiny_models[0] / "model.safetensors"))
+    head = {"embed_out.weight": "lm_head.weight"}  # transformers' name for GPT-NeoX's output head
+    assert all(torch.equal(got[k if k in got else head[k]], w) for k, w in want.items())  # step1000's own weights
 
 
 def test_sweep_over_a_preset_offline_rows_carry_the_presets_step_tokens_lr(hf_cache, monkeypatch, tmp_path):

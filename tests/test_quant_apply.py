@@ -75,7 +75,7 @@ def test_quantize_model_on_tiny_models(kind):
             for pa, pb in zip(a.parameters(), b.parameters()):
                 assert torch.equal(pa, pb)
         assert torch.equal(ad.get_head(fp).weight, ad.get_head(q).weight)
-        assert all(r["output_error"] is not None and r["output_error"] >= 0 for r in res.rows)
+        assert all(r["output_error"] > 0 for r in res.rows)  # every layer changed, so its outputs did too
         if tol is not None:
             with torch.no_grad():
                 a, b = logits_of(fp, ids), logits_of(q, ids)

@@ -81,7 +81,9 @@ def test_report_links_csv_and_svg_beside_every_figure_and_lists_provenance(tmp_p
     js = json.loads((rep / "provenance.json").read_text())
     assert {x["value"] for x in js["fields"]["eval_hash"]} == {"evalhash0001", "evalhash0002"}
     assert {x["value"]: x["rows"] for x in js["fields"]["quant_repeats"]} == {"3": 7, "1": 13}  # 6 points x 3 + 2
-    assert js["fields"]["quant_config_hash"][0]["quantizers"] in (["gptq3"], ["rtn2"], ["rtn4"])
+    # each config hash names the quantizer labels of the rows that carry it
+    assert {x["value"]: x["quantizers"] for x in js["fields"]["quant_config_hash"]} == {
+        "cfg-gptq3": ["gptq3"], "cfg-rtn4": ["rtn4"], "cfg-rtn2": ["rtn2"]}
     assert js["rows"] == len(rows) and js["git_commit"] == git_sha()
     # uncertainty: said for the whole report and per figure, with the part that dominates
     assert "the run-to-run part dominates in 7 of 20 PTQ rows, the evaluation windows in 13" in page
@@ -118,6 +120,7 @@ def test_monitored_points_accept_both_key_styles():
     assert (r12["step"], r12["delta_ce"], r12["delta_ce_se"]) == (12, 1.2, 0.04)
 
 
+@pytest.mark.e2e
 def test_report_of_a_monitored_run_beside_its_sweep(tmp_path, kjv_small, cli, monkeypatch, drawn):  # noqa: F811
     """`quantdyn report RUN_DIR` of a run trained with the in-training monitor: Δ CE against steps with the LR
     from metrics.jsonl alone, then beside the sweep's figure once the store has rows of the run."""
