@@ -10,7 +10,7 @@ from quantdyn.train.config import RunConfig
 from quantdyn.train.trainer import train
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_sweep_with_analysis_and_predictor_report(tmp_path, kjv_small):
     data_cfg, _ = kjv_small
     d = tiny_run_dict(tmp_path, data_cfg, steps=16, checkpoint_every=4)

@@ -7,7 +7,7 @@ import pytest
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "api_quickstart.py"
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_api_quickstart_example(tmp_path):
     from quantdyn.results.store import ResultStore
 

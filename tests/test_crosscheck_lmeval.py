@@ -21,7 +21,6 @@ from quantdyn.evaluate.lm_eval_tasks import make_lm, prepare_tasks, run_tasks  #
 from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config  # noqa: E402
 from quantdyn.models.hf_io import load_gpt, save_hf  # noqa: E402
 
-pytestmark = pytest.mark.slow
 
 ARC_STYLE_YAML = """\
 task: local_arc_style

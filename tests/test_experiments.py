@@ -334,7 +334,7 @@ def _verdict_of_numbers(f: dict) -> str:
     return fd.verdict(f["effect"], f["se"], sign, f.get("z_threshold", fd.Z))
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_averaging_and_sharpness_study_end_to_end_on_another_corpus(tmp_path):
     """The averaging study file at the cpu-tiny scale on a local text: LAWA + soup + Hessian + findings + report."""
     from pathlib import Path

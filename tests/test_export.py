@@ -378,7 +378,6 @@ def _matrix_cases():
                                        id=f"{fmt}-{bits}bit-{'sym' if sym else 'asym'}-g{group or 'channel'}")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("fmt,bits,sym,group", list(_matrix_cases()))
 def test_export_loads_as_a_user_would(matrix_walk, tmp_path, fmt, bits, sym, group):
     for module, reason in _NEEDS[fmt]:
@@ -392,7 +391,6 @@ def test_export_loads_as_a_user_would(matrix_walk, tmp_path, fmt, bits, sym, gro
     assert abs(ce["fq"] - ce["fp"]) > 1e-4  # quantizing moved the CE by >> 1e-5: the match above means something
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("fmt,spec,kind,opts", [
     # the case: a quantdyn (GPT-NeoX) checkpoint, RTN 4 bits asymmetric, default export options
     ("compressed-tensors", "rtn4g32", "quantdyn", {}), ("compressed-tensors", "rtn4g0", "quantdyn", {}),
@@ -407,7 +405,6 @@ def test_transformers_loads_other_families_and_quantizers(tmp_path, fmt, spec, k
     check_export_loads(w, spec, fmt, w.export(spec, fmt, tmp_path / "x", **opts), _ids(8, 49, 7))
 
 
-@pytest.mark.slow
 def test_sharded_export_loads(tmp_path):
     for module, reason in _NEEDS["compressed-tensors"]:
         pytest.importorskip(module, reason=reason)

@@ -121,7 +121,7 @@ def _assert_same_curve(a, b):
         assert abs(a[s] - b[s]) <= LOSS_RTOL * abs(a[s]), (s, a[s], b[s])
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_fsdp2_two_processes_kill_resume_match_one_process(tmp_path, kjv_small):
     from quantdyn.config import apply_overrides, load_yaml
     from quantdyn.models.hf_io import load_gpt
@@ -319,6 +319,7 @@ def _rank0_first_worker(rank, port, out_dir):
     dist.destroy_process_group()
 
 
+@pytest.mark.e2e
 def test_rank0_first_prepares_on_rank0_while_the_others_wait(tmp_path):
     import torch.multiprocessing as mp
 

@@ -206,7 +206,7 @@ def test_sweep_array_script_runs_each_shard(tmp_path):
     assert outs == [f"QD sweep spec.yaml --store shared store --shard {i}/4" for i in range(4)]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_submitit_local_grid_and_sharded_sweep_into_one_store(tmp_path, kjv_small):
     """The submission path with submitit's local executor: a grid's runs as array tasks (finished runs are
     not resubmitted), then a sweep over one run in 2 shards whose rows land in one store."""

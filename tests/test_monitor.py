@@ -158,7 +158,7 @@ def test_bad_monitor_input_is_one_line_at_construction():
 
 
 # ------------------------------------------------------------------ a plain loop
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_plain_loop_example_logs_to_csv_jsonl_and_tensorboard(tmp_path, kjv_small, capsys):
     mon = _run_example("monitor_plain_loop.py", "--steps", 8, "--every", 4, "--out", tmp_path / "plain")
     assert [h["step"] for h in mon.history] == [4, 8]
@@ -177,7 +177,7 @@ def test_plain_loop_example_logs_to_csv_jsonl_and_tensorboard(tmp_path, kjv_smal
 
 
 # ------------------------------------------------------------------ quantdyn's trainer
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_train_command_logs_plain_lines_csv_and_tensorboard(tmp_path, kjv_small, cli, monkeypatch):
     data_cfg, _ = kjv_small
     import yaml
@@ -257,7 +257,7 @@ def test_resume_drops_rows_logged_after_the_checkpoint_in_every_logger(tmp_path,
         assert [int(t["step"]) for t in csv.DictReader(f)] == [2, 4, 6, 8]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_wandb_offline_without_an_account(tmp_path, kjv_small, monkeypatch):
     pytest.importorskip("wandb", reason="the wandb extra is not installed (pip install 'quantdyn[wandb]')")
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -403,7 +403,7 @@ def test_csv_and_jsonl_loggers_keep_names_and_truncate(tmp_path):
 
 
 # ------------------------------------------------------------------ HF Trainer and Lightning
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_hf_trainer_callback_reports_through_the_trainers_integrations(tmp_path, kjv_small):
     pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate")
     trainer, mon = _run_example("monitor_hf_trainer.py", "--steps", 6, "--every", 3, "--out", tmp_path / "hf")
@@ -420,7 +420,7 @@ def test_hf_trainer_callback_reports_through_the_trainers_integrations(tmp_path,
         assert [int(r["step"]) for r in csv.DictReader(f)] == [3, 6]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_lightning_callback_logs_to_the_trainers_loggers(tmp_path, kjv_small):
     pytest.importorskip("lightning", reason="the lightning extra is not installed (pip install 'quantdyn[lightning]')")
     trainer, mon = _run_example("monitor_lightning.py", "--steps", 6, "--every", 3, "--out", tmp_path / "pl")
@@ -433,7 +433,7 @@ def test_lightning_callback_logs_to_the_trainers_loggers(tmp_path, kjv_small):
         assert float(r["ptq/gptq3/kl"]) == pytest.approx(h["ptq/gptq3/kl"], rel=1e-12)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_quantdyn_trainer_example_uses_the_same_monitor(tmp_path, kjv_small):
     run = _run_example("monitor_quantdyn_trainer.py", "--steps", 4, "--every", 2, "--out", tmp_path)
     rows = [x for x in read_metrics(run) if "ptq/gptq3/delta_ce" in x]

@@ -27,7 +27,7 @@ def _spec(tmp_path, data_cfg):
     }
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_study_two_seeds_end_to_end_and_resume(tmp_path, kjv_small):
     spec = _spec(tmp_path, kjv_small[0])
     lines: list[str] = []

@@ -109,7 +109,6 @@ def _fake_hub_cache(cache: Path, repo: str, checkpoints: dict[str, Path]) -> Non
         (base / "refs" / rev).write_text(sha)
 
 
-@pytest.mark.slow
 def test_hub_revisions_from_local_cache(small_run, tmp_path, monkeypatch):
     cache = tmp_path / "hub"
     ck = small_run / "checkpoints"
@@ -140,7 +139,7 @@ def test_hub_revisions_from_local_cache(small_run, tmp_path, monkeypatch):
     assert by[12]["tokens"] == 12 * 128 and by[4]["checkpoint"] == "local/tiny@step4"
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_sweep_eval_tasks_and_accuracy_panel(tmp_path, kjv_small):
     data_cfg, _ = kjv_small
     d = tiny_run_dict(tmp_path, data_cfg, steps=8, checkpoint_every=4)

@@ -143,7 +143,7 @@ def test_cli_train_and_errors(tmp_path, kjv_small, cli):
     _one_line_exit2(cli("train", "--resume", tmp_path / "nope"), "not a quantdyn run directory")
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_ddp_two_processes_match_single(tmp_path, kjv_small):
     """torchrun --nproc_per_node 2 over gloo: same global batches, same checkpoint."""
     import yaml

@@ -55,7 +55,7 @@ def no_leftover_temporaries(run):
     return [p for p in run.rglob(".step-*") if ".tmp-" in p.name or ".old-" in p.name]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_train_killed_and_resumed_is_bit_exact(launcher, reference, fault_root, kjv_small):
     data_cfg, _ = kjv_small
     kill = Killer(launcher, reference["times"]["train"], SEED)
@@ -84,7 +84,7 @@ def test_train_killed_and_resumed_is_bit_exact(launcher, reference, fault_root, 
         TALLY["train kill -9:survived"] += 1
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_cooldown_killed_and_rerun_is_bit_exact(launcher, reference, fault_root):
     kill = Killer(launcher, reference["times"]["cooldown"], SEED + 1)
     branches = sorted((reference["run"] / "branches").iterdir())
@@ -104,7 +104,7 @@ def test_cooldown_killed_and_rerun_is_bit_exact(launcher, reference, fault_root)
         TALLY["cooldown kill -9:survived"] += 1
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_sweep_killed_and_rerun_loses_and_duplicates_nothing(launcher, reference, fault_root):
     kill = Killer(launcher, reference["times"]["sweep"], SEED + 2)
     for trial in trials(n_trials(4), "sweep kill -9"):
@@ -120,7 +120,7 @@ def test_sweep_killed_and_rerun_loses_and_duplicates_nothing(launcher, reference
         TALLY["sweep kill -9:survived"] += 1
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_two_sweeps_of_one_shard_store_each_row_once(launcher, reference, fault_root):
     d = fault_root / "concurrent"
     d.mkdir()

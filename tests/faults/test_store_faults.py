@@ -51,7 +51,7 @@ def tmp_files(store: Path) -> list[Path]:
     return [p for p in store.iterdir() if p.name.startswith((".part-", ".tmp-"))]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_sweep_resumes_over_torn_and_garbage_lines(launcher, reference, fault_root):
     d = fault_root / "garbage"
     d.mkdir()
@@ -80,7 +80,7 @@ def test_sweep_resumes_over_torn_and_garbage_lines(launcher, reference, fault_ro
     TALLY["torn/garbage lines:survived"] += 1
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_disk_full_during_a_sweep_rlimit(launcher, reference, fault_root):
     """RLIMIT_FSIZE: every write past 64 bytes fails (EFBIG), as on a full disk."""
     d = fault_root / "full-rlimit"
@@ -117,7 +117,7 @@ def tiny_tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_disk_full_midway_through_a_sweep_tmpfs(launcher, reference, fault_root, tiny_tmpfs):
     """A 12 KiB tmpfs holds the first parts of the sweep, then ENOSPC; after growing it the rerun completes."""
     d = fault_root / "full-tmpfs"
@@ -190,7 +190,7 @@ def _truncate(path: Path, keep: float) -> None:
     os.truncate(path, int(path.stat().st_size * keep))
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("keep", [0.5, 0.0001])
 def test_truncated_safetensors_are_named_in_one_line(launcher, reference, fault_root, keep):
     d = fault_root / f"truncated-{keep}"
