@@ -334,6 +334,19 @@ def _verdict_of_numbers(f: dict) -> str:
     return fd.verdict(f["effect"], f["se"], sign, f.get("z_threshold", fd.Z))
 
 
+def _findings_table(page: str) -> list[tuple[str, str]]:
+    """(comparison, verdict) of every row of the findings table of a report page (index.html or findings.html)."""
+    import html
+
+    start = re.search(r"<h2[^>]*>Findings: the papers", page).start()
+    table = page[page.index("<table>", start):page.index("</table>", start)]
+    head = [html.unescape(h) for h in re.findall(r"<th>(.*?)</th>", table)]
+    rows = [[html.unescape(c) for c in re.findall(r"<td[^>]*>(.*?)</td>", tr)]
+            for tr in re.findall(r"<tr>(.*?)</tr>", table.split("<tbody>")[1])]
+    c, v = head.index("comparison"), head.index("verdict")
+    return [(r[c], r[v]) for r in rows]
+
+
 @pytest.mark.e2e
 def test_averaging_and_sharpness_study_end_to_end_on_another_corpus(tmp_path):
     """The averaging study file at the cpu-tiny scale on a local text: LAWA + soup + Hessian + findings + report."""
@@ -372,14 +385,12 @@ def test_averaging_and_sharpness_study_end_to_end_on_another_corpus(tmp_path):
     assert "A(c) weight averaging matches or beats LR decay" in text and "R = 2" in text
     import html
 
-    raw = (tmp_path / "rep" / "index.html").read_text()
-    page = html.unescape(raw)
+    page = html.unescape((tmp_path / "rep" / "index.html").read_text())
     assert "Findings: the papers' claims at this scale" in page
-    # the report's findings table shows every finding, in order, with the verdict computed for it
-    table = raw[raw.index("<!-- quantdyn findings -->"):raw.index("<!-- /quantdyn findings -->")]
-    cells = [[html.unescape(c) for c in re.findall(r"<td[^>]*>(.*?)</td>", tr)]
-             for tr in re.findall(r"<tr>(.*?)</tr>", table.split("<tbody>")[1])]
-    assert [(c[2], c[6]) for c in cells] == [(f["comparison"], f["verdict"]) for f in out["findings"]]
+    # the report and findings.html show every finding, in order, with the verdict computed for it
+    want = [(f["comparison"], f["verdict"]) for f in out["findings"]]
+    for name in ("index.html", "findings.html"):
+        assert _findings_table((tmp_path / "rep" / name).read_text()) == want, name
     assert (tmp_path / "rep" / "findings.json").is_file() and (tmp_path / "rep" / "findings.html").is_file()
     assert (tmp_path / "rep" / "findings_averaging.png").is_file() and (tmp_path / "rep" / "findings_sharpness.png").is_file()
     # a rerun trains nothing and measures nothing

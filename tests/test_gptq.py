@@ -9,7 +9,7 @@ import torch
 
 from quantdyn.errors import QuantdynError
 from quantdyn.quantize import QuantConfig, num_threads
-from quantdyn.quantize.gptq import ActStats, gptq, group_aware_perm, hessian_update, stats_from
+from quantdyn.quantize.gptq import gptq, group_aware_perm, hessian_update, stats_from
 from quantdyn.quantize.primitives import dequantize_weight, fake_quantize, find_params, layer_loss
 from quantdyn.quantize.rtn import rtn
 
