@@ -24,7 +24,7 @@ def _run(args, tmp_path, env=None):
                           env=env or dict(os.environ), timeout=1500)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_dry_run_runs_every_step_without_the_absent_packages(tmp_path):
     r = _run(["--device", "cpu", "--dry-run"], tmp_path, env=absent_env())
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]

@@ -125,7 +125,7 @@ def test_absent_packages_are_really_absent_under_the_helper():
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_every_quantdyn_module_imports_without_the_absent_packages():
     """All of quantdyn (but the lm-eval adapter, optional by design), the CLI's help of every command, and the
     bench scripts the GPU run uses import on a Python that lacks datasets, duckdb, lm-eval, wandb, ...: an

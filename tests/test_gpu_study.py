@@ -33,7 +33,7 @@ def test_gpu_study_file_is_the_sized_recipe():
     assert steps_per_seed * t.batch_size * t.seq_len == 3600 * 32768  # 118 M tokens per seed
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_gpu_study_stops_on_sigterm_and_the_same_command_resumes_it(tmp_path):
     # the file at cpu-tiny, shortened further: 16 main steps (a checkpoint every 8), 4-step branches, and a BPE of
     # 512 tokens instead of GPT-2's 50,304 (whose output layer would dominate a CPU step; tests/test_files_source.py
