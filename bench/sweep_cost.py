@@ -66,7 +66,10 @@ def main() -> None:
     a = ap.parse_args()
     small, large = (2, 6) if a.quick else (5, 20)
     if a.checkpoints:
-        small, large = (int(x) for x in a.checkpoints.split(","))
+        parts = a.checkpoints.split(",")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts) or not 0 < int(parts[0]) < int(parts[1]):
+            ap.error(f"--checkpoints takes SMALL,LARGE with 0 < SMALL < LARGE (e.g. 1,2), not {a.checkpoints!r}")
+        small, large = int(parts[0]), int(parts[1])
     steps = 2 * large  # a checkpoint every 2 steps
     if a.quick:
         a.windows = min(a.windows, 16)
