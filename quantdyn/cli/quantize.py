@@ -47,7 +47,8 @@ def quantize(
                                   panel=OUTPUT),
     save: Optional[Path] = typer.Option(None, "--save", hidden=True, help="Old spelling of --out."),
     export: Optional[str] = typer.Option(None, "--export", help="Write --out as a deployable checkpoint: gptq | "
-                                         "compressed-tensors.", rich_help_panel=OUTPUT),
+                                         "compressed-tensors | gguf (one .gguf file for llama.cpp; with a GGUF "
+                                         "quantizer such as q4_k_m).", rich_help_panel=OUTPUT),
     export_option: Optional[List[str]] = typer.Option(None, "--export-option", help="KEY=VALUE option of the export "
                                                       "format (repeatable): checkpoint_format=gptq_v2, "
                                                       "scale_dtype=float16.", rich_help_panel=OUTPUT),
