@@ -182,6 +182,21 @@ def record(bench: str, figures: dict[str, Any], args: Any = None) -> dict[str, A
 
 
 # ------------------------------------------------------------------ runner
+
+def crosscheck_setup(out: str | Path):
+    """The cross-checks' shared start: the output folder (created), at most 2 threads (as on the CI machine), and
+    KJV tokenized with a 512-token BPE (400k tokens). Returns (out, prepared data)."""
+    import torch
+
+    from quantdyn.data.prepare import DataConfig, prepare_data
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    data = prepare_data(DataConfig(source="builtin:kjv", tokenizer="bpe:512", max_tokens=400_000,
+                                   bpe_train_chars=400_000), progress=False)
+    return out, data
+
 def benchmarks() -> list[Path]:
     return [p for p in sorted(HERE.glob("*.py")) if p.name not in NOT_BENCHMARKS and not p.name.startswith(SEPARATE)]
 

@@ -38,7 +38,6 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from quantdyn.data.prepare import DataConfig, prepare_data  # noqa: E402
 from quantdyn.engine.walk import quantize_model  # noqa: E402
 
 
@@ -135,12 +134,9 @@ def main() -> int:
         print("crosscheck_awq: skipped, llmcompressor is not installed here (it needs its own environment)")
         return 0
     import transformers
+    from common import crosscheck_setup  # bench/common.py (this directory is on sys.path)
 
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
-    data = prepare_data(DataConfig(source="builtin:kjv", tokenizer="bpe:512", max_tokens=400_000,
-                                   bpe_train_chars=400_000), progress=False)
+    out, data = crosscheck_setup(a.out)
     t0 = time.perf_counter()
     fp = train_tiny_llama(data, a.steps, a.seq_len)
     train_s = time.perf_counter() - t0

@@ -40,7 +40,6 @@ import torch.nn.functional as F  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from quantdyn.data.prepare import DataConfig, prepare_data  # noqa: E402
 from quantdyn.engine.walk import quantize_model  # noqa: E402
 from quantdyn.export import read_export  # noqa: E402
 from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config  # noqa: E402
@@ -144,13 +143,10 @@ def main() -> int:
         print("crosscheck_gptqmodel: skipped, gptqmodel is not installed here; run `make crosscheck`")
         return 0
     import transformers
+    from common import crosscheck_setup  # bench/common.py (this directory is on sys.path)
     from transformers import AutoModelForCausalLM
 
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
-    data = prepare_data(DataConfig(source="builtin:kjv", tokenizer="bpe:512", max_tokens=400_000,
-                                   bpe_train_chars=400_000), progress=False)
+    out, data = crosscheck_setup(a.out)
     t0 = time.perf_counter()
     model = train_tiny(data, a.steps, a.seq_len)
     train_s = time.perf_counter() - t0

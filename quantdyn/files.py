@@ -15,7 +15,9 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
+
+from quantdyn.errors import QuantdynError
 
 
 def current_umask() -> int:
@@ -86,3 +88,11 @@ def write_text_atomic(path: Path, text: str) -> None:
 def write_json_atomic(path: Path, data) -> None:
     """Write ``data`` as indented JSON to ``path`` atomically."""
     write_text_atomic(path, json.dumps(data, indent=2, sort_keys=False, default=str))
+
+
+def read_json(path: Path, fix: str) -> Any:
+    """The JSON in ``path``; a file that is not valid JSON is one error line naming it and ``fix`` (what to do)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError:
+        raise QuantdynError(f"'{path}' is not valid JSON; {fix}") from None

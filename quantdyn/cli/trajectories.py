@@ -7,15 +7,6 @@ from quantdyn.cli import options as opt
 from quantdyn.cli.app import command, echo_json
 
 
-def _count(v: int | None) -> str:
-    if v is None:
-        return "?"
-    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if v >= div:
-            return f"{v / div:.4g}{unit}"
-    return str(v)
-
-
 def _revisions_known(p) -> str:
     n = len(p.revisions.all_names())
     if p.revisions.complete:
@@ -40,6 +31,7 @@ def trajectories(
     The list gives each preset's family, size, revisions known and schedule in one line. Sweep one with `quantdyn sweep --preset NAME [--every N | --log-spaced K | --tokens-range A:B] [--dry-run]`,
     or in a sweep spec: `trajectory: {preset: NAME, select: {log_spaced: 12}}`."""
     from quantdyn.sources.presets import get_preset, load_presets
+    from quantdyn.sources.trajectory import format_count
     from quantdyn.train.schedules import lr_text
 
     if name:
@@ -60,7 +52,7 @@ def trajectories(
     table = [("preset", "family", "size", "revisions", "tokens/step", "peak LR", "repo", "schedule")]
     for r, p in zip(rows, (get_preset(r["preset"]) for r in rows)):
         repo = (p.repos[0] + (f" (+{len(p.repos) - 1})" if len(p.repos) > 1 else "")) if p.repos else "(give --hub)"
-        table.append((r["preset"], r["family"], r["size"], _revisions_known(p), _count(p.tokens_per_step),
+        table.append((r["preset"], r["family"], r["size"], _revisions_known(p), format_count(p.tokens_per_step),
                       "?" if p.peak_lr is None else lr_text(p.peak_lr), repo,
                       r["schedule"]))
     widths = [max(len(row[k]) for row in table) for k in range(len(table[0]) - 1)]
@@ -70,6 +62,7 @@ def trajectories(
 
 
 def _detail(p) -> list[str]:
+    from quantdyn.sources.trajectory import format_count
     from quantdyn.train.schedules import describe_phase, describe_schedule
 
     out = [f"{p.name}: {p.description}", f"  repos: {', '.join(p.repos) or '(none: give --hub with the run id)'}",
@@ -95,7 +88,7 @@ def _detail(p) -> list[str]:
         out.append(f"  {label} (over {sched.unit}):")
         for ph in sched.phases:
             horizon = ("" if ph.shape == "constant" or not ph.floor else
-                       f" (the {ph.shape} aims at {ph.lr_end:g} at {_count(int(ph.end))}; min LR {ph.floor:g})")
+                       f" (the {ph.shape} aims at {ph.lr_end:g} at {format_count(int(ph.end))}; min LR {ph.floor:g})")
             shape = f" ({ph.shape})" if ph.label != ph.shape else ""
             out.append(f"    {describe_phase(ph)}{shape}{horizon}")
     for s in p.stages:

@@ -43,7 +43,7 @@ import yaml
 
 from quantdyn.config import check_config_key, from_dict, load_yaml, parse_override, set_dotted, to_dict
 from quantdyn.errors import QuantdynError, did_you_mean
-from quantdyn.files import write_json_atomic, write_text_atomic
+from quantdyn.files import read_json, write_json_atomic, write_text_atomic
 from quantdyn.launch.slurm import SlurmConfig, array_script, run_command, submit
 from quantdyn.monitor import hooks_for
 from quantdyn.runtime import git_sha
@@ -248,10 +248,7 @@ def read_grid(grid_dir: str | Path) -> dict:
     p = Path(grid_dir) / MANIFEST
     if not p.is_file():
         raise QuantdynError(f"'{grid_dir}' is not a grid directory (no {MANIFEST}); create it with `quantdyn grid`")
-    try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError:
-        raise QuantdynError(f"'{p}' is corrupt (invalid JSON); delete the grid directory and create it again") from None
+    return read_json(p, "delete the grid directory and create it again")
 
 
 def format_grid(manifest: dict) -> str:

@@ -20,7 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from quantdyn.errors import QuantdynError
-from quantdyn.files import atomic_dir
+from quantdyn.files import atomic_dir, read_json
 from quantdyn.models.gpt import GPT, ModelConfig
 
 WEIGHTS = "model.safetensors"
@@ -104,10 +104,7 @@ def read_config_json(path: Path) -> dict:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise QuantdynError(f"'{path}' has no config.json; pass a checkpoint directory (HF format)")
-    try:
-        return json.loads(cfg_file.read_text())
-    except json.JSONDecodeError:
-        raise QuantdynError(f"'{cfg_file}' is not valid JSON; the checkpoint is corrupt — re-export it") from None
+    return read_json(cfg_file, "the checkpoint is corrupt — re-export it")
 
 
 def load_gpt(path: str | Path, map_location: str | torch.device = "cpu") -> GPT:

@@ -456,7 +456,8 @@ def plan_points(t: TrajectoryConfig) -> PointList:
     return PointList(plan.points, plan.skipped)
 
 
-def _fmt_tokens(v: int | None) -> str:
+def format_count(v: int | None) -> str:
+    """A token or step count with a unit: 1.43K, 2.5B, ? for unknown."""
     if v is None:
         return "?"
     for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
@@ -477,7 +478,7 @@ def dry_run_lines(points: list[Point], skipped: list[tuple[str, str]] | None = N
         phase = p.phase or "?"
         dec = "  decaying" if p.decaying else ""
         branch = "" if p.branch == "main" else f"  [{p.branch}]"
-        lines.append(f"{p.revision or p.ref:<{width}}  step {step:>9}  tokens {_fmt_tokens(p.tokens):>8}  "
+        lines.append(f"{p.revision or p.ref:<{width}}  step {step:>9}  tokens {format_count(p.tokens):>8}  "
                      f"lr {lr:>9}  phase {phase}{dec}{branch}")
     lines += [f"skipped {name}: {reason}" for name, reason in skipped]
     return lines
