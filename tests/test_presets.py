@@ -418,20 +418,26 @@ def test_evict_revision_frees_one_revision_through_huggingface_hub(hf_cache, mon
     assert all(torch.equal(got[k if k in got else head[k]], w) for k, w in want.items())  # step1000's own weights
 
 
-def test_sweep_over_a_preset_offline_rows_carry_the_presets_step_tokens_lr(hf_cache, monkeypatch, tmp_path):
-    from quantdyn.results.store import ResultStore
-    from quantdyn.sweep.sweep import SweepConfig, SweepDataConfig, run_sweep
-
-    point_hf_at(monkeypatch, hf_cache, offline=True)
+def _kjv_text(tmp_path):
+    """The first ~150k characters of the KJV as one text file (the sweeps' calibration and evaluation text)."""
     from quantdyn.data.sources import kjv_documents
 
-    text = tmp_path / "kjv.txt"
     docs = []
     for d in kjv_documents():
         docs.append(d)
         if sum(map(len, docs)) > 150_000:
             break
+    text = tmp_path / "kjv.txt"
     text.write_text("\n\n".join(docs))
+    return text
+
+
+def test_sweep_over_a_preset_offline_rows_carry_the_presets_step_tokens_lr(hf_cache, monkeypatch, tmp_path):
+    from quantdyn.results.store import ResultStore
+    from quantdyn.sweep.sweep import SweepConfig, SweepDataConfig, run_sweep
+
+    point_hf_at(monkeypatch, hf_cache, offline=True)
+    text = _kjv_text(tmp_path)
     cfg = SweepConfig(trajectory=TrajectoryConfig(preset="pythia-160m", revisions=("step1000", "step2000")),
                       quantizers=("rtn4",), store=str(tmp_path / "store"), device="cpu",
                       data=SweepDataConfig(source=str(text), calib_samples=4, calib_seq_len=32, eval_windows=8,
@@ -453,17 +459,10 @@ def test_sweep_over_a_preset_offline_rows_carry_the_presets_step_tokens_lr(hf_ca
 def test_sweep_cli_preset_evict_dry_run_and_offline_rerun(hf_cache, monkeypatch, tmp_path, capsys):
     """`sweep --preset ... --evict`: rows stored, each measured revision deleted from the cache except the
     tokenizer's; an offline rerun needs nothing it deleted; --dry-run plans without reading weights."""
-    from quantdyn.data.sources import kjv_documents
     from quantdyn.results.store import ResultStore
 
     point_hf_at(monkeypatch, hf_cache, offline=True)
-    text = tmp_path / "kjv.txt"
-    docs = []
-    for d in kjv_documents():
-        docs.append(d)
-        if sum(map(len, docs)) > 150_000:
-            break
-    text.write_text("\n\n".join(docs))
+    text = _kjv_text(tmp_path)
     spec = tmp_path / "spec.yaml"
     spec.write_text(f"quantizers: [rtn4]\ndevice: cpu\nstore: {tmp_path / 'store'}\n"
                     f"data: {{source: {text}, calib_samples: 4, calib_seq_len: 32, eval_windows: 8, eval_seq_len: 32}}\n")
