@@ -22,7 +22,7 @@ Train and monitor
 Sweep, study, results, report
     SweepConfig, run_sweep(cfg); StudySpec, load_study_spec(path), run_study(spec)
     ResultStore(path).rows(); load_results(store) -> pandas.DataFrame; to_parquet(store, path)
-    write_report(store_or_run_dir, out_dir)
+    write_report(store_or_run_dir, out_dir)  -> index.html, opening with the findings' verdicts the rows allow
 Configs
     load_yaml(path), apply_overrides(dict, ["a.b=1"]), from_dict(cls, dict)
 Errors
@@ -45,11 +45,11 @@ from quantdyn.errors import QuantdynError
 from quantdyn.models.hf_io import load_causal_lm, load_gpt, save_hf
 from quantdyn.monitor import PTQMonitor, hooks_for
 from quantdyn.quantize.config import QuantConfig, parse_quantizer
-from quantdyn.report.html import write_report
 from quantdyn.results.store import ResultStore
 from quantdyn.results.tables import load as load_results
 from quantdyn.results.tables import to_parquet
 from quantdyn.studies.pipeline import run_study
+from quantdyn.studies.section import write_report_with_findings as write_report
 from quantdyn.studies.spec import StudySpec, load_study_spec
 from quantdyn.sweep.quantize_one import QuantizeResult
 from quantdyn.sweep.quantize_one import quantize_one as quantize_checkpoint

@@ -72,7 +72,9 @@ def test_report_links_csv_and_svg_beside_every_figure_and_lists_provenance(tmp_p
     assert {"difference", "difference_eval_se", "difference_run_se", "difference_se", "z", "exceeds_uncertainty",
             "dominant"} <= set(cols)
     # provenance: what wrote the report, and every hash of the rows
-    prov = page[page.index("<section id='provenance'>"):page.index("</section>")]
+    start = page.index("<section id='provenance'>")
+    prov = page[start:page.index("</section>", start)]
+    assert page.index("<section id='contents'>") < page.index("<section id='uncertainty'>") < start  # at the end
     for v in ("evalhash0001", "evalhash0002", "calibhash001", "datakey-0abc", "cfg-gptq3", "cfg-rtn4", "cfg-rtn2",
               "0123456789ab", "fedcba987654", "cpu test x2", "NVIDIA H100 x1", metadata.version("quantdyn"), git_sha(),
               hardware()):
@@ -151,8 +153,8 @@ def test_report_of_a_monitored_run_beside_its_sweep(tmp_path, kjv_small, cli, mo
     labels = [a.get_ylabel() for a in mon_fig.axes]
     panels = [x for x in labels if x and x != "LR"]
     assert "Δ CE (nats)" in panels and "FP loss (nats)" in panels
-    # the LR overlaid on every panel, labelled once per row of two panels (on the right)
-    assert labels.count("LR") == -(-len(panels) // 2)
+    # the LR overlaid on every panel, each with its own LR axis
+    assert labels.count("LR") == len(panels)
     assert any(a.get_xlabel() == "tokens" for a in mon_fig.axes)  # on the bottom row, with steps on a second axis
     assert any(c.get_xlabel() == "step" for a in mon_fig.axes for c in a.child_axes)
     assert errorbar_halfwidths(ax, "rtn2") == pytest.approx([r["ptq/rtn2/delta_ce_se"] for r in logged])

@@ -2,8 +2,9 @@
 numbers behind it; every figure is page-wide and written as PNG (print dpi) and SVG (``output.save_figure``).
 
   metric_panels  FP loss, Δ CE, Δ CE / CE(FP), Δ PPL, KL and top-1 agreement against tokens, one panel per
-                 metric, one colour per quantizer, LR overlaid: the trajectory figure of a sweep's rows
-                 (:func:`trajectory`) and of a monitored run's metrics.jsonl (``monitored.py``) alike
+                 metric (or per group of quantizers of similar size, :func:`y_layout`), one colour per
+                 quantizer, the LR overlaid with its axis on every panel: the trajectory figure of a sweep's
+                 rows (:func:`trajectory`) and of a monitored run's metrics.jsonl (``monitored.py``) alike
   rainbow        cooldown branches' Δ CE against tokens, one colour per branch,
                  constant-LR controls dashed beside them (paper A, Fig. 5)
   loss_vs_dce    Δ CE against FP loss, one marker per run/branch (paper A, Fig. 6)
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,7 +66,7 @@ class Metric:
     se: Callable[[dict], float] | None = None
     """Its error bar, or None."""
     log_ok: bool = True
-    """Whether a log y axis may be used (values positive and spanning more than LOG_SPAN)."""
+    """Whether a log y axis may be used (see :func:`y_layout`)."""
 
 
 METRICS: tuple[Metric, ...] = (
@@ -76,9 +77,46 @@ METRICS: tuple[Metric, ...] = (
     Metric("top1_agree", "top-1 agreement with FP", lambda p: p.get("top1_agree"), log_ok=False),
 )
 """The error metrics a PTQ row stores, in panel order."""
-LOG_SPAN = 30.0
-"""A panel whose positive values span more than this factor is drawn on a log y axis (quantizers of very
-different error then share it, and a relative change looks the same for each)."""
+SHARED_SPREAD = 5.0
+"""The largest ratio between the sizes of quantizers' values (each quantizer's largest |value|) that one linear
+axis shows: beyond it the smaller curves fill less than a fifth of the panel and read as flat lines at zero."""
+
+
+@dataclass(frozen=True)
+class YLayout:
+    """How one metric's curves share panels (:func:`y_layout`)."""
+
+    scale: str
+    """'linear' or 'log'."""
+    groups: tuple[tuple[str, ...], ...]
+    """The quantizers of each panel, in the caller's order; more than one group: small multiples."""
+
+
+def y_layout(values: Mapping[str, Sequence[float]], log_ok: bool = True) -> YLayout:
+    """The rule that keeps a quantizer that dwarfs the others from flattening them. With m_q the largest |value| of
+    quantizer q and spread = max m_q / min m_q (over quantizers with m_q > 0):
+
+    * spread <= SHARED_SPREAD: one panel, linear;
+    * else, when every value is > 0 (and the metric allows it): one panel on a log axis, where each curve keeps
+      its relative changes at the same height whatever its size;
+    * else (a value <= 0, which a log axis cannot show): small multiples — the quantizers in decreasing size,
+      a new panel whenever the next one is smaller than 1/SHARED_SPREAD of its panel's largest, each panel linear
+      with its own y scale (so within every panel the spread is at most SHARED_SPREAD; a quantizer whose values
+      are all 0 joins the last panel)."""
+    qs = [q for q, vs in values.items() if len(vs)]
+    mag = {q: max(abs(float(v)) for v in values[q]) for q in qs}
+    pos = [m for m in mag.values() if m > 0]
+    if len(pos) < 2 or max(pos) / min(pos) <= SHARED_SPREAD:
+        return YLayout("linear", (tuple(qs),) if qs else ())
+    if log_ok and all(float(v) > 0 for q in qs for v in values[q]):
+        return YLayout("log", (tuple(qs),))
+    groups: list[list[str]] = []
+    for q in sorted(qs, key=lambda q: -mag[q]):
+        if groups and (mag[q] == 0 or mag[q] * SHARED_SPREAD >= mag[groups[-1][0]]):
+            groups[-1].append(q)
+        else:
+            groups.append([q])
+    return YLayout("linear", tuple(tuple(sorted(g, key=qs.index)) for g in groups))
 
 
 def _plain(v: float, _pos=None) -> str:
@@ -119,7 +157,9 @@ def trajectory_table_row(q: str, p: dict) -> dict:
 def metric_panels(fp: list[dict], series: dict[str, list[dict]], lr_curve: list[tuple[float, float]], out: Path,
                   title: str, palette: Palette | None = None, metrics: tuple[Metric, ...] = METRICS) -> list[dict]:
     """FP loss and every error metric the points carry against tokens (steps when tokens are missing), one
-    panel per metric wrapped two to a row, one colour per quantizer, the LR overlaid in grey.
+    panel per metric wrapped two to a row, one colour per quantizer, the LR overlaid in grey on every panel
+    with its own axis. Quantizers of very different size share a panel by :func:`y_layout`'s rule: linear, a
+    log axis, or small multiples (the metric's panel split by size, each with its own y scale).
 
     ``fp``: points with ce_fp (± ce_fp_se); ``series``: {quantizer: points with the metric values and their
     uncertainties}.  Writes ``out`` (.png and .svg) and returns the table behind it (FP rows have quantizer
@@ -129,8 +169,13 @@ def metric_panels(fp: list[dict], series: dict[str, list[dict]], lr_curve: list[
     qpts = [p for pts in series.values() for p in pts]
     allpts = qpts + list(fp)
     x_key = _x_key(allpts)
-    shown = [m for m in metrics if any(m.value(p) is not None for p in qpts)]
-    panels: list = (["fp"] if fp else []) + shown
+    panels: list = [("fp", (), "linear", False)] if fp else []
+    for m in metrics:
+        values = {q: [v for p in series[q] if (v := m.value(p)) is not None] for q in qs}
+        if not any(values.values()):
+            continue
+        lay = y_layout(values, m.log_ok)
+        panels += [(m, g, lay.scale, len(lay.groups) > 1) for g in lay.groups]
     cols = 2 if len(panels) > 2 else max(1, len(panels))
     top = 0.3  # the legend under the title (tight_layout leaves room for the title itself)
     fig, axes = panel_grid(len(panels), max_cols=cols, panel_height=2.15 if len(panels) > cols else 2.6,
@@ -139,7 +184,7 @@ def metric_panels(fp: list[dict], series: dict[str, list[dict]], lr_curve: list[
               "ce_fp": p["ce_fp"], "ce_fp_se": p.get("ce_fp_se")} for p in fp]
     for q in qs:
         table += [trajectory_table_row(q, p) for p in series[q]]
-    for k, (ax, panel) in enumerate(zip(axes, panels)):
+    for ax, (panel, group, scale, split) in zip(axes, panels):
         if panel == "fp":
             pts = sorted(fp, key=lambda p: p[x_key])
             ax.errorbar([p[x_key] for p in pts], [p["ce_fp"] for p in pts],
@@ -147,23 +192,21 @@ def metric_panels(fp: list[dict], series: dict[str, list[dict]], lr_curve: list[
                         capsize=1.5)
             ax.set_ylabel("FP loss (nats)", fontsize=8)
         else:
-            vals = []
-            for q in qs:
+            for q in group:
                 pts = sorted((p for p in series[q] if panel.value(p) is not None), key=lambda p: p[x_key])
-                ys = [panel.value(p) for p in pts]
-                vals += ys
                 yerr = [panel.se(p) for p in pts] if panel.se else None
-                ax.errorbar([p[x_key] for p in pts], ys, yerr=yerr, fmt="o-", color=palette.quantizer(q), ms=2.5,
-                            lw=1.1, capsize=1.5, label=q)
-            pos = [v for v in vals if v is not None]
-            if panel.log_ok and pos and min(pos) > 0 and max(pos) / min(pos) > LOG_SPAN:
+                ax.errorbar([p[x_key] for p in pts], [panel.value(p) for p in pts], yerr=yerr, fmt="o-",
+                            color=palette.quantizer(q), ms=2.5, lw=1.1, capsize=1.5, label=q)
+            if scale == "log":
                 ax.set_yscale("log")
                 # plain numbers (0.1, 1, 10), not mathtext powers: easier to read and much cheaper to draw
                 ax.yaxis.set_major_formatter(FuncFormatter(_plain))
                 ax.yaxis.set_minor_formatter(FuncFormatter(_plain_2_5))
                 ax.tick_params(axis="y", which="minor", labelsize=6)
-            ax.set_ylabel(panel.label + (" (log)" if ax.get_yscale() == "log" else ""), fontsize=8)
-        overlay_lr(ax, [sorted(lr_curve)], label=(k % cols == cols - 1) or k == len(panels) - 1)
+            ax.set_ylabel(panel.label + (" (log)" if scale == "log" else ""), fontsize=8)
+            if split:  # small multiples: say whose panel it is
+                ax.legend(fontsize=6, loc="best", handlelength=1.2, borderpad=0.3, labelspacing=0.2, framealpha=0.8)
+        overlay_lr(ax, [sorted(lr_curve)])
         _style(ax)
         if x_key == "tokens":
             tokens_axis(ax)
@@ -181,7 +224,7 @@ def metric_panels(fp: list[dict], series: dict[str, list[dict]], lr_curve: list[
     if fp:
         handles.insert(0, Line2D([], [], color=FP_COLOR, marker="o", ms=3, lw=1.1, label="FP"))
     if lr_curve:
-        handles.append(Line2D([], [], **LR_STYLE, label="LR"))
+        handles.append(Line2D([], [], **LR_STYLE, label="LR (right axis)"))
     fig.suptitle(title, fontsize=10, y=0.995)
     fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 1 - 0.25 / fig.get_figheight()),
                ncol=min(8, len(handles)), fontsize=7, frameon=False)
@@ -438,6 +481,7 @@ def seeds(rows: list[dict], family: str, runs: list[str], out: Path, palette: Pa
 
 __all__ = [
     "METRICS",
+    "SHARED_SPREAD",
     "PAGE_WIDTH",
     "Metric",
     "averaging_vs_decay",
@@ -450,4 +494,6 @@ __all__ = [
     "seeds",
     "trajectory",
     "varied_key",
+    "y_layout",
+    "YLayout",
 ]

@@ -17,6 +17,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator
 
 from quantdyn.files import current_umask
 from quantdyn.report.palette import LR_COLOR
@@ -70,12 +71,14 @@ def bottom_axes(axes: list, n_cols: int) -> list:
 
 LR_STYLE = {"color": LR_COLOR, "lw": 1.0, "ls": "-", "alpha": 0.8}
 """How every figure draws the LR (grey, behind the data)."""
+LR_TEXT = "0.4"
+"""The colour of the LR axis's ticks and label (a darker grey than the line, to be read)."""
 
 
-def overlay_lr(ax, curves, label: bool = True):
-    """The LR curves ([(x, lr), ...], the first solid, any others dashed) against the panel's x on one twin
-    axis, behind the data; its ticks labelled only when ``label``. Returns the twin axis (None without
-    curves)."""
+def overlay_lr(ax, curves):
+    """The LR curves ([(x, lr), ...], the first solid, any others dashed) against the panel's x on a twin axis
+    of its own, behind the data, with its scale: ticks and an "LR" label on the right (every panel that draws
+    the LR carries its axis). Returns the twin axis (None without curves)."""
     curves = [c for c in curves if c]
     if not curves:
         return None
@@ -86,11 +89,10 @@ def overlay_lr(ax, curves, label: bool = True):
     ax2.set_ylim(bottom=0)
     ax.set_zorder(ax2.get_zorder() + 1)  # the data in front of the LR
     ax.patch.set_visible(False)
-    if label:
-        ax2.set_ylabel("LR", color="0.45", fontsize=7)
-        ax2.tick_params(axis="y", labelsize=6, colors="0.45")
-    else:
-        ax2.tick_params(axis="y", right=False, labelright=False)
+    ax2.set_ylabel("LR", color=LR_TEXT, fontsize=7, labelpad=2)
+    ax2.tick_params(axis="y", labelsize=6, colors=LR_TEXT, pad=1.5)
+    ax2.yaxis.get_offset_text().set(fontsize=6, color=LR_TEXT)
+    ax2.yaxis.set_major_locator(MaxNLocator(4))
     return ax2
 
 
@@ -124,15 +126,20 @@ def _write_bytes_atomic(path: Path, data: bytes) -> None:
         raise
 
 
+def layout_figure(fig, top: float = 0.0, bottom: float = 0.0) -> None:
+    """Lay ``fig`` out (tight_layout), leaving ``top``/``bottom`` inches free for a figure legend or title."""
+    h = fig.get_figheight()
+    fig.tight_layout(rect=(0, min(0.4, bottom / h), 1, 1 - min(0.4, top / h)))
+
+
 def save_figure(fig, out: str | Path, top: float = 0.0, bottom: float = 0.0) -> list[Path]:
-    """Lay ``fig`` out (leaving ``top``/``bottom`` inches free for a figure legend or title), write it as
-    ``<stem>.png`` (PRINT_DPI) and ``<stem>.svg``, each atomically, and close it.
+    """Lay ``fig`` out (:func:`layout_figure`), write it as ``<stem>.png`` (PRINT_DPI) and ``<stem>.svg``, each
+    atomically, and close it.
 
     ``out`` may carry a .png/.svg suffix or none.  SVGs carry no date, so the same figure gives the same
     file.  Returns the paths written (PNG first)."""
     paths = figure_paths(out)
-    h = fig.get_figheight()
-    fig.tight_layout(rect=(0, min(0.4, bottom / h), 1, 1 - min(0.4, top / h)))
+    layout_figure(fig, top, bottom)
     try:
         for p in paths:
             buf = io.BytesIO()

@@ -203,8 +203,8 @@ def error_vs_tokens(rows: list[dict], run: str, out: Path, quantizers: list[str]
         ax.set_ylabel(label, fontsize=8)
     fig.suptitle(f"{_label(run, pre)}: quantization error along training (filled = LR decaying)", fontsize=10)
     axes[0].legend(fontsize=7, loc="upper left")
-    for k, ax in enumerate(axes):
-        overlay_lr(ax, [c for _, c in curves], label=(k % cols == cols - 1) or k == len(axes) - 1)
+    for ax in axes:
+        overlay_lr(ax, [c for _, c in curves])
         ax.grid(alpha=0.3)
         ax.tick_params(labelsize=7)
     log = _log_x([r["tokens"] for r in pts])
@@ -246,7 +246,7 @@ def families_side_by_side(rows: list[dict], out: Path, runs: list[str] | None = 
                 table.append({"run": run, "preset": pre.name if pre else None, "quantizer": q,
                               "branch": r.get("branch") or "main", "tokens": r["tokens"], "lr": r.get("lr"),
                               "rel_delta_ce": rel_delta_ce(r), "delta_ce": r["delta_ce"]})
-        overlay_lr(ax, [c for _, c in lr_curves(pre, pts)[:1]], label=k % cols == cols - 1 or k == len(runs) - 1)
+        overlay_lr(ax, [c for _, c in lr_curves(pre, pts)[:1]])
         ax.set_title(_label(run, pre), fontsize=9)
         ax.set_xlabel("tokens", fontsize=8)
         _tokens_axis(ax)

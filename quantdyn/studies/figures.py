@@ -1,33 +1,31 @@
-"""The findings' own figures (matplotlib, PNG), drawn from the detail tables of findings.py.
+"""The findings' own figures (matplotlib; PNG and SVG, report/output.py's save_figure), drawn from the detail
+tables of findings.py.
 
   peak_lr     Δ CE against FP loss per peak LR (each run faint, the matched levels marked)   paper A (b)
   averaging   averages minus the decayed endpoint: Δ CE and CE of the quantized model          paper A (c)
   sharpness   Hessian trace (± SE), top eigenvalue and Δ CE against tokens, main / cooldown / control  (d)
   predictors  Spearman ρ of each metric with Δ CE, bootstrap intervals                          paper B
-  overview    every finding: z = effect / uncertainty, or ρ with its interval, coloured by verdict
+  overview    every finding, full labels, coloured by verdict with a legend: the effect as a percentage of its
+              reference (± 2 × uncertainty) with its nats and z beside it, or z, or ρ with its interval
 Each function returns whether it drew anything.
 """
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.lines import Line2D
 
+from quantdyn.report.output import PAGE_WIDTH, save_figure
 from quantdyn.results.schema import MAIN, is_cooldown, parse_branch
-from quantdyn.results.stats import NOT_RESOLVED, OPPOSITE, REPRODUCED
+from quantdyn.results.stats import NOT_RESOLVED, OPPOSITE, REPRODUCED, format_estimate, format_interval
 
 _MARKERS = "osD^v<>pP*hX"
-
-
-def _save(fig, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
 
 
 def _quantizers(detail: list[dict]) -> list[str]:
@@ -67,7 +65,7 @@ def peak_lr(detail: list[dict], out: Path) -> bool:
         ax.tick_params(labelsize=7)
     axes[0, 0].set_ylabel("Δ CE", fontsize=8)
     axes[0, -1].legend(fontsize=7)
-    _save(fig, out)
+    save_figure(fig, out)
     return True
 
 
@@ -98,7 +96,7 @@ def averaging(detail: list[dict], out: Path) -> bool:
             ax.grid(alpha=0.3, axis="x")
     axes[-1, 0].set_xlabel("difference (nats); < 0: the average is better", fontsize=8)
     axes[-1, 1].set_xlabel("difference (nats); < 0: the average is better", fontsize=8)
-    _save(fig, out)
+    save_figure(fig, out)
     return True
 
 
@@ -140,7 +138,7 @@ def sharpness(detail: list[dict], out: Path) -> bool:
     axes[1, 0].set_ylabel("top eigenvalue", fontsize=8)
     axes[2, 0].set_ylabel(f"Δ CE {q}", fontsize=8)
     axes[0, 0].legend(fontsize=6)
-    _save(fig, out)
+    save_figure(fig, out)
     return True
 
 
@@ -170,51 +168,155 @@ def predictors(findings: list[dict], out: Path) -> bool:
     ax.set_xlim(-1.05, 1.05)
     ax.grid(alpha=0.3, axis="x")
     ax.legend(fontsize=7)
-    _save(fig, out)
+    save_figure(fig, out)
     return True
 
 
+VERDICT_COLOURS = {REPRODUCED: "#1a7f37", OPPOSITE: "#b42318", NOT_RESOLVED: "#6e6e6e"}
+"""The verdict colours (the report's TONES)."""
+VERDICT_LEGEND = {REPRODUCED: "reproduced: resolved (|z| > {z:g}) with the paper's sign",
+                  OPPOSITE: "opposite: resolved (|z| > {z:g}) against the paper's sign",
+                  NOT_RESOLVED: "not resolved at this scale (|z| ≤ {z:g})"}
+LABEL_WIDTH = 44
+"""Characters per line of a finding's label (labels wrap, never cut)."""
+
+
+def finding_label(f: dict, with_family: bool = False) -> str:
+    """A finding's full label: quantizer and cooldown branch for a decay finding (with the seed family when
+    several share the figure), else quantizer, metric and comparison; wrapped at LABEL_WIDTH, never cut."""
+    q = f"{f['quantizer']} · " if f.get("quantizer") else ""
+    if f.get("family") == "decay" and f.get("branch"):
+        fam = f"{f['seed_family']} · " if with_family and f.get("seed_family") else ""
+        return fam + q + f["branch"]
+    return "\n".join(textwrap.wrap(f"{q}{f['metric']}: {f['comparison']}", LABEL_WIDTH))
+
+
+def _kind(f: dict) -> str | None:
+    """How a finding is drawn: 'rel' (percent of its reference), 'z', 'rho' (an interval), or None (no number)."""
+    if f.get("effect") is None:
+        return None
+    if f.get("interval_lo") is not None:
+        return "rho"
+    if f.get("se") is None or f["se"] <= 0:
+        return None
+    return "rel" if (f.get("baseline") or 0) > 0 else "z"
+
+
+def _numbers(f: dict, kind: str) -> str:
+    """The right-hand label of a finding: effect ± uncertainty (nats), z; or ρ [interval]."""
+    if kind == "rho":
+        return format_interval(f["effect"], f["interval_lo"], f["interval_hi"])
+    e, s, z = format_estimate(f["effect"], f["se"], f.get("z_threshold") or 2.0)
+    unit = " nats" if f.get("metric") in ("Δ CE", "CE(quantized)") else ""
+    return f"{e} ± {s}{unit}, z {z}"
+
+
+def _span(rows: list[dict], kind: str, zt: float) -> tuple[float, float]:
+    """The x range of a panel: every point, 0, and the bars of the resolved findings (an unresolved bar may run
+    off the panel: it crosses 0 whatever its length, and drawing it whole would flatten every other row)."""
+    xs = [0.0]
+    for f in rows:
+        x, half = _x(f, kind, zt)
+        xs.append(x)
+        if f["verdict"] != NOT_RESOLVED and half is not None:
+            xs += [x - half, x + half]
+    lo, hi = min(xs), max(xs)
+    pad = 0.08 * (hi - lo or 1.0)
+    return lo - pad, hi + pad
+
+
+def _x(f: dict, kind: str, zt: float) -> tuple[float, float | None]:
+    """(x, half width of its bar) of a finding in its panel's units."""
+    if kind == "rel":
+        scale = 100.0 / f["baseline"]
+        return f["effect"] * scale, zt * f["se"] * scale
+    if kind == "z":
+        return f["effect"] / f["se"], None
+    return f["effect"], None
+
+
+PANEL_TEXT = {
+    "rel": ("{claim}: each effect as a percentage of {ref}",
+            "effect, % of the reference (bar: ± {z:g} × uncertainty; a bar across 0 is not resolved)"),
+    "z": ("{claim}: z = effect / uncertainty", "z (grey band: |z| ≤ {z:g}, not resolved)"),
+    "rho": ("{claim}: correlations", "Spearman ρ (or a difference of ρ) with its 95 % bootstrap interval"),
+}
+
+
 def overview(findings: list[dict], out: Path) -> bool:
-    """Every finding at a glance: SE-based effects as z = effect / uncertainty (the band |z| <= 2 is "not
-    resolved"; ticks: the single seeds), correlations as ρ with their bootstrap interval; colour = verdict."""
-    colour = {REPRODUCED: "#1a7f37", OPPOSITE: "#b42318", NOT_RESOLVED: "0.45"}
-    zs = [f for f in findings if f.get("se") is not None and f.get("effect") is not None and f["se"] > 0]
-    cs = [f for f in findings if f.get("interval_lo") is not None and f.get("effect") is not None]
-    panels = [(rows, key) for rows, key in ((zs, "z"), (cs, "rho")) if rows]
-    if not panels:
+    """Every finding at a glance, one panel per paper's claim (and way of drawing it), one row per finding,
+    coloured by verdict (a legend names every colour); full labels on the left, effect ± uncertainty in nats
+    and z on the right:
+
+    * effects with a reference (decay: the control's Δ CE; averaging: the decayed endpoint's) as a percentage of
+      it, the bar spanning ± z × the uncertainty (a bar across 0 is not resolved), diamonds the single seeds;
+    * other SE-based effects as z = effect / uncertainty, the band |z| <= z shaded;
+    * correlations as ρ with their bootstrap interval.
+    An unresolved bar longer than the panel runs off its edge (an arrow marks it)."""
+    drawable = [f for f in findings if _kind(f)]
+    if not drawable:
         return False
-    heights = [len(rows) for rows, _ in panels]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(10.5, 0.3 * sum(heights) + 1.1 * len(panels)), squeeze=False,
-                             gridspec_kw={"height_ratios": [h + 1.5 for h in heights]})
-
-    def label(f):
-        cmp = f["comparison"].split(": ", 1)[-1]
-        return f"{f.get('quantizer') or ''} {f['metric']}: {cmp}"[:62]
-
-    for ax, (rows, key) in zip(axes[:, 0], panels):
+    zt = next((f["z_threshold"] for f in drawable if f.get("z_threshold")), 2.0)
+    panels: dict[tuple[str, str], list[dict]] = {}
+    for f in drawable:
+        panels.setdefault((f["finding"], _kind(f)), []).append(f)
+    fams = {f.get("seed_family") for f in drawable if f.get("seed_family")}
+    labels = {id(f): finding_label(f, len(fams) > 1) for f in drawable}
+    heights = [sum(0.2 + 0.12 * labels[id(f)].count("\n") for f in rows) + 0.8 for rows in panels.values()]
+    shown = [v for v in VERDICT_LEGEND if any(f["verdict"] == v for f in drawable)]
+    seeds = any(len(f.get("per_seed") or []) > 1 for f in drawable if _kind(f) != "rho")
+    leg_h = 0.17 * math.ceil((len(shown) + 1 + seeds) / 2) + 0.15
+    fig, axes = plt.subplots(len(panels), 1, figsize=(PAGE_WIDTH, sum(heights) + leg_h + 0.1), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
+    for ax, ((claim, kind), rows) in zip(axes[:, 0], panels.items()):
+        lo, hi = _span(rows, kind, zt) if kind != "rho" else (-1.05, 1.05)
+        if kind == "z":
+            lo, hi = min(lo, -zt - 1), max(hi, zt + 1)
+            ax.axvspan(-zt, zt, color="0.92", zorder=0)
+        ax.set_xlim(lo, hi)
         for i, f in enumerate(rows):
-            c = colour.get(f["verdict"], "0.45")
-            if key == "z":
-                ax.plot([f["effect"] / f["se"]], [i], "o", color=c, ms=4)
-                for p in f.get("per_seed") or []:
-                    ax.plot([p / f["se"]], [i], "|", color=c, alpha=0.6, ms=7)
+            c = VERDICT_COLOURS.get(f["verdict"], VERDICT_COLOURS[NOT_RESOLVED])
+            x, half = _x(f, kind, zt)
+            if kind == "rho":
+                ax.errorbar([x], [i], xerr=[[x - f["interval_lo"]], [f["interval_hi"] - x]], fmt="o", color=c,
+                            ms=4.5, capsize=2.5, lw=1.4)
+                continue
+            if half is not None:
+                ax.errorbar([x], [i], xerr=[half], fmt="o", color=c, ms=4.5, capsize=2.5, lw=1.4)
+                for end, edge, mark in ((x - half, lo, "<"), (x + half, hi, ">")):
+                    if (end < edge) if mark == "<" else (end > edge):
+                        ax.plot([edge], [i], mark, color=c, ms=5, clip_on=False)
             else:
-                ax.errorbar([f["effect"]], [i], xerr=[[f["effect"] - f["interval_lo"]],
-                                                       [f["interval_hi"] - f["effect"]]],
-                            fmt="o", color=c, ms=4, capsize=2)
-        ax.set_yticks(range(len(rows)))
-        ax.set_yticklabels([label(f) for f in rows], fontsize=6)
+                ax.plot([x], [i], "o", color=c, ms=4.5)
+            per = f.get("per_seed") or []
+            if len(per) > 1:
+                unit = 100.0 / f["baseline"] if kind == "rel" else 1.0 / f["se"]
+                ax.plot([p * unit for p in per], [i] * len(per), "d", color=c, mfc="white", ms=3.5, mew=0.9,
+                        alpha=0.9)
+        n = len(rows)
+        ax.set_ylim(n - 0.5, -0.5)
+        ax.set_yticks(range(n))
+        ax.set_yticklabels([labels[id(f)] for f in rows], fontsize=7)
         ax.axvline(0, color="0.3", lw=0.8)
-        if key == "z":
-            ax.axvspan(-2, 2, color="0.92", zorder=0)
-            lo, hi = ax.get_xlim()
-            ax.set_xlim(min(lo, -3), max(hi, 3))
-            ax.set_xlabel("z = effect / uncertainty (grey band: not resolved; ticks: single seeds)", fontsize=8)
-        else:
-            ax.set_xlim(-1.05, 1.05)
-            ax.set_xlabel("correlation (or difference of correlations) with its bootstrap interval", fontsize=8)
-        ax.invert_yaxis()
+        right = ax.twinx()
+        right.set_ylim(ax.get_ylim())
+        right.set_yticks(range(n))
+        right.set_yticklabels([_numbers(f, kind) for f in rows], fontsize=6.5)
+        right.tick_params(axis="y", length=0)
+        refs = " / ".join(sorted({f.get("baseline_of") or "its reference" for f in rows}))
+        title, xlabel = PANEL_TEXT[kind]
+        if kind == "rel" and all(f.get("family") == "decay" for f in rows):
+            title = "{claim}: each decayed endpoint minus its constant-LR control, as a percentage of {ref}"
+        ax.set_title("\n".join(textwrap.wrap(title.format(claim=claim, ref=refs), 95)), fontsize=8.5)
+        ax.set_xlabel(xlabel.format(z=zt), fontsize=7.5)
         ax.grid(alpha=0.3, axis="x")
-        ax.tick_params(labelsize=7)
-    _save(fig, out)
+        ax.tick_params(axis="x", labelsize=7)
+    handles = [Line2D([], [], ls="none", marker="o", color=VERDICT_COLOURS[v], ms=5, label=VERDICT_LEGEND[v].format(z=zt))
+               for v in shown]
+    handles.append(Line2D([], [], color="0.3", marker="o", ms=4, lw=1.4,
+                          label=f"bar: ± {zt:g} × uncertainty (correlations: the bootstrap interval)"))
+    if seeds:
+        handles.append(Line2D([], [], ls="none", marker="d", color="0.3", mfc="white", ms=4, label="one seed"))
+    fig.legend(handles=handles, loc="lower center", ncol=2, fontsize=7, frameon=False)
+    save_figure(fig, out, bottom=leg_h)
     return True

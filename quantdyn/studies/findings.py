@@ -13,6 +13,10 @@ the stable-phase jitter where a decayed endpoint is compared with its control, a
 * ``se_seeds``: SD of the per-seed effects / sqrt(k) (None with one seed);
 * ``se``: the uncertainty the verdict uses, max(sqrt(se_windows^2 + se_run^2 + se_jitter^2), se_seeds).
 
+Decay and averaging rows also carry ``baseline``, the mean over seeds of the quantity the effect is relative
+to (the control's Δ CE; the decayed endpoint's Δ CE or CE(quantized)), named by ``baseline_of``; decay rows
+name their ``seed_family``, cooldown ``branch`` and its ``control``.
+
 Verdict (``z`` = FindingsSpec.z, default 2): an effect with |effect / se| <= z is "not resolved at this
 scale", whatever its sign; beyond it, "reproduced" when its sign is the one the paper reports,
 "opposite" otherwise.  Correlations carry a percentile-bootstrap interval instead of an SE: resolved
@@ -193,7 +197,9 @@ def decay_findings(rows: list[dict], runs: Sequence[str], quantizers: Sequence[s
             "A(a) LR decay raises the quantization error", "decay", q,
             f"{fam}: decayed endpoint − constant-LR control, {b} (step {ts[0]['step']})", "Δ CE", eff, +1, z,
             f"rainbow_{_safe(first)}.png", quant_repeats=ts[0]["quant_repeats"],
-            jitter=max((t["stable_jitter"] for t in ts if t["stable_jitter"] is not None), default=None)))
+            jitter=max((t["stable_jitter"] for t in ts if t["stable_jitter"] is not None), default=None),
+            seed_family=fam, branch=b, control=control_of(b),
+            baseline=statistics.fmean(t["delta_ce_control"] for t in ts), baseline_of="the control's Δ CE"))
     return out, {"decay": tables}
 
 
@@ -419,10 +425,12 @@ def averaging_findings(rows: list[dict], runs: Sequence[str], reference_branch: 
                                "d_delta_ce": dd.difference, "d_delta_ce_se": dd.se,
                                "d_ce_q": dq.difference, "d_ce_q_se": dq.se, "d_ce_q_paired": dq.paired,
                                "d_ce_fp": r["ce_fp"] - ref["ce_fp"]})
-                g = groups.setdefault((q, name), {"dce": [], "ceq": [], "fp": []})
+                g = groups.setdefault((q, name), {"dce": [], "ceq": [], "fp": [], "ref_dce": [], "ref_ceq": []})
                 g["dce"].append(dd)
                 g["ceq"].append(dq)
                 g["fp"].append(r["ce_fp"] - ref["ce_fp"])
+                g["ref_dce"].append(ref["delta_ce"])
+                g["ref_ceq"].append(ref["ce_q"])
     for (q, name), g in sorted(groups.items(), key=lambda kv: (qs.index(kv[0][0]), kv[0][1])):
         if name.startswith("main"):
             continue  # context only (the decay finding's own comparison), in the detail table
@@ -430,11 +438,13 @@ def averaging_findings(rows: list[dict], runs: Sequence[str], reference_branch: 
         e1 = combine(g["dce"])
         out.append(finding_row("A(c) weight averaging matches or beats LR decay", "averaging", q,
                                f"{name} − decayed endpoint (equal tokens)", "Δ CE", e1, -1, z,
-                               "findings_averaging.png", d_ce_fp=fp))
+                               "findings_averaging.png", d_ce_fp=fp, baseline=statistics.fmean(g["ref_dce"]),
+                               baseline_of="the decayed endpoint's Δ CE"))
         e2 = combine(g["ceq"])
         out.append(finding_row("A(c) weight averaging matches or beats LR decay", "averaging", q,
                                f"{name} − decayed endpoint (equal tokens)", "CE(quantized)", e2, -1, z,
-                               "findings_averaging.png", d_ce_fp=fp))
+                               "findings_averaging.png", d_ce_fp=fp, baseline=statistics.fmean(g["ref_ceq"]),
+                               baseline_of="the decayed endpoint's CE(quantized)"))
     return out, {"averaging": detail}
 
 

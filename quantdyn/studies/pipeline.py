@@ -1,8 +1,9 @@
 """Studies end to end: `quantdyn study SPEC.yaml [key=value ...]` and `quantdyn demo` (the embedded spec).
 
     train (seeds x grid) -> cooldown branches + constant-LR controls -> weight averages (LAWA, soup of
-    cooldown branches) -> sweep quantizers and analyses over every checkpoint -> HTML report ->
-    findings table (effect, uncertainty, verdict)
+    cooldown branches) -> sweep quantizers and analyses over every checkpoint -> findings (effect,
+    uncertainty, verdict) -> the HTML report, which opens with them, and the same summary printed
+    (studies/section.py)
 
 Every stage resumes: rerunning skips finished runs, branches, averages and stored rows.  A run whose
 training diverges (a peak LR too high) is recorded in REPORT/study.json, reported, and left out of the
@@ -18,7 +19,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from quantdyn.analysis.correlate import CorrelateConfig
 from quantdyn.config import from_dict, to_dict
 from quantdyn.errors import QuantdynError
 from quantdyn.evaluate.loss import window_losses
@@ -29,8 +29,7 @@ from quantdyn.results.store import ResultStore
 from quantdyn.runtime import git_sha, hardware, resolve_device
 from quantdyn.sources.trajectory import TrajectoryConfig
 from quantdyn.studies import findings as fd
-from quantdyn.report.html import write_report
-from quantdyn.studies.section import findings_section, write_findings
+from quantdyn.studies import section
 from quantdyn.studies.spec import StudySpec, demo_spec, spec_from_dict
 from quantdyn.sweep.sweep import run_sweep, sweep_data
 from quantdyn.train.branches import cooldown
@@ -195,40 +194,6 @@ def reference_branch(spec: StudySpec) -> str:
     return cd.branch_name(spec.averaging.reference_from_step or max(cd.from_steps))
 
 
-def compute_findings(spec: StudySpec, rows: list[dict], runs: list[str],
-                     fp_windows: dict[str, list[float]] | None = None) -> tuple[list[dict], dict]:
-    """Every finding family the spec asks for, from the study's rows."""
-    f = spec.findings
-    cc = CorrelateConfig(n_boot=f.n_boot, ci=f.ci, seed=f.bootstrap_seed)
-    qs = f.quantizers
-    out: list[dict] = []
-    details: dict = {}
-    for fam in spec.finding_families:
-        if fam == "decay":
-            got = fd.decay_findings(rows, runs, qs, f.z)
-        elif fam == "peak_lr":
-            got = fd.peak_lr_findings(rows, runs, qs, f.matched_loss_levels, f.matched_loss_from, f.z, cc)
-        elif fam == "averaging":
-            got = fd.averaging_findings(rows, runs, reference_branch(spec), quantizers=qs, z=f.z,
-                                        fp_windows=fp_windows)
-        elif fam == "sharpness":
-            got = fd.sharpness_findings(rows, runs, qs, f.z, cc)
-        else:
-            got = fd.predictor_findings(rows, runs, qs, cc)
-        out += got[0]
-        details.update(got[1])
-    return out, details
-
-
-def _print_decay(rows: list[dict], runs: list[str], echo: Echo, z: float) -> tuple[list[dict], list[dict]]:
-    """Echo the decayed-minus-control table and its means over seeds; return both tables."""
-    tables = [t for run in runs for t in fd.decay_table(rows, run, z)]
-    across = fd.seed_summary(tables, z)
-    for line in fd.format_decay_table(tables, across, z):
-        echo(line)
-    return tables, across
-
-
 def run_study(spec: StudySpec | dict, progress: bool = True, echo: Echo = print) -> dict:
     """Run (or resume) a study; returns the report path, the decay tables, the findings and the run dirs."""
     if isinstance(spec, dict):
@@ -287,10 +252,11 @@ def run_study(spec: StudySpec | dict, progress: bool = True, echo: Echo = print)
             cks = sorted({r["checkpoint"] for r in rows if r.get("kind") == "ptq" and r.get("run") == s["cfg"].name
                           and r.get("tokens") == tokens})
             fp_windows.update(fp_window_losses(spec, s["run_dir"], cks, report_dir / "fp_windows.json"))
-    found, details = compute_findings(spec, rows, runs, fp_windows)
+    fams = spec.finding_families
     notes = [f"{name} diverged: {msg}" for name, msg in diverged.items()]
-    section = write_findings(report_dir, spec, found, details, notes)
-    page = write_report(store, report_dir, extra_sections=[findings_section(found, spec)])
+    answer = section.answer(rows, runs, fams, spec.findings, reference_branch(spec) if "averaging" in fams else None,
+                            fp_windows, notes, spec.title, to_dict(spec))
+    page = section.write_report_with_findings(store, report_dir, answer_of=answer)
     echo("")
     for s in summary:
         mine = [r for r in rows if r.get("run") == s["cfg"].name]
@@ -299,18 +265,15 @@ def run_study(spec: StudySpec | dict, progress: bool = True, echo: Echo = print)
             echo(f"  validation loss: {s['val'][0]:.3f} -> {s['val'][1]:.3f} over {s['cfg'].train.steps} steps")
         echo(f"  result rows: {len(mine)} ({s['counts']['written']} new)")
     echo(f"results store: {store}")
-    echo(f"report:        {page}")
-    tables, across = _print_decay(rows, runs, echo, spec.findings.z)
     echo("")
-    echo(f"Findings (verdict: |effect| > {spec.findings.z:g} x uncertainty, or a bootstrap interval excluding 0; "
-         f"quantization repeats R = {spec.sweep.quant_repeats}):")
-    for line in fd.format_table(found):
+    for line in section.summary_lines(answer):
         echo(line)
-    for n in notes:
-        echo(f"  note: {n}")
+    echo("")
+    echo(f"report:        {page}")
     seconds["report"] = time.perf_counter() - t5
     wall = time.perf_counter() - t_start
-    echo(f"findings:      {section}")
+    findings_page = report_dir / "findings.html"
+    echo(f"findings:      {findings_page}")
     echo(f"wall time {wall / 60:.1f} min (training {seconds['train'] / 60:.1f}, cooldowns "
          f"{seconds['cooldowns'] / 60:.1f}, averages {seconds['averages'] / 60:.1f}, sweeps "
          f"{seconds['sweep'] / 60:.1f}, report {seconds['report'] / 60:.1f}; stages already done are skipped)")
@@ -321,10 +284,10 @@ def run_study(spec: StudySpec | dict, progress: bool = True, echo: Echo = print)
                     "load_avg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None})
     write_json_atomic(state_path, {"spec": to_dict(spec), "runs": [str(s["run_dir"]) for s in summary],
                                    "diverged": diverged, "invocations": history,
-                                   "findings": [{k: v for k, v in x.items()} for x in found]})
-    return {"report": page, "table": tables, "across_seeds": across, "runs": [s["run_dir"] for s in summary],
-            "findings": found, "details": details, "notes": notes, "section": section, "seconds": seconds,
-            "wall_s": wall}
+                                   "findings": [{k: v for k, v in x.items()} for x in answer.found]})
+    return {"report": page, "table": answer.decay, "across_seeds": answer.across,
+            "runs": [s["run_dir"] for s in summary], "findings": answer.found, "details": answer.details,
+            "notes": notes, "section": findings_page, "seconds": seconds, "wall_s": wall}
 
 
 def run_demo(progress: bool = True, echo: Echo = print) -> dict:

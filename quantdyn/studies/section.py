@@ -1,38 +1,257 @@
-"""The findings table as a report section: REPORT/findings.html, findings.json, findings.csv and figures.
+"""The answer of a report: what the rows say about the papers' claims, in sentences, a figure and a table.
 
-``findings_section`` returns the section in the form the report's own sections take
-((title, png, table, caption), as report/extra.py's ``sections``): the study passes it to
-``report.html.write_report(..., extra_sections=[...])``.  ``write_findings`` writes the files beside it.
+Every report whose rows allow a finding opens with it — a study's (`quantdyn study`, `quantdyn demo`) and
+any store's (`quantdyn report`, ``qd.write_report``) alike — and the same lines are printed beside it:
+
+    answer(rows, ...)            -> Answer: the findings the rows allow (families_in), with the decay tables
+    verdict_sentence(finding)    -> (statement, verdict, tone): one finding in words, its effect ± uncertainty in
+                                    nats and relative to its reference, z and the verdict
+    summary_lines(answer)        -> what `quantdyn demo`, `quantdyn study` and `quantdyn report` print
+    lead_sections(answer, out)   -> the report's first section (verdicts, findings.png, the findings table) and
+                                    the families' own figures; writes findings.json and findings.html
+    write_report_with_findings(store_or_run, out)  -> the report with its answer first (report/html.py's
+                                    write_report with this module's lead)
+
+The verdicts are the one rule of :mod:`quantdyn.results.stats`, computed by :mod:`quantdyn.studies.findings`;
+nothing here decides one.
 """
 from __future__ import annotations
 
-import csv
 import html
-import io
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Mapping, Sequence
 
+from quantdyn.analysis.correlate import CorrelateConfig
 from quantdyn.config import to_dict
 from quantdyn.files import write_json_atomic, write_text_atomic
+from quantdyn.report.html import Section, write_report
+from quantdyn.results.schema import control_of, is_cooldown, number, parse_branch, uncertainty
+from quantdyn.results.stats import NOT_RESOLVED, OPPOSITE, REPRODUCED, decay_verdict, format_estimate, verdict_sign
 from quantdyn.studies import figures
-from quantdyn.studies.findings import OPPOSITE, REPRODUCED, format_effect, format_parts
-from quantdyn.studies.spec import StudySpec
+from quantdyn.studies import findings as fd
+from quantdyn.studies.spec import FindingsSpec
 
-COLUMNS = ("finding", "quantizer", "comparison", "metric", "effect ± uncertainty", "uncertainty parts", "verdict",
-           "figure", "expected", "effect", "se", "se_windows", "se_seeds", "se_run", "se_jitter", "interval_lo",
-           "interval_hi", "n_seeds", "z")
+COLUMNS = ("finding", "quantizer", "comparison", "metric", "effect ± uncertainty", "relative", "uncertainty parts",
+           "verdict", "figure", "expected", "effect", "se", "se_windows", "se_seeds", "se_run", "se_jitter",
+           "baseline", "baseline_of", "interval_lo", "interval_hi", "n_seeds", "z")
 
-CAPTION = ("Each of the papers' findings measured in this study. Effect ± uncertainty (z): the uncertainty is the "
-           "larger of the within-seed SE (paired over evaluation windows, plus the run-to-run SD of the "
-           "quantization when it was repeated R > 1 times, plus the stable-phase jitter of Δ CE where a decayed "
-           "endpoint is compared with its control, all in quadrature) and the between-seed SE (SD over seeds / √k); "
-           "correlations carry a 95 % percentile-bootstrap interval. Verdict: an effect inside its uncertainty "
-           "(|effect| ≤ z·SE, or an interval containing 0) is 'not resolved at this scale', never a direction; "
-           "beyond it, 'reproduced' when its sign is the paper's, 'opposite' otherwise. Computed from the rows.")
+TITLE = "Findings: the papers' claims at this scale"
+CAPTION = ("Each line above is one comparison the rows allow: its effect ± its combined uncertainty, in nats and "
+           "relative to its reference, z = effect / uncertainty, and the verdict — 'reproduced' when |z| > 2 with "
+           "the paper's sign, 'opposite' with the other sign, 'not resolved at this scale' otherwise (correlations: "
+           "a 95 % bootstrap interval that excludes 0 or not). The figure shows the same: each bar spans ± 2 × the "
+           "uncertainty, so a bar that crosses 0 is not resolved. How the uncertainty is combined: Uncertainty, at "
+           "the end of the page.")
+TONE = {REPRODUCED: "yes", OPPOSITE: "no", NOT_RESOLVED: "unresolved"}
+"""The colour of a verdict on the page (report/html.py TONES)."""
+NO_FINDING = ("No finding", "these rows hold no decayed endpoint with its constant-LR control (cooldown --control), "
+              "no peak-LR grid, no weight averages beside a cooldown and no Hessian or outlier analyses, so there is "
+              "no claim to give a verdict on; the figures below show what was measured")
+AVERAGED = ("lawa", "ema", "soup")
+
+
+# ------------------------------------------------------------------ what the rows allow
+def families_in(rows: Sequence[Mapping]) -> tuple[str, ...]:
+    """The finding families (studies.spec FINDING_FAMILIES order) whose inputs are in ``rows``: decay (a cooldown
+    branch and its control measured in one run), peak_lr (main runs at two or more peak LRs), averaging (an
+    averaged checkpoint beside a cooldown branch), sharpness (Hessian analyses of a cooldown and its control),
+    predictors (outlier or propagation analyses)."""
+    ptq = [r for r in rows if r.get("kind") == "ptq"]
+    branches = {(r.get("run"), r.get("branch")) for r in ptq}
+    analyses = [r for r in rows if r.get("kind") == "analysis"]
+    has = {
+        "decay": any(is_cooldown(b) and (run, control_of(b)) in branches for run, b in branches),
+        "peak_lr": len({number(r.get("peak_lr")) for r in ptq if r.get("branch") == "main"} - {None}) >= 2,
+        "averaging": any(r.get("ckpt_kind") in AVERAGED for r in ptq) and any(is_cooldown(b) for _, b in branches),
+        "sharpness": any(r.get("analysis") == "hessian" and is_cooldown(r.get("branch")) for r in analyses),
+        "predictors": any(k in fd.OUTLIER_METRICS or k.startswith("prop_") for r in analyses for k in r),
+    }
+    return tuple(f for f in has if has[f])
+
+
+def reference_branch_in(rows: Sequence[Mapping]) -> str | None:
+    """The cooldown branch whose endpoint is "the decayed endpoint" of the averaging finding when no study spec
+    names it: the one started latest (a study's default, StudySpec.averaging.reference_from_step)."""
+    cool = {r.get("branch") for r in rows if r.get("kind") == "ptq" and is_cooldown(r.get("branch"))}
+    parsed = [(p.from_step, b) for b in cool if (p := parse_branch(b)) is not None]
+    return max(parsed)[1] if parsed else None
+
+
+def compute(rows: list[dict], runs: Sequence[str], families: Sequence[str], spec: FindingsSpec = FindingsSpec(),
+            reference_branch: str | None = None, fp_windows: dict[str, list[float]] | None = None
+            ) -> tuple[list[dict], dict]:
+    """Every finding family in ``families`` from ``rows`` (studies/findings.py), with the detail tables."""
+    cc = CorrelateConfig(n_boot=spec.n_boot, ci=spec.ci, seed=spec.bootstrap_seed)
+    qs = spec.quantizers
+    out: list[dict] = []
+    details: dict = {}
+    for fam in families:
+        if fam == "decay":
+            got = fd.decay_findings(rows, runs, qs, spec.z)
+        elif fam == "peak_lr":
+            got = fd.peak_lr_findings(rows, runs, qs, spec.matched_loss_levels, spec.matched_loss_from, spec.z, cc)
+        elif fam == "averaging":
+            if reference_branch is None:
+                continue
+            got = fd.averaging_findings(rows, runs, reference_branch, quantizers=qs, z=spec.z, fp_windows=fp_windows)
+        elif fam == "sharpness":
+            got = fd.sharpness_findings(rows, runs, qs, spec.z, cc)
+        else:
+            got = fd.predictor_findings(rows, runs, qs, cc)
+        out += got[0]
+        details.update(got[1])
+    return out, details
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What a report's rows say: the findings with their verdicts and the tables behind them."""
+
+    found: list[dict]
+    """Finding rows (studies/findings.py), each with effect, uncertainty in parts and verdict."""
+    details: dict
+    """Detail tables of the families, for their figures."""
+    decay: list[dict]
+    """results.stats.decay_table of every run: each decayed endpoint against its control, per seed."""
+    across: list[dict]
+    """findings.seed_summary of ``decay``: the same over runs that differ only by seed."""
+    z: float
+    """The verdict threshold."""
+    repeats: dict[int, int]
+    """Quantization repeats R of the PTQ rows read: {R: rows}."""
+    notes: tuple[str, ...] = ()
+    """Lines about runs left out (a diverged run ...)."""
+    spec: dict = field(default_factory=dict)
+    """What computed it (a study's spec, or the families and FindingsSpec a store's rows allowed), for
+    findings.json."""
+    title: str = ""
+    """The study's one-line title, if any."""
+
+
+def answer(rows: list[dict], runs: Sequence[str] | None = None, families: Sequence[str] | None = None,
+           spec: FindingsSpec = FindingsSpec(), reference_branch: str | None = None,
+           fp_windows: dict[str, list[float]] | None = None, notes: Sequence[str] = (), title: str = "",
+           spec_dict: dict | None = None) -> Answer:
+    """The findings of ``rows`` (a study passes its runs, families and spec; a store's report lets the rows
+    decide: every run, :func:`families_in`, the reference branch :func:`reference_branch_in`)."""
+    rows = fd.with_fp_se(fd.dedupe(rows))
+    runs = list(runs) if runs is not None else sorted({r["run"] for r in rows if r.get("kind") == "ptq" and r.get("run")})
+    fams = tuple(families) if families is not None else families_in(rows)
+    ref = reference_branch if reference_branch is not None else reference_branch_in(rows)
+    found, details = compute(rows, runs, fams, spec, ref, fp_windows)
+    tables = [t for run in runs for t in fd.decay_table(rows, run, spec.z)]
+    reps = Counter(uncertainty(r).repeats for r in rows if r.get("kind") == "ptq" and r.get("delta_ce") is not None)
+    return Answer(found, details, tables, fd.seed_summary(tables, spec.z), spec.z, dict(sorted(reps.items())),
+                  tuple(notes), spec_dict if spec_dict is not None else
+                  {"families": list(fams), "findings": to_dict(spec), "reference_branch": ref}, title)
+
+
+# ------------------------------------------------------------------ in words
+def _relative(effect: float, baseline: float | None) -> str:
+    """'+2.1 %' of a positive baseline ('' without one): two significant digits, at most one decimal above 1 %."""
+    b = number(baseline)
+    if b is None or b <= 0:
+        return ""
+    pct = 100.0 * effect / b
+    return f"{pct:+.0f} %" if abs(pct) >= 10 else f"{pct:+.1f} %" if abs(pct) >= 1 else f"{pct:+.2g} %"
+
+
+def relative_text(f: Mapping) -> str:
+    """'+2.1 % of the control's Δ CE' for a finding with a positive baseline, '' otherwise."""
+    e = number(f.get("effect"))
+    rel = _relative(e, f.get("baseline")) if e is not None else ""
+    return f"{rel} of {f.get('baseline_of') or 'its reference'}" if rel else ""
+
+
+def _unit(f: Mapping) -> str:
+    return " nats" if f.get("metric") in ("Δ CE", "CE(quantized)") else ""
+
+
+def verdict_sentence(f: Mapping, with_family: bool = False) -> tuple[str, str, str]:
+    """One finding in words: (statement, verdict, tone), e.g. ("rtn3: the decayed endpoint cooldown-s200-d100-linear
+    quantizes worse than its constant-LR control by +0.012 ± 0.004 nats (+2.1 % of the control's Δ CE), z = +3.0",
+    "decay raises the error (reproduced)", "yes"). The numbers carry the digits that make z agree with the verdict
+    (results.stats.format_estimate). ``with_family``: name the runs the effect is averaged over (several families
+    of seeds on one page)."""
+    tone = TONE.get(f["verdict"], "unresolved")
+    q = f.get("quantizer") or ""
+    head = (f"{f.get('seed_family')} · " if with_family and f.get("seed_family") else "") + (f"{q}: " if q else "")
+    e = number(f.get("effect"))
+    if e is None:
+        return f"{head}{f['comparison']}", f["verdict"], tone
+    if f.get("interval_lo") is not None or f.get("se") is None:
+        return f"{head}{f['comparison']}: {f['metric']} {fd.format_effect(f)}", f["verdict"], tone
+    z = number(f.get("z_threshold")) or fd.Z
+    et, st, zt = format_estimate(e, f["se"], z)
+    seeds = f"mean over {f['n_seeds']} seeds" if (f.get("n_seeds") or 1) > 1 else ""
+    rel = relative_text(f)
+    paren = "; ".join(x for x in (rel, seeds) if x)
+    amount = f"{et} ± {st}{_unit(f)}" + (f" ({paren})" if paren else "")
+    if f.get("family") == "decay" and f.get("branch"):
+        sign = verdict_sign(e, f["se"], z)
+        b = f["branch"]
+        if sign > 0:
+            what = f"the decayed endpoint {b} quantizes worse than its constant-LR control by {amount}"
+        elif sign < 0:
+            what = f"the decayed endpoint {b} quantizes better than its constant-LR control by {amount}"
+        else:
+            what = f"the decayed endpoint {b} and its constant-LR control differ by {amount}"
+        return f"{head}{what}, z = {zt}", f"{decay_verdict(sign, z)} — {f['verdict']}", tone
+    return f"{head}{f['comparison']}: {f['metric']} {amount}, z = {zt}", f["verdict"], tone
+
+
+def sentences(a: Answer) -> list[tuple[str, str, str, str]]:
+    """Every finding of ``a`` in words, in the findings' order: (the paper's claim, statement, verdict, tone)
+    (:func:`verdict_sentence`)."""
+    fams = {f.get("seed_family") for f in a.found if f.get("seed_family")}
+    return [(f["finding"], *verdict_sentence(f, with_family=len(fams) > 1)) for f in a.found]
+
+
+def _repeats_text(a: Answer) -> str:
+    return "R = " + "/".join(map(str, a.repeats)) if a.repeats else "no PTQ rows"
+
+
+def summary_lines(a: Answer) -> list[str]:
+    """What `quantdyn demo`, `quantdyn study` and `quantdyn report` print: each finding's verdict in a sentence,
+    the decayed-minus-control table per run and over seeds, and the findings table."""
+    lines = [f"Answer (z = effect / combined uncertainty, resolved when |z| > {a.z:g}; quantization repeats "
+             f"{_repeats_text(a)}):"]
+    claim = None
+    for c, statement, verdict, _ in sentences(a):
+        if c != claim:
+            claim = c
+            lines.append(f"  {c}:")
+        lines.append(f"    {statement}: {verdict}")
+    if not a.found:
+        lines.append(f"  {NO_FINDING[0]}: {NO_FINDING[1]}.")
+    lines += fd.format_decay_table(a.decay, a.across, a.z)
+    if a.found:
+        lines += ["", f"Findings (verdict: |effect| > {a.z:g} x uncertainty, or a bootstrap interval excluding 0; "
+                      f"quantization repeats {_repeats_text(a)}):"]
+        lines += fd.format_table(a.found)
+    lines += [f"  note: {n}" for n in a.notes]
+    return lines
+
+
+# ------------------------------------------------------------------ on the page
+def table_rows(found: Sequence[dict]) -> list[dict]:
+    """The findings as flat rows (for CSV and the report's table): the readable columns first, then the numbers."""
+    def cell(f, c):
+        if c == "effect ± uncertainty":
+            return fd.format_effect(f)
+        if c == "uncertainty parts":
+            return fd.format_parts(f)
+        if c == "relative":
+            return relative_text(f) or None
+        return f.get(c)
+
+    return [{c: cell(f, c) for c in COLUMNS} for f in found]
 
 
 def draw_figures(out: Path, found: list[dict], details: dict) -> dict[str, bool]:
-    """The families' figures; returns which were drawn."""
+    """The answer's figure (findings.png) and the families' own; returns which were drawn."""
     drawn = {"findings.png": figures.overview(found, out / "findings.png")}
     if details.get("peak_lr"):
         drawn["findings_peak_lr.png"] = figures.peak_lr(details["peak_lr"], out / "findings_peak_lr.png")
@@ -45,67 +264,86 @@ def draw_figures(out: Path, found: list[dict], details: dict) -> dict[str, bool]
     return drawn
 
 
-def table_rows(found: Sequence[dict]) -> list[dict]:
-    """The findings as flat rows (for CSV and the report's table): the readable columns first, then the numbers."""
-    return [{c: (format_effect(f) if c == "effect ± uncertainty" else format_parts(f) if c == "uncertainty parts"
-                 else f.get(c)) for c in COLUMNS} for f in found]
+FAMILY_FIGURES = {
+    "findings_peak_lr.png": ("peak_lr", "A(b) peak LR: Δ CE at matched FP loss",
+                             "Δ CE against FP loss, one colour per peak LR: each run's checkpoints faint, the values "
+                             "interpolated at the FP losses every run reaches marked (mean over seeds)."),
+    "findings_averaging.png": ("averaging", "A(c) weight averages against the decayed endpoint",
+                               "Each average (and the constant-LR main checkpoint) minus the decayed endpoint at "
+                               "equal tokens: Δ CE and CE of the quantized model, one marker per seed ± its "
+                               "uncertainty, the mean as a bar."),
+    "findings_sharpness.png": ("sharpness", "A(d) Hessian trace and top eigenvalue through the cooldowns",
+                               "Hessian trace (± SE), top eigenvalue and Δ CE against tokens: main run (black), "
+                               "cooldown branches (red), constant-LR controls (blue, dashed)."),
+    "findings_predictors.png": ("predictors", "B: which metric predicts the quantization error",
+                                "Spearman ρ of each metric with Δ CE across final checkpoints, 95 % bootstrap "
+                                "intervals, one colour per quantizer."),
+}
+"""The families' figures as report sections: file -> (detail table, title, caption)."""
 
 
-def findings_section(found: Sequence[dict], spec: StudySpec) -> tuple[str, str, list[dict], str]:
-    """(title, figure, table, caption) — the form of report/extra.py's sections."""
-    fig = "findings.png" if found else ""
-    title = "Findings: the papers' claims at this scale" + (f" — {spec.title}" if spec.title else "")
-    return title, fig, table_rows(found), CAPTION + f" Quantization repeats R = {spec.sweep.quant_repeats}."
+def _lead(a: Answer, drawn: Mapping[str, bool]) -> Section:
+    title = TITLE + (f" — {a.title}" if a.title else "")
+    if not a.found:
+        return Section(title, "", [], "", sentences=[("", NO_FINDING[1][0].upper() + NO_FINDING[1][1:],
+                                                      NO_FINDING[0], "unresolved")])
+    caption = CAPTION + f" Quantization repeats {_repeats_text(a)}." + "".join(f" Note: {n}." for n in a.notes)
+    return Section(title, "findings.png" if drawn.get("findings.png") else "", table_rows(a.found), caption,
+                   sentences=sentences(a), csv="findings.csv")
 
 
-def _csv(rows: list[dict]) -> str:
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=list(COLUMNS))
-    w.writeheader()
-    for r in rows:
-        w.writerow({k: ("" if v is None else v) for k, v in r.items()})
-    return buf.getvalue()
-
-
-def _html(found: Sequence[dict], notes: Sequence[str], spec: StudySpec, drawn: dict[str, bool]) -> str:
-    title, _, _, caption = findings_section(found, spec)
-    colour = {REPRODUCED: "#1a7f37", OPPOSITE: "#b42318"}
-    body = []
-    for f in found:
-        v = f["verdict"]
-        fig = f.get("figure") or ""
-        body.append(
-            "<tr>" + "".join(f"<td style='text-align:left'>{html.escape(str(x))}</td>" for x in
-                             (f["finding"], f.get("quantizer") or "–", f["comparison"], f["metric"]))
-            + f"<td>{html.escape(format_effect(f))}</td><td style='text-align:left'>{html.escape(format_parts(f))}</td>"
-            + f"<td style='color:{colour.get(v, '#555')};font-weight:bold'>{html.escape(v)}</td>"
-            + f"<td><a href='{html.escape(fig)}'>{html.escape(fig)}</a></td></tr>")
-    head = "".join(f"<th>{h}</th>" for h in ("finding", "quantizer", "comparison", "metric", "effect",
-                                                "uncertainty (parts)", "verdict", "figure"))
+def _findings_page(lead: Section, drawn: Mapping[str, bool]) -> str:
+    """findings.html: the answer alone (the verdicts, every figure of the findings, the table)."""
+    items = "".join(f"<li>{html.escape(c)} — {html.escape(s)}: <b>{html.escape(v)}</b></li>"
+                    for c, s, v, _ in lead.sentences)
+    head = ("finding", "quantizer", "comparison", "metric", "effect ± uncertainty", "relative", "uncertainty parts",
+            "verdict", "figure")
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(r.get(h) if r.get(h) is not None else '–'))}</td>"
+                                    for h in head) + "</tr>" for r in lead.table)
     imgs = "".join(f"<img src='{html.escape(name)}' style='max-width:100%'>" for name, ok in drawn.items() if ok)
-    note = "".join(f"<li>{html.escape(n)}</li>" for n in notes)
-    return (f"<h2 id='findings'>{html.escape(title)}</h2><p>{html.escape(caption)}</p>"
-            f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
-            + (f"<ul>{note}</ul>" if note else "") + imgs
-            + "<p>Numbers: <a href='findings.json'>findings.json</a>, <a href='findings.csv'>findings.csv</a>.</p>")
-
-
-def write_findings(report_dir: str | Path, spec: StudySpec, found: list[dict], details: dict,
-                   notes: Sequence[str] = ()) -> Path:
-    """Write the figures, findings.json/.csv and findings.html under ``report_dir``; returns findings.html."""
-    out = Path(report_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    drawn = draw_figures(out, found, details)
-    write_json_atomic(out / "findings.json", {"spec": to_dict(spec), "findings": found, "notes": list(notes),
-                                              "details": details})
-    write_text_atomic(out / "findings.csv", _csv(table_rows(found)))
-    block = _html(found, notes, spec, drawn)
-    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>quantdyn findings</title><style>"
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>quantdyn findings</title><style>"
             "body{font-family:sans-serif;max-width:1200px;margin:2em auto;color:#222}table{border-collapse:collapse;"
-            "font-size:12px}td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}</style></head><body>"
-            f"{block}</body></html>")
-    write_text_atomic(out / "findings.html", page)
-    return out / "findings.html"
+            "font-size:12px}td,th{border:1px solid #ccc;padding:2px 6px;text-align:left}</style></head><body>"
+            f"<h2 id='findings'>{html.escape(lead.title)}</h2><ul>{items}</ul>{imgs}<p>{html.escape(lead.caption)}</p>"
+            + (f"<table><thead><tr>{''.join(f'<th>{h}</th>' for h in head)}</tr></thead><tbody>{body}</tbody></table>"
+               if lead.table else "")
+            + "<p>Numbers: <a href='findings.json'>findings.json</a>, <a href='findings.csv'>findings.csv</a>.</p>"
+            "</body></html>")
+
+
+def lead_sections(a: Answer, out: str | Path) -> list[Section]:
+    """The report's first sections: the answer (each finding's verdict in a sentence, findings.png, the findings
+    table as findings.csv), then the families' own figures. Draws the figures and writes findings.json and
+    findings.html into ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    drawn = draw_figures(out, a.found, a.details) if a.found else {}
+    lead = _lead(a, drawn)
+    write_json_atomic(out / "findings.json", {"spec": a.spec, "findings": a.found, "notes": list(a.notes),
+                                              "details": a.details})
+    write_text_atomic(out / "findings.html", _findings_page(lead, drawn))
+    more = [Section(title, name, list(a.details.get(key) or []), caption)
+            for name, (key, title, caption) in FAMILY_FIGURES.items() if drawn.get(name)]
+    return [lead, *more]
+
+
+def write_report_with_findings(store_or_run: str | Path, out_dir: str | Path, store: str | Path | None = None,
+                               extra_sections: Sequence = (), answer_of: Answer | None = None,
+                               echo: Callable[[str], None] | None = None) -> Path:
+    """The report of a store or a run directory (report/html.py's write_report) opening with its answer: the
+    findings ``answer_of`` holds (a study's), else those the report's rows allow (:func:`answer`). ``echo``:
+    where the summary lines go (:func:`summary_lines`; `quantdyn report` prints them). Returns index.html."""
+    got: list[Answer] = []
+
+    def lead(rows: list[dict], out: Path) -> list[Section]:
+        got.append(answer_of if answer_of is not None else answer(rows))
+        return lead_sections(got[0], out)
+
+    page = write_report(store_or_run, out_dir, store=store, extra_sections=extra_sections, lead=lead)
+    if echo is not None:
+        for line in summary_lines(got[0]):
+            echo(line)
+    return page
 
 
 def markdown_table(found: Sequence[dict]) -> str:
@@ -116,6 +354,7 @@ def markdown_table(found: Sequence[dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in table_rows(found):
         cells = [str(r.get(h) if r.get(h) is not None else "–").replace("|", "\\|") for h in head]
-        cells[6] = f"**{cells[6]}**" if cells[6] != "not resolved at this scale" else cells[6]
+        cells[6] = f"**{cells[6]}**" if cells[6] != NOT_RESOLVED else cells[6]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
