@@ -50,6 +50,7 @@ def _qorder(rows) -> list[str]:
 def _style(ax) -> None:
     ax.grid(alpha=0.3)
     ax.tick_params(labelsize=7)
+    ax.yaxis.get_offset_text().set_fontsize(7)
 
 
 # --------------------------------------------------------------------------- metric panels

@@ -275,7 +275,8 @@ figure{margin:0.6em 0}figure img{max-width:100%;border:1px solid #eee}code{font-
 ul.verdicts{list-style:none;padding-left:0;font-size:15px}ul.verdicts li{margin:0.35em 0;padding-left:1.2em;
 text-indent:-1.2em}ul.verdicts .dot{display:inline-block;width:1.2em;text-indent:0}
 section.answer{border:1px solid #ddd;border-radius:6px;padding:0 1em 0.6em;background:#fcfcfc}
-section.answer h2{margin-top:0.6em}section.answer h3{margin:0.8em 0 0.2em;font-size:15px;color:#333}table.shown td:first-child,table.shown td:nth-child(2){text-align:left}
+section.answer h2{margin-top:0.6em}section.answer h3{margin:0.8em 0 0.2em;font-size:15px;color:#333}
+table.shown td:first-child,table.shown td:nth-child(2){text-align:left}
 @media print{section{break-inside:avoid}details{display:none}}"""
 
 
@@ -365,8 +366,9 @@ def write_report(store_or_run: str | Path, out_dir: str | Path, store: str | Pat
 
     The page: the caller's first sections (``lead``, called with the rows and ``out_dir``: a study's findings,
     the answer; then ``extra_sections``, as :class:`Section` or (title, figure file name in ``out_dir`` or "",
-    table, caption)), the report's own figures, the uncertainty notes and the provenance. The rows are checked before anything is written. :func:`quantdyn.studies.section.
-    write_report_with_findings` is this report with the findings the rows allow as its lead."""
+    table, caption)), the report's own figures, the uncertainty notes and the provenance. The rows are checked
+    before anything is written. :func:`quantdyn.studies.section.write_report_with_findings` is this report with
+    the findings the rows allow as its lead."""
     st, run_dir, rows = report_rows(store_or_run, store)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -389,8 +391,8 @@ def write_report(store_or_run: str | Path, out_dir: str | Path, store: str | Pat
     source = html.escape(str(st.root if st is not None else run_dir))
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>quantdyn report</title>
 <style>{CSS}</style></head><body>
-<h1>quantdyn report</h1><p class='sub'>{source} · {len(rows)} rows · {n_fig} figures · written {html.escape(prov['date'])} ·
-<a href='#uncertainty'>uncertainty</a> · <a href='#provenance'>provenance</a></p>
+<h1>quantdyn report</h1><p class='sub'>{source} · {len(rows)} rows · {n_fig} figures ·
+written {html.escape(prov['date'])} · <a href='#uncertainty'>uncertainty</a> · <a href='#provenance'>provenance</a></p>
 {"".join(html_of[k] for k in range(lead_n))}
 <section id='contents'><h2>Figures</h2><ol>{toc}</ol></section>
 {"".join(html_of[k] for k in range(lead_n, len(sections)))}

@@ -257,15 +257,20 @@ def overview(findings: list[dict], out: Path) -> bool:
     if not drawable:
         return False
     zt = next((f["z_threshold"] for f in drawable if f.get("z_threshold")), 2.0)
+    # a claim's SE-based effects share one way of drawing: relative when every one has a reference > 0, else z
+    relative = {c for c in {f["finding"] for f in drawable}
+                if all(_kind(f) == "rel" for f in drawable if f["finding"] == c and _kind(f) != "rho")}
     panels: dict[tuple[str, str], list[dict]] = {}
     for f in drawable:
-        panels.setdefault((f["finding"], _kind(f)), []).append(f)
+        kind = _kind(f) if _kind(f) == "rho" or f["finding"] in relative else "z"
+        panels.setdefault((f["finding"], kind), []).append(f)
     fams = {f.get("seed_family") for f in drawable if f.get("seed_family")}
     labels = {id(f): finding_label(f, len(fams) > 1) for f in drawable}
     heights = [sum(0.2 + 0.12 * labels[id(f)].count("\n") for f in rows) + 0.8 for rows in panels.values()]
     shown = [v for v in VERDICT_LEGEND if any(f["verdict"] == v for f in drawable)]
     seeds = any(len(f.get("per_seed") or []) > 1 for f in drawable if _kind(f) != "rho")
-    leg_h = 0.17 * math.ceil((len(shown) + 1 + seeds) / 2) + 0.15
+    kinds = {kind for _, kind in panels}
+    leg_h = 0.17 * math.ceil((len(shown) + bool(kinds & {"rel", "rho"}) + seeds) / 2) + 0.15
     fig, axes = plt.subplots(len(panels), 1, figsize=(PAGE_WIDTH, sum(heights) + leg_h + 0.1), squeeze=False,
                              gridspec_kw={"height_ratios": heights})
     for ax, ((claim, kind), rows) in zip(axes[:, 0], panels.items()):
@@ -305,16 +310,20 @@ def overview(findings: list[dict], out: Path) -> bool:
         right.tick_params(axis="y", length=0)
         refs = " / ".join(sorted({f.get("baseline_of") or "its reference" for f in rows}))
         title, xlabel = PANEL_TEXT[kind]
-        if kind == "rel" and all(f.get("family") == "decay" for f in rows):
-            title = "{claim}: each decayed endpoint minus its constant-LR control, as a percentage of {ref}"
+        if all(f.get("family") == "decay" for f in rows) and kind != "rho":
+            title = ("{claim}: each decayed endpoint minus its constant-LR control, as a percentage of {ref}"
+                     if kind == "rel" else "{claim}: each decayed endpoint minus its constant-LR control, as z = "
+                     "difference / uncertainty")
         ax.set_title("\n".join(textwrap.wrap(title.format(claim=claim, ref=refs), 95)), fontsize=8.5)
         ax.set_xlabel(xlabel.format(z=zt), fontsize=7.5)
         ax.grid(alpha=0.3, axis="x")
         ax.tick_params(axis="x", labelsize=7)
-    handles = [Line2D([], [], ls="none", marker="o", color=VERDICT_COLOURS[v], ms=5, label=VERDICT_LEGEND[v].format(z=zt))
-               for v in shown]
-    handles.append(Line2D([], [], color="0.3", marker="o", ms=4, lw=1.4,
-                          label=f"bar: ± {zt:g} × uncertainty (correlations: the bootstrap interval)"))
+    handles = [Line2D([], [], ls="none", marker="o", color=VERDICT_COLOURS[v], ms=5,
+                      label=VERDICT_LEGEND[v].format(z=zt)) for v in shown]
+    if kinds & {"rel", "rho"}:
+        bar = " / ".join(x for x, k in ((f"± {zt:g} × uncertainty", "rel"), ("the bootstrap interval", "rho"))
+                         if k in kinds)
+        handles.append(Line2D([], [], color="0.3", marker="o", ms=4, lw=1.4, label=f"bar: {bar}"))
     if seeds:
         handles.append(Line2D([], [], ls="none", marker="d", color="0.3", mfc="white", ms=4, label="one seed"))
     fig.legend(handles=handles, loc="lower center", ncol=2, fontsize=7, frameon=False)

@@ -137,7 +137,8 @@ def answer(rows: list[dict], runs: Sequence[str] | None = None, families: Sequen
     """The findings of ``rows`` (a study passes its runs, families and spec; a store's report lets the rows
     decide: every run, :func:`families_in`, the reference branch :func:`reference_branch_in`)."""
     rows = fd.with_fp_se(fd.dedupe(rows))
-    runs = list(runs) if runs is not None else sorted({r["run"] for r in rows if r.get("kind") == "ptq" and r.get("run")})
+    if runs is None:
+        runs = sorted({r["run"] for r in rows if r.get("kind") == "ptq" and r.get("run")})
     fams = tuple(families) if families is not None else families_in(rows)
     ref = reference_branch if reference_branch is not None else reference_branch_in(rows)
     found, details = compute(rows, runs, fams, spec, ref, fp_windows)
