@@ -281,3 +281,21 @@ def test_trajectory_follows_the_rule_so_no_quantizer_is_flattened(tmp_path, laid
     data_axes = [a for a in fig.axes if a.get_ylabel() and a.get_ylabel() != "LR"]
     assert sum(1 for a in fig.axes if a.get_ylabel() == "LR") == len(data_axes) >= 6
     assert lr_axes_without_scale(fig) == [] and clipped_texts(fig) == []
+
+
+def test_public_trajectories_follow_the_rule_too(tmp_path, laid_out):
+    """A public trajectory whose quantizers differ 100x with a value below zero: Δ CE in panels of their own."""
+    from test_presets import REPO, _rows_of
+
+    from quantdyn.report.public_trajectories import error_vs_tokens
+
+    rows = _rows_of("pythia-160m", ("step1000", "step36000", "step72000", "step143000"))
+    for r in rows:
+        if r["quantizer"] == "gptq3":
+            r["delta_ce"] *= 100
+    rows[0]["delta_ce"] = -0.001
+    error_vs_tokens(rows, REPO, tmp_path / "pythia")
+    fig = laid_out["pythia"]
+    dce = [a for a in fig.axes if a.get_ylabel() == "Δ CE (nats)"]
+    assert sorted(t.get_text() for a in dce for t in a.get_legend().get_texts()) == ["gptq3", "rtn4"]
+    assert clipped_texts(fig) == [] and lr_axes_without_scale(fig) == []

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from quantdyn.errors import QuantdynError
 from quantdyn.report import uncertainty
+from quantdyn.report.figures import y_layout
 from quantdyn.report.output import overlay_lr, panel_grid, save_figure, tokens_axis
 from quantdyn.report.palette import Palette, quantizer_color
 from quantdyn.results.schema import rel_delta_ce, rel_delta_ce_se, total_se
@@ -164,8 +165,9 @@ def error_vs_tokens(rows: list[dict], run: str, out: Path, quantizers: list[str]
     """Δ CE (± combined SE) and Δ CE / CE(FP) against tokens of one public trajectory, with Δ PPL, KL and top-1
     agreement beside them when the rows carry them (all its branches: stage-1 main, stage-2 ingredients
     dashed, the soup as a star), with the preset's LR overlaid; filled markers = decaying; one colour per
-    quantizer (``palette``).  Writes ``out``.png and .svg; returns the table behind it ([] and no files when
-    the run has no rows)."""
+    quantizer (``palette``); quantizers of very different size on a log axis or in panels of their own
+    (:func:`quantdyn.report.figures.y_layout`).  Writes ``out``.png and .svg; returns the table behind it ([]
+    and no files when the run has no rows)."""
     pts = _ptq(rows, run, quantizers)
     if not pts:
         return []
@@ -173,7 +175,13 @@ def error_vs_tokens(rows: list[dict], run: str, out: Path, quantizers: list[str]
     qs = _quantizers(pts)
     curves = lr_curves(pre, pts)
     start = _stage_start(pre)
-    panels = [p for k, p in enumerate(PANELS) if k < 2 or any(p[2](r) is not None for r in pts)]
+    panels = []  # (panel, its quantizers, y scale): quantizers of very different size split by y_layout's rule
+    for k, p in enumerate(PANELS):
+        values = {q: [v for r in pts if r["quantizer"] == q and (v := p[2](r)) is not None] for q in qs}
+        if k < 2 or any(values.values()):
+            lay = y_layout(values, log_ok=p[0] != "top1_agree")
+            panels += [(p, g, lay.scale) for g in lay.groups or (tuple(qs),)]
+    split = len(panels) > len({p[0] for p, _, _ in panels})
     cols = 1 if len(panels) <= 2 else 2
     fig, axes = panel_grid(len(panels), max_cols=cols, panel_height=2.3 if cols == 2 else 2.5, extra_height=0.3,
                            sharex=True)
@@ -187,22 +195,28 @@ def error_vs_tokens(rows: list[dict], run: str, out: Path, quantizers: list[str]
             if branch.startswith("ingredient"):  # drawn from the checkpoint the stage starts at
                 br = [r for r in mine if (r.get("branch") or "main") == "main" and r["tokens"] == start] + br
             xs = [r["tokens"] for r in br]
-            for k, (ax, (_, _, value, se)) in enumerate(zip(axes, panels)):
+            for k, (ax, ((_, _, value, se), group, _)) in enumerate(zip(axes, panels)):
+                if q not in group:
+                    continue
+                named = k == 0 or split  # the legend: on the first panel, or on each of split panels
                 ys = [value(r) for r in br]
                 if branch == "soup":
-                    ax.plot(xs, ys, "*", color=c, ms=10, label=f"{q} soup" if k == 0 else None)
+                    ax.plot(xs, ys, "*", color=c, ms=10, label=f"{q} soup" if named else None)
                     continue
                 st = _branch_style(branch)
                 keep = [i for i, y in enumerate(ys) if y is not None]
                 kx, ky = [xs[i] for i in keep], [ys[i] for i in keep]
                 ax.errorbar(kx, ky, yerr=[se(br[i]) for i in keep] if se else None, color=c, capsize=2, ms=0,
-                            label=q if branch == "main" and k == 0 else None, **st)
+                            label=q if branch == "main" and named else None, **st)
                 ax.scatter(kx, ky, s=12, color=c, zorder=3,
                            facecolors=[c if br[i].get("decaying") else "white" for i in keep])
-    for ax, (_, label, _, _) in zip(axes, panels):
-        ax.set_ylabel(label, fontsize=8)
+    for k, (ax, ((_, label, _, _), _, scale)) in enumerate(zip(axes, panels)):
+        if scale == "log":
+            ax.set_yscale("log")
+        ax.set_ylabel(label + (" (log)" if scale == "log" else ""), fontsize=8)
+        if k == 0 or split:
+            ax.legend(fontsize=6 if split else 7, loc="best" if split else "upper left")
     fig.suptitle(f"{_label(run, pre)}: quantization error along training (filled = LR decaying)", fontsize=10)
-    axes[0].legend(fontsize=7, loc="upper left")
     for ax in axes:
         overlay_lr(ax, [c for _, c in curves])
         ax.grid(alpha=0.3)

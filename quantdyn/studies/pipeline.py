@@ -239,9 +239,10 @@ def run_study(spec: StudySpec | dict, progress: bool = True, echo: Echo = print)
     store = spec.sweep.store
     runs = [s["cfg"].name for s in summary]
     rows = _rows_of(store, [s["run_dir"] for s in summary], spec.sweep.quant_repeats)
+    fams = spec.finding_families
+    ref = reference_branch(spec) if "averaging" in fams else None
     fp_windows = None
-    if "averaging" in spec.finding_families:
-        ref = reference_branch(spec)
+    if ref is not None:
         fp_windows = {}
         for s in summary:
             ends = [r for r in rows if r.get("kind") == "ptq" and r.get("run") == s["cfg"].name
@@ -252,10 +253,8 @@ def run_study(spec: StudySpec | dict, progress: bool = True, echo: Echo = print)
             cks = sorted({r["checkpoint"] for r in rows if r.get("kind") == "ptq" and r.get("run") == s["cfg"].name
                           and r.get("tokens") == tokens})
             fp_windows.update(fp_window_losses(spec, s["run_dir"], cks, report_dir / "fp_windows.json"))
-    fams = spec.finding_families
     notes = [f"{name} diverged: {msg}" for name, msg in diverged.items()]
-    answer = section.answer(rows, runs, fams, spec.findings, reference_branch(spec) if "averaging" in fams else None,
-                            fp_windows, notes, spec.title, to_dict(spec))
+    answer = section.answer(rows, runs, fams, spec.findings, ref, fp_windows, notes, spec.title, to_dict(spec))
     page = section.write_report_with_findings(store, report_dir, answer_of=answer)
     echo("")
     for s in summary:

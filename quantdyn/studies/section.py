@@ -203,11 +203,21 @@ def verdict_sentence(f: Mapping, with_family: bool = False) -> tuple[str, str, s
     return f"{head}{f['comparison']}: {f['metric']} {amount}, z = {zt}", f["verdict"], tone
 
 
+def claim_heading(claim: str, found: Sequence[Mapping]) -> str:
+    """A paper's claim with the count of each verdict over its comparisons, e.g. "A(a) LR decay raises the
+    quantization error — 10 comparisons: 6 reproduced, 1 opposite, 3 not resolved at this scale"."""
+    verdicts = Counter(f["verdict"] for f in found if f["finding"] == claim)
+    n = sum(verdicts.values())
+    counts = ", ".join(f"{verdicts[v]} {v}" for v in (REPRODUCED, OPPOSITE, NOT_RESOLVED) if verdicts[v])
+    return f"{claim} — {n} comparison{'s' if n != 1 else ''}: {counts}"
+
+
 def sentences(a: Answer) -> list[tuple[str, str, str, str]]:
-    """Every finding of ``a`` in words, in the findings' order: (the paper's claim, statement, verdict, tone)
-    (:func:`verdict_sentence`)."""
+    """Every finding of ``a`` in words, in the findings' order: (the paper's claim with its verdict counts,
+    statement, verdict, tone) (:func:`claim_heading`, :func:`verdict_sentence`)."""
     fams = {f.get("seed_family") for f in a.found if f.get("seed_family")}
-    return [(f["finding"], *verdict_sentence(f, with_family=len(fams) > 1)) for f in a.found]
+    return [(claim_heading(f["finding"], a.found), *verdict_sentence(f, with_family=len(fams) > 1))
+            for f in a.found]
 
 
 def _repeats_text(a: Answer) -> str:
