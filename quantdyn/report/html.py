@@ -244,26 +244,22 @@ VERDICT_RULE = (
 def _uncertainty_summary(rows: list[dict]) -> str:
     """The page's closing notes on uncertainty: the verdict rule and whether the quantization was repeated."""
     ptq = [r for r in rows if r.get("kind") == "ptq" and r.get("delta_ce") is not None]
-    paras = [VERDICT_RULE] if ptq else []
-    if ptq:
-        reps = Counter(uncertainty.repeats(r) for r in ptq)
-        doms = Counter(r.get("uncertainty_dominant") or uncertainty.parts(r).dominant for r in ptq)
-        rs = ", ".join(f"R = {k}: {n} rows" for k, n in sorted(reps.items()))
-        if set(reps) == {1}:
-            paras.append(
-                "No row repeats its quantization (R = 1): every error bar and z in this report covers the evaluation "
-                "windows (paired SE), and the stable-phase jitter where a decayed endpoint meets its control, but "
-                "not the run-to-run spread of the quantization itself. Re-quantizing a checkpoint (another "
-                "calibration draw, another float order) can move Δ CE by more than that; measure it with "
-                "quant_repeats R > 1 (--repeats R).")
-        else:
-            paras.append(
-                f"Quantization repeats: {rs}. Error bars and z use the combined SE = √(SE_eval² + SD_run²/R); the "
-                f"run-to-run part dominates in {doms.get(uncertainty.RUN, 0)} of {len(ptq)} PTQ rows, the "
-                f"evaluation windows in {doms.get(uncertainty.EVAL, 0)}.")
-    if not paras:
+    if not ptq:
         return ""
-    body = "".join(f"<p>{html.escape(p)}</p>" for p in paras)
+    reps = Counter(uncertainty.repeats(r) for r in ptq)
+    doms = Counter(r.get("uncertainty_dominant") or uncertainty.parts(r).dominant for r in ptq)
+    rs = ", ".join(f"R = {k}: {n} rows" for k, n in sorted(reps.items()))
+    if set(reps) == {1}:
+        repeats = ("No row repeats its quantization (R = 1): every error bar and z in this report covers the "
+                   "evaluation windows (paired SE), and the stable-phase jitter where a decayed endpoint meets its "
+                   "control, but not the run-to-run spread of the quantization itself. Re-quantizing a checkpoint "
+                   "(another calibration draw, another float order) can move Δ CE by more than that; measure it with "
+                   "quant_repeats R > 1 (--repeats R).")
+    else:
+        repeats = (f"Quantization repeats: {rs}. Error bars and z use the combined SE = √(SE_eval² + SD_run²/R); "
+                   f"the run-to-run part dominates in {doms.get(uncertainty.RUN, 0)} of {len(ptq)} PTQ rows, the "
+                   f"evaluation windows in {doms.get(uncertainty.EVAL, 0)}.")
+    body = "".join(f"<p>{html.escape(p)}</p>" for p in (VERDICT_RULE, repeats))
     return f"<section id='uncertainty'><h2>Uncertainty</h2>{body}</section>"
 
 
@@ -388,15 +384,17 @@ def write_report(store_or_run: str | Path, out_dir: str | Path, store: str | Pat
     toc = "".join(f"<li><a href='#s{k}'>{html.escape(s.title)}</a></li>" for k, s in enumerate(sections)
                   if k >= lead_n)
     n_fig = sum(1 for s in sections if s.figure)
+    unc = _uncertainty_summary(rows)
+    unc_link = " <a href='#uncertainty'>uncertainty</a> ·" if unc else ""
     source = html.escape(str(st.root if st is not None else run_dir))
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>quantdyn report</title>
 <style>{CSS}</style></head><body>
 <h1>quantdyn report</h1><p class='sub'>{source} · {len(rows)} rows · {n_fig} figures ·
-written {html.escape(prov['date'])} · <a href='#uncertainty'>uncertainty</a> · <a href='#provenance'>provenance</a></p>
+written {html.escape(prov['date'])} ·{unc_link} <a href='#provenance'>provenance</a></p>
 {"".join(html_of[k] for k in range(lead_n))}
 <section id='contents'><h2>Figures</h2><ol>{toc}</ol></section>
 {"".join(html_of[k] for k in range(lead_n, len(sections)))}
-{_uncertainty_summary(rows)}
+{unc}
 {provenance.to_html(prov)}
 </body></html>"""
     write_json_atomic(out / "provenance.json", prov)
