@@ -87,6 +87,10 @@ def test_families_the_rows_allow():
     assert section.reference_branch_in(rows) == "cooldown-s150-d50-linear"  # the latest cooldown
     two_lrs = [{**r, "run": "b-s0", "peak_lr": 1e-3} for r in rows] + rows
     assert "peak_lr" in section.families_in(two_lrs)
+    hub = [{**r, "run": "EleutherAI/pythia-160m", "ckpt_kind": "hub", "peak_lr": 6e-4} for r in rows
+           if r["branch"] == "main"]
+    assert "peak_lr" not in section.families_in(rows + hub)  # a public model is measured, not compared
+    assert section.trained_runs(rows + hub) == ["demo-s0"]
 
 
 def test_sentences_digits_agree_with_the_verdict():

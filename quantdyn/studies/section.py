@@ -58,7 +58,8 @@ def families_in(rows: Sequence[Mapping]) -> tuple[str, ...]:
     branch and its control measured in one run), peak_lr (main runs at two or more peak LRs), averaging (an
     averaged checkpoint beside a cooldown branch), sharpness (Hessian analyses of a cooldown and its control),
     predictors (outlier or propagation analyses)."""
-    ptq = [r for r in rows if r.get("kind") == "ptq"]
+    trained = set(trained_runs(rows))
+    ptq = [r for r in rows if r.get("kind") == "ptq" and r.get("run") in trained]
     branches = {(r.get("run"), r.get("branch")) for r in ptq}
     analyses = [r for r in rows if r.get("kind") == "analysis"]
     has = {
@@ -69,6 +70,13 @@ def families_in(rows: Sequence[Mapping]) -> tuple[str, ...]:
         "predictors": any(k in fd.OUTLIER_METRICS or k.startswith("prop_") for r in analyses for k in r),
     }
     return tuple(f for f in has if has[f])
+
+
+def trained_runs(rows: Sequence[Mapping]) -> list[str]:
+    """The runs whose main checkpoints were trained here (ckpt_kind "checkpoint"), the ones a finding compares:
+    a public trajectory (a hub repo) is measured, never compared with another model's at another peak LR."""
+    return sorted({r["run"] for r in rows if r.get("kind") == "ptq" and r.get("run")
+                   and r.get("ckpt_kind") == "checkpoint"})
 
 
 def reference_branch_in(rows: Sequence[Mapping]) -> str | None:
@@ -135,10 +143,11 @@ def answer(rows: list[dict], runs: Sequence[str] | None = None, families: Sequen
            fp_windows: dict[str, list[float]] | None = None, notes: Sequence[str] = (), title: str = "",
            spec_dict: dict | None = None) -> Answer:
     """The findings of ``rows`` (a study passes its runs, families and spec; a store's report lets the rows
-    decide: every run, :func:`families_in`, the reference branch :func:`reference_branch_in`)."""
+    decide: every run trained here (:func:`trained_runs`), :func:`families_in`, the reference branch
+    :func:`reference_branch_in`)."""
     rows = fd.with_fp_se(fd.dedupe(rows))
     if runs is None:
-        runs = sorted({r["run"] for r in rows if r.get("kind") == "ptq" and r.get("run")})
+        runs = trained_runs(rows)
     fams = tuple(families) if families is not None else families_in(rows)
     ref = reference_branch if reference_branch is not None else reference_branch_in(rows)
     found, details = compute(rows, runs, fams, spec, ref, fp_windows)
