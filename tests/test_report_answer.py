@@ -108,7 +108,7 @@ def test_sentences_digits_agree_with_the_verdict():
     assert tone == "unresolved"
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_the_demo_and_the_report_print_one_summary(tmp_path, kjv_small, cli):
     """A tiny study (two seeds, a cooldown with its control): the summary the study prints is the one
     `quantdyn report` prints over its store."""

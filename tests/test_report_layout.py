@@ -114,6 +114,16 @@ def clipped_texts(fig, drawn=None, tol: float = 0.5) -> list[str]:
             if e.x0 < box.x0 - tol or e.y0 < box.y0 - tol or e.x1 > box.x1 + tol or e.y1 > box.y1 + tol]
 
 
+def overlapping_texts(fig, drawn=None, tol: float = 1.0) -> list[str]:
+    """Pairs of texts of ``fig`` drawn over each other (tick labels crowded on a short axis, a legend over a
+    label), overlapping by more than ``tol`` pixels both ways. Texts at an angle other than 0 or 90 degrees
+    (rotated tick labels) are left out: their rectangular extents overlap where their glyphs do not."""
+    square = [(t, e) for t, e in (drawn if drawn is not None else drawn_texts(fig))
+              if round(t.get_rotation()) % 90 == 0]
+    return [f"{a.get_text()!r} over {b.get_text()!r}" for k, (a, ea) in enumerate(square) for b, eb in square[k + 1:]
+            if min(ea.x1, eb.x1) - max(ea.x0, eb.x0) > tol and min(ea.y1, eb.y1) - max(ea.y0, eb.y0) > tol]
+
+
 def is_lr_line(line) -> bool:
     hexed = matplotlib.colors.to_hex
     return hexed(line.get_color()) == hexed(LR_COLOR) and len(line.get_xdata()) > 1
@@ -217,11 +227,13 @@ def test_no_figure_clips_its_text_and_every_lr_line_has_its_axis(tmp_path, laid_
     for name, fig in laid_out.items():
         texts = drawn_texts(fig)
         assert clipped_texts(fig, texts) == [], name
+        assert overlapping_texts(fig, texts) == [], name
         assert lr_axes_without_scale(fig, texts) == [], name
 
 
-def test_the_checks_catch_a_clipped_label_and_an_lr_line_without_a_scale():
-    """The two checks fail where they should: a y label pushed off the figure, an LR line with hidden ticks."""
+def test_the_checks_catch_a_clipped_label_overlapping_ticks_and_an_lr_line_without_a_scale():
+    """The three checks fail where they should: a y label pushed off the figure, tick labels crowded over each
+    other, an LR line with hidden ticks."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(3, 2))
@@ -235,6 +247,9 @@ def test_the_checks_catch_a_clipped_label_and_an_lr_line_without_a_scale():
     assert clipped_texts(fig2) == [] and lr_axes_without_scale(fig2) == []
     fig2.axes[-1].tick_params(axis="y", labelright=False)
     assert lr_axes_without_scale(fig2)
+    assert overlapping_texts(fig2) == []
+    ax2.set_yticks([0.5, 0.51], ["0.5", "0.51"])
+    assert overlapping_texts(fig2) == ["'0.5' over '0.51'"]
     plt.close(fig)
     plt.close(fig2)
 
@@ -280,7 +295,10 @@ def test_trajectory_follows_the_rule_so_no_quantizer_is_flattened(tmp_path, laid
     # the LR is drawn, with its axis, on every panel, not only the right-hand ones
     data_axes = [a for a in fig.axes if a.get_ylabel() and a.get_ylabel() != "LR"]
     assert sum(1 for a in fig.axes if a.get_ylabel() == "LR") == len(data_axes) >= 6
-    assert lr_axes_without_scale(fig) == [] and clipped_texts(fig) == []
+    assert lr_axes_without_scale(fig) == [] and clipped_texts(fig) == [] and overlapping_texts(fig) == []
+    kl = next(a for a in fig.axes if a.get_ylabel().startswith("KL"))
+    lo, hi = kl.get_ylim()
+    assert math.log10(hi / lo) > figures.MINOR_LABEL_DECADES  # 3 decades: the powers of ten alone are labelled
 
 
 def test_public_trajectories_follow_the_rule_too(tmp_path, laid_out):

@@ -28,7 +28,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 from matplotlib.lines import Line2D
-from matplotlib.ticker import FuncFormatter
+from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from quantdyn.report import uncertainty
 from quantdyn.report.output import LR_STYLE, PAGE_WIDTH, overlay_lr, panel_grid, save_figure, tokens_axis
@@ -124,6 +124,11 @@ def _plain(v: float, _pos=None) -> str:
     return f"{v:g}"
 
 
+MINOR_LABEL_DECADES = 2.0
+"""A log panel spanning at most this many decades labels its minor ticks (2× and 5× a power of ten) too; a wider
+one labels only the powers of ten (three labels a decade on a two-inch panel would overlap)."""
+
+
 def _plain_2_5(v: float, _pos=None) -> str:
     """Minor log ticks: label 2× and 5× a power of ten, so a panel spanning a decade or two reads well."""
     if v <= 0:
@@ -202,8 +207,12 @@ def metric_panels(fp: list[dict], series: dict[str, list[dict]], lr_curve: list[
                 ax.set_yscale("log")
                 # plain numbers (0.1, 1, 10), not mathtext powers: easier to read and much cheaper to draw
                 ax.yaxis.set_major_formatter(FuncFormatter(_plain))
-                ax.yaxis.set_minor_formatter(FuncFormatter(_plain_2_5))
-                ax.tick_params(axis="y", which="minor", labelsize=6)
+                lo, hi = ax.get_ylim()
+                if math.log10(hi / lo) <= MINOR_LABEL_DECADES:
+                    ax.yaxis.set_minor_formatter(FuncFormatter(_plain_2_5))
+                    ax.tick_params(axis="y", which="minor", labelsize=6)
+                else:
+                    ax.yaxis.set_minor_formatter(NullFormatter())
             ax.set_ylabel(panel.label + (" (log)" if scale == "log" else ""), fontsize=8)
             if split:  # small multiples: say whose panel it is
                 ax.legend(fontsize=6, loc="best", handlelength=1.2, borderpad=0.3, labelspacing=0.2, framealpha=0.8)
