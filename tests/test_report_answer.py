@@ -100,12 +100,17 @@ def test_sentences_digits_agree_with_the_verdict():
          "metric": "Δ CE", "effect": 0.00201, "se": 0.001, "z_threshold": 2.0, "n_seeds": 1, "baseline": 0.5,
          "baseline_of": "the control's Δ CE", "verdict": REPRODUCED}
     statement, verdict, tone = section.verdict_sentence(f)
-    assert "+0.00201 ± 0.00100 nats (+0.4 % of the control's Δ CE), z = +2.01" in statement
+    # the percentage of the control carries the digits of the effect in nats, with its own uncertainty
+    assert "+0.00201 ± 0.00100 nats (+0.402 ± 0.200 % of the control's Δ CE), z = +2.01" in statement
     assert verdict == "decay raises the error — reproduced" and tone == "yes"
     g = {**f, "effect": 0.0019, "verdict": NOT_RESOLVED}
     statement, verdict, tone = section.verdict_sentence(g)
     assert "and its constant-LR control differ by" in statement and verdict.startswith("within uncertainty")
     assert tone == "unresolved"
+    # an effect far inside its uncertainty: the percentage is no more precise than the nats beside it
+    h = {**f, "effect": -0.00003, "se": 0.0036, "baseline": 0.0135, "verdict": NOT_RESOLVED}
+    statement, _, _ = section.verdict_sentence(h)
+    assert "-0.0000 ± 0.0036 nats (-0 ± 27 % of the control's Δ CE), z = -0.0" in statement
 
 
 @pytest.mark.e2e

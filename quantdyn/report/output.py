@@ -17,7 +17,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from quantdyn.files import current_umask
 from quantdyn.report.palette import LR_COLOR
@@ -93,6 +93,7 @@ def overlay_lr(ax, curves):
     ax2.tick_params(axis="y", labelsize=6, colors=LR_TEXT, pad=1.5)
     ax2.yaxis.get_offset_text().set(fontsize=6, color=LR_TEXT)
     ax2.yaxis.set_major_locator(MaxNLocator(4))
+    ax2.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))  # 0, 0.0008, 0.0016: no 0.0000
     return ax2
 
 

@@ -159,19 +159,27 @@ def answer(rows: list[dict], runs: Sequence[str] | None = None, families: Sequen
 
 
 # ------------------------------------------------------------------ in words
-def _relative(effect: float, baseline: float | None) -> str:
-    """'+2.1 %' of a positive baseline ('' without one): two significant digits, at most one decimal above 1 %."""
+def _relative(effect: float, baseline: float | None, se: float | None = None, z: float = fd.Z) -> str:
+    """'+2.1 %' of a positive baseline ('' without one): two significant digits, at most one decimal above 1 %;
+    with the effect's uncertainty ``se``, '+2.10 ± 0.40 %', printed as results.stats.format_estimate prints the
+    effect in nats (the same digits rule, so the percentage never reads more precise than the effect)."""
     b = number(baseline)
     if b is None or b <= 0:
         return ""
     pct = 100.0 * effect / b
+    s = number(se)
+    if s is not None and s > 0:
+        et, st, _ = format_estimate(pct, 100.0 * s / b, z)
+        return f"{et} ± {st} %"
     return f"{pct:+.0f} %" if abs(pct) >= 10 else f"{pct:+.1f} %" if abs(pct) >= 1 else f"{pct:+.2g} %"
 
 
 def relative_text(f: Mapping) -> str:
-    """'+2.1 % of the control's Δ CE' for a finding with a positive baseline, '' otherwise."""
+    """'+2.10 ± 0.40 % of the control's Δ CE' for a finding with a positive baseline (without an SE: '+2.1 % of
+    ...'), '' otherwise."""
     e = number(f.get("effect"))
-    rel = _relative(e, f.get("baseline")) if e is not None else ""
+    z = number(f.get("z_threshold")) or fd.Z
+    rel = _relative(e, f.get("baseline"), f.get("se"), z) if e is not None else ""
     return f"{rel} of {f.get('baseline_of') or 'its reference'}" if rel else ""
 
 
@@ -181,7 +189,7 @@ def _unit(f: Mapping) -> str:
 
 def verdict_sentence(f: Mapping, with_family: bool = False) -> tuple[str, str, str]:
     """One finding in words: (statement, verdict, tone), e.g. ("rtn3: the decayed endpoint cooldown-s200-d100-linear
-    quantizes worse than its constant-LR control by +0.012 ± 0.004 nats (+2.1 % of the control's Δ CE), z = +3.0",
+    quantizes worse than its constant-LR control by +0.012 ± 0.004 nats (+2.1 ± 0.7 % of the control's Δ CE), z = +3.0",
     "decay raises the error (reproduced)", "yes"). The numbers carry the digits that make z agree with the verdict
     (results.stats.format_estimate). ``with_family``: name the runs the effect is averaged over (several families
     of seeds on one page)."""
