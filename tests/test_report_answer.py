@@ -110,7 +110,7 @@ def test_sentences_digits_agree_with_the_verdict():
     # an effect far inside its uncertainty: the percentage is no more precise than the nats beside it
     h = {**f, "effect": -0.00003, "se": 0.0036, "baseline": 0.0135, "verdict": NOT_RESOLVED}
     statement, _, _ = section.verdict_sentence(h)
-    assert "-0.0000 ± 0.0036 nats (-0 ± 27 % of the control's Δ CE), z = -0.0" in statement
+    assert "differ by 0.0000 ± 0.0036 nats (0 ± 27 % of the control's Δ CE), z = 0.0" in statement  # no sign on a zero
 
 
 @pytest.mark.e2e

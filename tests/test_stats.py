@@ -222,14 +222,14 @@ def test_the_demo_and_findings_printouts_keep_z_and_verdict_consistent():
     body = [ln for ln in lines if "cooldown-s4-d2-1-sqrt" in ln]
     assert len(body) == len(tables)
     for ln, row in zip(body, tables):
-        m = re.search(r"([+-][\d.e+-]+) ± ([\d.e+-]+) \(z ([+-][\d.]+)\)", ln)
+        m = re.search(r"([+-]?[\d.e+-]+) ± ([\d.e+-]+) \(z ([+-]?[\d.]+)\)", ln)
         sign = verdict_sign(row["difference"], row["difference_se"])
         assert _agrees(m.group(1), m.group(2), m.group(3), sign, 2.0), ln
         assert ln.rstrip().endswith(stats.decay_verdict(sign)), ln
     # and the findings table
     for row in tables[:100]:
         f = {"effect": row["difference"], "se": row["difference_se"], "z_threshold": 2.0}
-        m = re.fullmatch(r"([+-][\d.e+-]+) ± ([\d.e+-]+) \(z ([+-][\d.]+)\)", fd.format_effect(f))
+        m = re.fullmatch(r"([+-]?[\d.e+-]+) ± ([\d.e+-]+) \(z ([+-]?[\d.]+)\)", fd.format_effect(f))
         assert _agrees(*m.groups(), verdict_sign(f["effect"], f["se"]), 2.0)
 
 
@@ -244,3 +244,11 @@ def test_bootstrap_intervals_share_resamples_and_drop_undefined_ones():
     has_max = int((x[idx].max(axis=1) == 19).sum())
     assert 0 < has_max < 500 and got[1] == (1.0, 1.0, has_max)
     assert all(math.isnan(v) for v in stats.percentile_interval([math.nan, math.nan], 0.9))
+
+
+def test_format_estimate_prints_a_zero_without_a_sign():
+    """An effect or z that rounds to zero at the digits printed carries no sign ('-0.0000 ± 0.0036' read as a
+    direction the digits do not show); the digits rule is unchanged."""
+    assert format_estimate(-4e-7, 0.0036) == ("0.0000", "0.0036", "0.0")
+    assert format_estimate(4e-7, 0.0036) == ("0.0000", "0.0036", "0.0")
+    assert format_estimate(-0.0004, 0.0036) == ("-0.0004", "0.0036", "-0.1")

@@ -402,7 +402,15 @@ def format_estimate(effect: float, se: float | None, z: float = Z, digits: int =
             break
     else:
         z_txt = repr(t)
-    return e_txt, s_txt, z_txt
+    return _no_signed_zero(e_txt), s_txt, _no_signed_zero(z_txt)
+
+
+def _no_signed_zero(txt: str) -> str:
+    """'-0.0000' and '+0.0' read as a sign the digits do not carry: a number printed as zero is printed unsigned."""
+    try:
+        return txt.lstrip("+-") if float(txt) == 0.0 else txt
+    except ValueError:
+        return txt
 
 
 def format_interval(effect: float | None, lo: float | None, hi: float | None, decimals: int = 2) -> str:
