@@ -55,8 +55,8 @@ def quantize(
     push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", help="Upload the export to this hub repo (needs "
                                               "a token).", rich_help_panel=OUTPUT),
     device: str = opt.device("auto", "Blocks are onloaded one at a time.", panel=ENGINE),
-    dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (the checkpoint's) | float32 | bfloat16 | "
-                              "float16.", rich_help_panel=ENGINE),
+    dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (the checkpoint's; bf16/fp16 on a CPU "
+                              "without native units: float32) | float32 | bfloat16 | float16.", rich_help_panel=ENGINE),
     max_memory: str = typer.Option("", "--max-memory", help="Memory for one block + activations, e.g. 8GB (default: "
                                    "half the free memory).", rich_help_panel=ENGINE),
     threads: int = typer.Option(1, "--threads", help="torch threads while quantizing on CPU (1: codes independent of "

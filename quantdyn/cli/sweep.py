@@ -46,8 +46,9 @@ def sweep(
                                               "order | both (spec: repeat_vary).", rich_help_panel=QUANTIZERS),
     device: Optional[str] = opt.device(None, "Blocks are onloaded one at a time [default: the spec's, else auto].",
                                        panel=ENGINE),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="Compute dtype: auto (the checkpoint's) | float32 | "
-                                        "bfloat16 | float16.", rich_help_panel=ENGINE),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Compute dtype: auto (the checkpoint's; bf16/fp16 "
+                                        "on a CPU without native units: float32) | float32 | bfloat16 | float16.",
+                                        rich_help_panel=ENGINE),
     max_memory: Optional[str] = typer.Option(None, "--max-memory", help="Memory for one block + activations, e.g. "
                                              "8GB.", rich_help_panel=ENGINE),
     spill_dir: Optional[str] = typer.Option(None, "--spill-dir", help="Where activations beyond --max-memory spill "

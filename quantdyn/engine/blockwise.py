@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
+from quantdyn.engine.phases import PhaseTimer, time_phase
 from quantdyn.errors import QuantdynError
 from quantdyn.models.adapters import get_weight, set_weight
 from quantdyn.models.gpt import GPT
@@ -201,7 +202,7 @@ def quantize_layer(name: str, module: nn.Module, stats: ActStats | None, cfg: Qu
     A format that chooses per tensor (llama.cpp's mixes and shape fallbacks) resolves ``cfg`` for ``site``
     first; the choice lands in ``res.diagnostics`` (``quantizer_method`` and the format's notes). A format
     with activation quantization (W8A8) also gets a forward pre-hook on ``module`` that fake-quantizes its input."""
-    W = get_weight(module).detach().float().clone()
+    W = get_weight(module).detach().to(torch.float32, copy=True)  # one copy (bf16 -> fp32 is already one)
     act_quant = QUANTIZERS.get(cfg.method).act_quant
     cfg, notes = config_for_tensor(cfg, site or TensorSite(name, 0, 1, tuple(W.shape)))
     fn = QUANTIZERS.get(cfg.method).fn
@@ -224,11 +225,12 @@ def layer_row(block_idx: int, name: str, full: str, W: torch.Tensor, res: QuantR
                seconds=res.seconds, n_samples=None, tokens=None, output_error=None, rel_error=None,
                bits_per_weight=(res.bits_per_weight if res.bits_per_weight is not None
                                 else grid_bits_per_weight(cfg, W.shape[0], W.shape[1])))
-    if stats is not None:
+    if stats is not None:  # two out x in temporaries at a time (dW and dW H), multiplied in place
         H = stats.H.to(W)
         dW = W - res.weight.to(W)
-        err = 0.5 * float((dW @ H * dW).sum())
-        ref = 0.5 * float((W @ H * W).sum())
+        err = 0.5 * float((dW @ H).mul_(dW).sum())
+        del dW
+        ref = 0.5 * float((W @ H).mul_(W).sum())
         row.update(n_samples=stats.n, tokens=stats.tokens, output_error=err, rel_error=err / ref if ref > 0 else None)
     for k, v in res.diagnostics.items():
         row[k] = v
@@ -242,13 +244,19 @@ LayerCallback = Callable[[str, QuantResult, nn.Module], None]
 def quantize_block(block: nn.Module, groups: list[list[tuple[str, nn.Module]]], block_idx: int, prefix: str,
                    inputs: Sequence[torch.Tensor] | None, args_of: Callable[[int], BlockArgs], cfg: QuantConfig,
                    layer_threads: int | None = None, on_layer: LayerCallback | None = None,
-                   n_blocks: int = 0) -> list[dict]:
+                   n_blocks: int = 0, timer: PhaseTimer | None = None) -> list[dict]:
     """Quantize the linear layers of one block in place; returns one diagnostics row per layer.
 
     ``inputs`` are the block's calibration hidden states per batch (None: no statistics, only
     for calibration-free quantizers); ``args_of(i)`` the other arguments of batch ``i``.
     ``groups`` are the block's layers in true-sequential groups (flattened into one unless
-    ``cfg.true_sequential``). ``n_blocks`` (the model's) lets formats choose a type per tensor."""
+    ``cfg.true_sequential``). ``n_blocks`` (the model's) lets formats choose a type per tensor. ``timer`` gets
+    the calibration forwards, the quantizer calls and the rows' diagnostics.
+
+    Memory: the statistics (GPTQ's fp32 Hessian, in_features² floats per layer) exist for one group at a
+    time — the whole block without ``true_sequential`` — and each layer's is dropped as soon as that layer
+    is quantized. Layers that receive the very same input tensor (q/k/v, gate/up) share one statistics
+    object: it is accumulated once (the same values: the same tensor folded in the same order)."""
     if not cfg.true_sequential:
         groups = [[x for grp in groups for x in grp]]
     need_abs = cfg.method == "awq"
@@ -256,27 +264,58 @@ def quantize_block(block: nn.Module, groups: list[list[tuple[str, nn.Module]]], 
     for grp in groups:
         stats: dict[str, ActStats | None] = {name: None for name, _ in grp}
         if inputs is not None:
-            handles = []
-            for name, m in grp:
-                def hook(mod, inp, out, name=name):
-                    stats[name] = stats_update(stats[name], inp[0].detach(), need_abs=need_abs)
-                handles.append(m.register_forward_hook(hook))
-            try:
-                for i in range(len(inputs)):
-                    rest, kw = args_of(i)
-                    block(inputs[i], *rest, **kw)
-            finally:
-                for h in handles:
-                    h.remove()
+            with time_phase(timer, "calib_forward"):
+                shared = _collect_stats(block, grp, inputs, args_of, need_abs, stats)
+            for name, first in shared.items():
+                stats[name] = stats[first]
         for name, m in grp:
             full = f"{prefix}.{block_idx}.{name}"
             site = TensorSite(name, block_idx, n_blocks or block_idx + 1, tuple(get_weight(m).shape))
-            res, W = quantize_layer(full, m, stats[name], cfg, layer_threads, site)
-            rows.append(layer_row(block_idx, name, full, W, res, stats[name], cfg))
+            with time_phase(timer, "quantize_layers"):
+                res, W = quantize_layer(full, m, stats[name], cfg, layer_threads, site)
+            with time_phase(timer, "diagnostics"):
+                rows.append(layer_row(block_idx, name, full, W, res, stats[name], cfg))
+            del W
             if on_layer is not None:
                 on_layer(full, res, m)
-            stats[name] = None
+            del res
+            stats[name] = None  # the last layer sharing a statistics object frees it
     return rows
+
+
+def _collect_stats(block: nn.Module, grp: list[tuple[str, nn.Module]], inputs: Sequence[torch.Tensor],
+                   args_of: Callable[[int], BlockArgs], need_abs: bool, stats: dict) -> dict[str, str]:
+    """Run the block on every calibration batch, folding each layer's input into ``stats[name]``; returns
+    {layer: earlier layer} for the layers whose input was, in every batch, the same tensor object as that
+    earlier layer's (their statistics are that layer's, accumulated once)."""
+    shared: dict[str, str] = {}
+    seen: dict[int, tuple[torch.Tensor, str]] = {}  # this batch: id(input) -> (input, first layer given it)
+    batch = 0
+
+    def hook(mod, inp, out, name):
+        x = inp[0].detach()
+        first = seen.get(id(inp[0]))
+        same_as = first[1] if first is not None and first[0] is inp[0] else None
+        if batch == 0 and same_as is not None:
+            shared[name] = same_as
+        if shared.get(name) != same_as:
+            raise QuantdynError(f"layer '{name}' shared its input with '{shared.get(name) or same_as}' in one "
+                                "calibration batch but not in another; the block's forward is not deterministic")
+        if same_as is None:
+            seen[id(inp[0])] = (inp[0], name)
+            stats[name] = stats_update(stats[name], x, need_abs=need_abs)
+
+    handles = [m.register_forward_hook(lambda mod, inp, out, name=name: hook(mod, inp, out, name)) for name, m in grp]
+    try:
+        for i in range(len(inputs)):
+            batch = i
+            rest, kw = args_of(i)
+            block(inputs[i], *rest, **kw)
+            seen.clear()
+    finally:
+        for h in handles:
+            h.remove()
+    return shared
 
 
 def run_block(block: nn.Module, stream, args_of: Callable[[int], BlockArgs]) -> None:

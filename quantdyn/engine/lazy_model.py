@@ -25,6 +25,7 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
+from quantdyn.engine.phases import PhaseTimer, time_phase
 from quantdyn.errors import QuantdynError, unknown_name
 from quantdyn.models.adapters import FamilyAdapter, adapter_for
 from quantdyn.models.gpt import GPT
@@ -36,10 +37,34 @@ _COMPUTE_DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32
 
 
 def compute_dtype_of(name: str) -> torch.dtype | None:
-    """'auto' -> None (the checkpoint's own dtype), else the torch dtype; unknown names are an error."""
+    """'auto' -> None (chosen by :func:`auto_compute_dtype`), else the torch dtype; unknown names are an error."""
     if name not in _COMPUTE_DTYPES:
         raise unknown_name("dtype", name, [k for k in _COMPUTE_DTYPES if len(k) > 4])
     return _COMPUTE_DTYPES[name]
+
+
+_NATIVE_CPU_CHECKS = {torch.bfloat16: ("_is_avx512_bf16_supported", "_is_amx_tile_supported"),
+                      torch.float16: ("_is_amx_fp16_supported",)}
+
+
+def cpu_has_native(dtype: torch.dtype) -> bool:
+    """Whether this CPU has instructions that multiply ``dtype`` matrices natively (bf16: AVX512-BF16 or AMX;
+    fp16: AMX-FP16), as torch's CPU probe reports them; float32 always."""
+    if dtype == torch.float32:
+        return True
+    return any(getattr(torch.cpu, f, lambda: False)() for f in _NATIVE_CPU_CHECKS.get(dtype, ()))
+
+
+def auto_compute_dtype(stored: torch.dtype, device: torch.device | str | None) -> torch.dtype:
+    """What ``dtype: auto`` computes in: the checkpoint's own dtype, except a 16-bit float on a CPU without
+    native units for it, which computes in float32. Measured on one Llama-2-7B block (BENCHMARKS.md, issue 30):
+    without AVX512-BF16 a bf16 forward is slower than a float32 one (oneDNN converts every tile), with it
+    bf16 is faster; fp16 matmuls on a CPU without AMX-FP16 are slower than float32. ``device`` None: the
+    checkpoint's dtype (no rule)."""
+    if device is not None and torch.device(device).type == "cpu" and stored.is_floating_point \
+            and stored.itemsize == 2 and not cpu_has_native(stored):
+        return torch.float32
+    return stored
 
 
 @contextlib.contextmanager
@@ -95,7 +120,8 @@ class BlockSource:
     adapter: FamilyAdapter
     dtype: torch.dtype
 
-    def load(self, module: nn.Module, device: torch.device) -> None:
+    def load(self, module: nn.Module, device: torch.device, timer: PhaseTimer | None = None) -> None:
+        """Put ``module``'s parameters on ``device`` in the compute dtype (``timer``: adds read / convert time)."""
         raise NotImplementedError
 
     def unload(self, module: nn.Module) -> None:
@@ -129,6 +155,13 @@ class BlockSource:
                     n += p.numel()
         return n * size
 
+    def largest_tensor(self) -> tuple[str, int]:
+        """(name, bytes) of the parameter that needs the most memory to load: in the compute dtype, plus the
+        buffer it is read into when that is another dtype."""
+        size = torch.empty((), dtype=self.dtype).element_size()
+        name, p = max(self.model.named_parameters(), key=lambda kv: kv[1].numel())
+        return name, p.numel() * size
+
     def n_params(self, non_embedding: bool = True) -> int:
         """Parameter count (minus the input embedding: the N of scaling laws)."""
         total = sum(p.numel() for p in self.model.parameters())
@@ -141,11 +174,13 @@ class BlockSource:
 class LazyModel(BlockSource):
     """A checkpoint read one module at a time (see module docstring)."""
 
-    def __init__(self, weights: CheckpointWeights, dtype: torch.dtype | None = None):
+    def __init__(self, weights: CheckpointWeights, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None):
+        """``dtype`` None: :func:`auto_compute_dtype` of the checkpoint's dtype on ``device``."""
         self.weights = weights
         self.model = build_skeleton(weights)
         self.adapter = adapter_for(self.model)
-        self.dtype = dtype or weights.weight_dtype()
+        self.dtype = dtype or auto_compute_dtype(weights.weight_dtype(), device)
         self._names = {id(m): n for n, m in self.model.named_modules(remove_duplicate=False)}
         self._keys = self._match_keys()
 
@@ -184,21 +219,37 @@ class LazyModel(BlockSource):
                 keys[full] = key
         return keys
 
+    def largest_tensor(self) -> tuple[str, int]:
+        best = ("", 0)
+        for param, key in self._keys.items():
+            e = self.weights.entry(key)
+            n = 1
+            for d in e.shape:
+                n *= d
+            compute = n * torch.empty((), dtype=self.dtype).element_size() if e.dtype.is_floating_point else 0
+            need = e.nbytes + (compute if compute and e.dtype != self.dtype else 0)
+            if need > best[1]:
+                best = (key, need)
+        return best
+
     def checkpoint_key(self, param: str) -> str:
         """The checkpoint's tensor name of a model parameter (e.g. a tied head's is the embedding's)."""
         return self._keys[param]
 
-    def load(self, module: nn.Module, device: torch.device) -> None:
+    def load(self, module: nn.Module, device: torch.device, timer: PhaseTimer | None = None) -> None:
         prefix = self._names[id(module)]
         for mod_name, mod in module.named_modules(remove_duplicate=False):
             full_mod = ".".join(x for x in (prefix, mod_name) if x)
             for pname, p in list(mod._parameters.items()):
                 if p is None or p.device.type != "meta":
                     continue
-                t = self.weights.get(self._keys[f"{full_mod}.{pname}" if full_mod else pname])
-                if t.dtype.is_floating_point:
-                    t = t.to(self.dtype)
-                mod._parameters[pname] = nn.Parameter(t.to(device), requires_grad=False)
+                with time_phase(timer, "read"):
+                    t = self.weights.get(self._keys[f"{full_mod}.{pname}" if full_mod else pname])
+                with time_phase(timer, "convert"):  # one tensor at a time: at most one extra copy exists
+                    if t.dtype.is_floating_point:
+                        t = t.to(self.dtype)
+                    mod._parameters[pname] = nn.Parameter(t.to(device), requires_grad=False)
+                    del t
             for bname, b in list(mod._buffers.items()):
                 if b is not None and b.device != device:
                     mod._buffers[bname] = b.to(device)
@@ -221,9 +272,10 @@ class InMemoryModel(BlockSource):
         self.home = first.device
         self.dtype = first.dtype if first.dtype.is_floating_point else torch.float32
 
-    def load(self, module: nn.Module, device: torch.device) -> None:
+    def load(self, module: nn.Module, device: torch.device, timer: PhaseTimer | None = None) -> None:
         if device != self.home:
-            module.to(device)
+            with time_phase(timer, "convert"):
+                module.to(device)
 
     def unload(self, module: nn.Module) -> None:
         module.to(self.home)

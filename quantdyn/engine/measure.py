@@ -61,7 +61,9 @@ class MeasureConfig:
     """Calibration-free quantizers (RTN) also run the calibration set for per-layer loss/output error;
     false skips those passes (their rows then lack layer_loss_sum)."""
     dtype: str = "auto"
-    """Compute dtype: auto (the checkpoint's own: bf16 stays bf16) | float32 | bfloat16 | float16."""
+    """Compute dtype: auto | float32 | bfloat16 | float16. auto: the checkpoint's own (bf16 stays bf16), except
+    bf16/fp16 on a CPU without native units for it, which computes in float32 (faster there:
+    lazy_model.auto_compute_dtype)."""
     max_memory: str = ""
     """Memory for weights and activation streams, e.g. 8GB ('' = automatic: half the free RAM/GPU memory).
     Streams beyond it spill to disk; less than one block's needs is an error saying the minimum."""
@@ -110,30 +112,42 @@ class Measurement:
     propagation: dict[str, list[dict]] = field(default_factory=dict)
     """Per quantizer label, with ``propagation_ids``: paper B's per-block R, A, B, C and gain
     (analysis/propagation.py)."""
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    """Wall seconds of the whole measurement (all quantizers together) per phase of engine/phases.py (read,
+    convert, capture, calib_forward, quantize_layers, diagnostics, eval_forward, head), and ``total``: the whole
+    call, opening the checkpoint included (the rest of total: building the skeleton, copying blocks, freeing
+    memory)."""
 
     @property
     def ce_fp(self) -> float:
         return float(self.fp_window_ce.mean())
 
 
-def _source(model, dtype: torch.dtype | None) -> BlockSource:
+def _source(model, dtype: torch.dtype | None, device: torch.device) -> BlockSource:
     if isinstance(model, BlockSource):
         return model
     if isinstance(model, nn.Module):
         return InMemoryModel(model)
     weights = model if isinstance(model, CheckpointWeights) else open_checkpoint(model)
-    return LazyModel(weights, dtype)
+    return LazyModel(weights, dtype, device)
 
 
-def _check_budget(source: BlockSource, budget: int) -> int:
-    """Bytes left for streams under ``budget`` (0 = automatic); too small a budget is an error."""
+def check_budget(source: BlockSource, budget: int) -> int:
+    """Bytes left for streams under ``budget`` (0 = automatic); too small a budget is an error, raised before
+    any weight is read, that gives the minimum budget."""
     if not budget:
         return 0
     weights = 2 * source.block_bytes() + source.edge_bytes()
-    if budget < weights * 1.25:
+    tensor, tensor_bytes = source.largest_tensor()
+    minimum = max(weights, tensor_bytes) * 1.25
+    if budget < tensor_bytes:
+        raise QuantdynError(f"--max-memory {fmt_bytes(budget)} cannot hold this checkpoint's largest tensor "
+                            f"'{tensor}' ({fmt_bytes(tensor_bytes)} to read it in {str(source.dtype)[6:]}); "
+                            f"give at least {fmt_bytes(minimum)}")
+    if budget < minimum:
         raise QuantdynError(f"--max-memory {fmt_bytes(budget)} is too small for this model: one block, its quantized "
                             f"copy, the embedding and head need {fmt_bytes(weights)}; give at least "
-                            f"{fmt_bytes(weights * 1.25)}")
+                            f"{fmt_bytes(minimum)}")
     return budget - weights
 
 
@@ -183,6 +197,7 @@ def measure(
         on_block = on_block or old.pop("progress")
     if old:
         raise TypeError(f"measure() got an unexpected keyword argument '{next(iter(old))}'")
+    t_start = time.perf_counter()
     device = torch.device(device)
     variants = _variants(quantizers)
     probes: dict[str, torch.Tensor] = {}
@@ -192,8 +207,8 @@ def measure(
         probes["eval"] = eval_windows[:, :-1]
     if propagation_ids is not None:
         probes["prop"] = propagation_ids
-    source = _source(model, compute_dtype_of(cfg.dtype))
-    stream_budget = _check_budget(source, parse_bytes(cfg.max_memory))
+    source = _source(model, compute_dtype_of(cfg.dtype), device)
+    stream_budget = check_budget(source, parse_bytes(cfg.max_memory))
     threads = cfg.quantize_threads if device.type == "cpu" else None
     wcfg = WalkConfig(calib_batch_size=cfg.calib_batch_size, probe_batch_size=cfg.batch_size,
                       calib_threads=threads if threads else None, calibrate_all=cfg.layer_diagnostics,
@@ -227,13 +242,17 @@ def measure(
         fp_ce, per_q = (_head_metrics(w, eval_windows[:, 1:], cfg.batch_size, cfg.logits_budget_mb * 2**20, device)
                         if eval_windows is not None else (torch.zeros(0, dtype=torch.float64), {}))
         t_head = time.perf_counter() - t_head
+        if eval_windows is not None:
+            w.times.seconds["head"] += t_head
         streams = w.store.describe()
         quantizations = w.variants
         t_eval = w.probe_seconds + t_head
+        phase_seconds = dict(w.times.seconds)
     metrics = {label: summarize(fp_ce, *per_q[label]) for label in per_q}
     propagation = {label: finalize_propagation(s) for label, s in prop_sums.items()}
+    phase_seconds["total"] = time.perf_counter() - t_start
     return Measurement(fp_ce, metrics, quantizations, t_eval, source.n_params(), str(source.dtype).replace("torch.", ""),
-                       streams, propagation)
+                       streams, propagation, phase_seconds)
 
 
 def _head_metrics(w, targets: torch.Tensor, batch_size: int, logits_budget: int, device: torch.device):

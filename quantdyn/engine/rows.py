@@ -8,7 +8,7 @@ identity (``calib_hash``) live in :mod:`quantdyn.results.schema`:
 * ``calibration_draws`` / ``repeat_labels`` — the calibration sets and engine labels of R repeats;
 * ``quantizer_fields`` / ``ptq_fields`` — what a PTQ row says about its quantizer, its error,
   its storage cost (``storage_fields``: bits per weight, GGUF fallbacks) and how it was computed
-  (batch size and threads while calibrating, timings).
+  (batch size and threads while calibrating, timings, seconds per phase).
 """
 from __future__ import annotations
 
@@ -118,6 +118,10 @@ def ptq_fields(label: str, qc: QuantConfig, m: Measurement, cfg: MeasureConfig, 
         "t_quantize": sum(v.seconds for v in vs),
         "t_eval": m.t_eval * len(labels) / n_q,
         "eval_group": n_q,
+        # where the time of the whole measurement (all eval_group quantizers together) went: t_read, t_convert,
+        # t_capture, t_calib_forward, t_quantize_layers, t_diagnostics, t_eval_forward, t_head, t_total
+        # (engine/phases.py)
+        **{f"t_{phase}": seconds for phase, seconds in m.phase_seconds.items()},
         "calib_batch_size": cfg.calib_batch_size,
         "quantize_threads": threads,
         "compute_dtype": m.dtype,

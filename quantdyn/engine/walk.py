@@ -52,6 +52,7 @@ from quantdyn.engine.blockwise import (
     vocab_size_of,
 )
 from quantdyn.engine.lazy_model import BlockSource, InMemoryModel
+from quantdyn.engine.phases import PhaseTimer, time_phase
 from quantdyn.engine.streams import Stream, StreamStore, trim_heap
 from quantdyn.errors import QuantdynError
 from quantdyn.models.adapters import model_type_of
@@ -132,6 +133,8 @@ class Walk:
     head: nn.Module
     probe_seconds: float
     store: StreamStore
+    times: PhaseTimer = field(default_factory=PhaseTimer)
+    """Wall seconds per phase of the walk (engine/phases.py); the head's are added by whoever evaluates it."""
 
     def head_of(self, label: str | None) -> nn.Module:
         v = self.variants.get(label) if label is not None else None
@@ -213,23 +216,27 @@ def walk(
     was_training = model.training
     model.eval()
     store = None
+    timer = PhaseTimer()
     try:
         cals: dict[int, CapturedInputs] = {}
         caps: dict[str, CapturedInputs] = {}
         if calibrating or probes:
             pre = source.pre_block()
             for m in pre:
-                source.load(m, device)
+                source.load(m, device, timer)
             try:
                 first = calib_of[calibrating[0]][:1] if calibrating else next(iter(probes.values()))[:1]
-                h0, (rest0, kw0) = first_block_inputs(model, blocks, first.to(device))
-                source.load(blocks[0], device)
-                returns_tuple = isinstance(blocks[0](h0, *rest0, **kw0), (tuple, list))
-                for ids in calib_of.values():
-                    if id(ids) not in cals:
-                        cals[id(ids)] = capture_inputs(model, blocks, ids, device, cfg.calib_batch_size, returns_tuple)
-                for name, ids in probes.items():
-                    caps[name] = capture_inputs(model, blocks, ids, device, cfg.probe_batch_size, returns_tuple)
+                with timer("capture"):
+                    h0, (rest0, kw0) = first_block_inputs(model, blocks, first.to(device))
+                source.load(blocks[0], device, timer)
+                with timer("capture"):
+                    returns_tuple = isinstance(blocks[0](h0, *rest0, **kw0), (tuple, list))
+                    for ids in calib_of.values():
+                        if id(ids) not in cals:
+                            cals[id(ids)] = capture_inputs(model, blocks, ids, device, cfg.calib_batch_size,
+                                                           returns_tuple)
+                    for name, ids in probes.items():
+                        caps[name] = capture_inputs(model, blocks, ids, device, cfg.probe_batch_size, returns_tuple)
             finally:
                 for m in pre:
                     source.unload(m)
@@ -263,7 +270,7 @@ def walk(
         probe_seconds = 0.0
 
         for b, block in enumerate(blocks):
-            source.load(block, device)
+            source.load(block, device, timer)
             groups = adapter.linear_groups(block)
             check_finite_weights(groups, f"{prefix}.{b}")
             probe_args = {name: (lambda i, b=b, c=c: c.args(b, i)) for name, c in caps.items()}
@@ -275,33 +282,38 @@ def walk(
                 cal_args = (lambda i, b=b, c=cal_of[label]: c.args(b, i)) if label in cal_of else None
                 with num_threads(cfg.calib_threads or None):
                     rows = quantize_block(qblock, qgroups, b, prefix, qcal.get(label), cal_args, qc,
-                                          cfg.layer_threads, hook, n_blocks=len(blocks))
+                                          cfg.layer_threads, hook, n_blocks=len(blocks), timer=timer)
                     if label in qcal:  # statistics of the FP model's activations where the method asks (imatrix)
                         fp_stats = QUANTIZERS.get(qc.method).fp_calibration and not cfg.in_place
-                        run_block(block if fp_stats else qblock, qcal[label], cal_args)
+                        with timer("calib_forward"):
+                            run_block(block if fp_stats else qblock, qcal[label], cal_args)
                 variants[label].rows += rows
                 variants[label].seconds += time.perf_counter() - t0
                 t0 = time.perf_counter()
-                if observer is not None:
-                    observer(label, b, block, qblock, fp[observe], qs[label][observe], probe_args[observe])
-                for name in caps:
-                    run_block(qblock, qs[label][name], probe_args[name])
+                with time_phase(timer if caps else None, "eval_forward"):  # nothing to time without probes
+                    if observer is not None:
+                        observer(label, b, block, qblock, fp[observe], qs[label][observe], probe_args[observe])
+                    for name in caps:
+                        run_block(qblock, qs[label][name], probe_args[name])
                 probe_seconds += time.perf_counter() - t0
                 del qblock
                 if device.type == "cpu":
                     trim_heap()  # before the next quantizer: this one's Hessians and temporaries are freed
             for label, tr in transforms.items():
                 t0 = time.perf_counter()
-                qblock = tr.block(copy.deepcopy(block))
-                if observer is not None:
-                    observer(label, b, block, qblock, fp[observe], qs[label][observe], probe_args[observe])
-                for name in caps:
-                    run_block(qblock, qs[label][name], probe_args[name])
+                with timer("quantize_layers"):
+                    qblock = tr.block(copy.deepcopy(block))
+                with time_phase(timer if caps else None, "eval_forward"):
+                    if observer is not None:
+                        observer(label, b, block, qblock, fp[observe], qs[label][observe], probe_args[observe])
+                    for name in caps:
+                        run_block(qblock, qs[label][name], probe_args[name])
                 probe_seconds += time.perf_counter() - t0
                 del qblock
             t0 = time.perf_counter()
-            for name in caps:
-                run_block(block, fp[name], probe_args[name])
+            with time_phase(timer if caps else None, "eval_forward"):
+                for name in caps:
+                    run_block(block, fp[name], probe_args[name])
             probe_seconds += time.perf_counter() - t0
             source.unload(block)
             if device.type == "cpu":
@@ -310,8 +322,8 @@ def walk(
                 progress(b + 1, len(blocks))
 
         norm, head = source.tail()
-        source.load(norm, device)
-        source.load(head, device)
+        source.load(norm, device, timer)
+        source.load(head, device, timer)
         for label, qc in qcfgs.items():
             if not qc.quantize_head:
                 continue
@@ -329,11 +341,14 @@ def walk(
             stats = None
             with num_threads(cfg.calib_threads or None):
                 if label in qcal:
-                    for i in range(len(qcal[label])):
-                        stats = stats_update(stats, norm(qcal[label][i]), need_abs=qc.method == "awq")
-                site = TensorSite(adapter.head, -1, len(blocks), tuple(qhead.weight.shape))
-                res, W = quantize_layer(adapter.head, qhead, stats, qc, cfg.layer_threads, site)
-            v.rows.append(layer_row(-1, adapter.head, adapter.head, W, res, stats, qc))
+                    with timer("calib_forward"):
+                        for i in range(len(qcal[label])):
+                            stats = stats_update(stats, norm(qcal[label][i]), need_abs=qc.method == "awq")
+                with timer("quantize_layers"):
+                    site = TensorSite(adapter.head, -1, len(blocks), tuple(qhead.weight.shape))
+                    res, W = quantize_layer(adapter.head, qhead, stats, qc, cfg.layer_threads, site)
+                with timer("diagnostics"):
+                    v.rows.append(layer_row(-1, adapter.head, adapter.head, W, res, stats, qc))
             if on_layer is not None:
                 on_layer(label, adapter.head, res, qhead)
             v.head = None if cfg.in_place else qhead
@@ -343,7 +358,7 @@ def walk(
         for s in qcal.values():
             s.close()
         finals: dict[str | None, dict[str, Stream]] = {None: fp, **qs}
-        return Walk(source, variants, finals, norm, head, probe_seconds, store)
+        return Walk(source, variants, finals, norm, head, probe_seconds, store, timer)
     except BaseException:
         if store is not None:
             store.close()

@@ -132,17 +132,24 @@ class CheckpointWeights:
         self.config = read_config(self.path)
         self._entries: dict[str, TensorEntry] = {}
         self._bin: dict[Path, dict] = {}
+        self._index: dict[str, str] | None = None  # the shard index's weight_map, when there is one
         files = self._weight_files()
         for f in files:
             if f.suffix == ".safetensors":
-                for name, e in read_safetensors_header(f).items():
-                    self._entries[name] = e
+                found = read_safetensors_header(f)
             else:
-                for name, t in self._load_bin(f).items():
-                    if isinstance(t, torch.Tensor):
-                        self._entries[name] = TensorEntry(f, t.dtype, tuple(t.shape))
+                found = {name: TensorEntry(f, t.dtype, tuple(t.shape)) for name, t in self._load_bin(f).items()
+                         if isinstance(t, torch.Tensor)}
+            for name, e in found.items():
+                if name in self._entries:
+                    raise QuantdynError(f"checkpoint '{self.path}': tensor '{name}' is in two files, "
+                                        f"'{self._entries[name].file.name}' and '{f.name}'; keep it in one of them "
+                                        "(and in the index) or re-create the checkpoint")
+                self._entries[name] = e
         if not self._entries:
             raise QuantdynError(f"'{self.path}' holds no weight tensors; the checkpoint is incomplete — re-create it")
+        if self._index is not None:
+            self._check_index(self._index)
 
     # ------------------------------------------------------------------ files
     def _weight_files(self) -> list[Path]:
@@ -152,6 +159,8 @@ class CheckpointWeights:
                 try:
                     wmap = json.loads((p / index).read_text())["weight_map"]
                     names = sorted(set(wmap.values()))
+                    if not all(isinstance(k, str) for k in wmap):
+                        raise TypeError
                 except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
                     raise QuantdynError(f"'{p / index}' is not a valid shard index; re-create the checkpoint") from None
                 missing = [n for n in names if not (p / n).is_file()]
@@ -159,6 +168,14 @@ class CheckpointWeights:
                     raise QuantdynError(f"checkpoint '{p}' is missing shard '{missing[0]}' named in {index}"
                                         f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; "
                                         "re-download or re-create it")
+                seen: dict[tuple[int, int], str] = {}
+                for n in names:  # two spellings of one file ('a', './a', a link to it) would read it twice
+                    st = (p / n).stat()
+                    other = seen.setdefault((st.st_dev, st.st_ino), n)
+                    if other != n:
+                        raise QuantdynError(f"'{p / index}' names the file '{other}' twice (also as '{n}'); "
+                                            "list each shard once in the index")
+                self._index = {k: os.path.normpath(v) for k, v in wmap.items()}
                 return [p / n for n in names]
         single = sorted(p.glob("*.safetensors"))
         single = [f for f in single if f.name == "model.safetensors" or re.fullmatch(r"model-\d+-of-\d+\.safetensors", f.name)]
@@ -174,6 +191,18 @@ class CheckpointWeights:
             return [p / "pytorch_model.bin"]
         raise QuantdynError(f"'{p}' has no model.safetensors (or shards with {SAFE_INDEX}); "
                             "the checkpoint is incomplete — re-export it")
+
+    def _check_index(self, wmap: dict[str, str]) -> None:
+        """Every tensor the index names lies in the file it names (a tensor found in another file, or in no
+        file, is a broken index: one line naming both files)."""
+        for name, fname in wmap.items():
+            e = self._entries.get(name)
+            if e is None:
+                raise QuantdynError(f"checkpoint '{self.path}': the shard index places tensor '{name}' in '{fname}', "
+                                    "which does not hold it; re-create the index or the checkpoint")
+            if os.path.normpath(e.file.relative_to(self.path)) != fname:
+                raise QuantdynError(f"checkpoint '{self.path}': tensor '{name}' is in '{e.file.name}' but the shard "
+                                    f"index places it in '{fname}'; re-create the index or the checkpoint")
 
     def _load_bin(self, f: Path) -> dict:
         if f not in self._bin:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from typing import Callable
 from dataclasses import dataclass
 
 import torch
@@ -133,22 +134,28 @@ def group_aware_perm(diag_h: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def inverse_hessian_cholesky(
-    H: torch.Tensor, damp_percent: float, damp_auto_increment: float = 0.0
+    H: torch.Tensor | Callable[[], torch.Tensor], damp_percent: float, damp_auto_increment: float = 0.0
 ) -> tuple[torch.Tensor, float]:
     """Upper Cholesky factor U of (H + damp * mean(diag H) I)^-1 and the damp fraction used.
 
     Retries with damp raised by ``damp_auto_increment`` while the damped H is not
     positive definite (GPTQModel); without it, an error says what to change.
+    ``H`` is the Hessian (left untouched: it is damped on a copy) or a function that returns a fresh scratch
+    copy of it at each call: that copy is damped in place and dropped as soon as it is factored, so at most
+    three C x C matrices exist at once with the caller's H instead of four (1 GB less at C = 11,008, 3 GB at
+    C = 27,648). The values are the same either way.
     """
-    C = H.shape[0]
-    idx = torch.arange(C, device=H.device)
-    mean_diag = torch.mean(torch.diag(H))
+    scratch = H if callable(H) else H.clone
+    H2 = scratch()
+    C = H2.shape[0]
+    idx = torch.arange(C, device=H2.device)
+    mean_diag = torch.mean(torch.diag(H2))
     pct = damp_percent
     while True:
-        H2 = H.clone()
+        H2 = scratch() if H2 is None else H2
         H2[idx, idx] += pct * mean_diag
         L, info = torch.linalg.cholesky_ex(H2)
-        del H2  # intermediates are dropped as soon as possible: each is a C x C matrix (64 MB at C = 4096)
+        H2 = None  # intermediates are dropped as soon as possible: each is a C x C matrix (64 MB at C = 4096)
         if int(info) == 0:
             inv = torch.cholesky_inverse(L)
             del L
@@ -182,14 +189,14 @@ def gptq(W: torch.Tensor, H: torch.Tensor | ActStats, cfg: QuantConfig) -> Quant
     t0 = time.perf_counter()
     dtype = compute_dtype(W)
     W = W.to(dtype).clone()
-    H = H.to(device=W.device, dtype=dtype).clone()
     g = check_group_size(cfg.group_size, C)
     bits, sym, mse = cfg.bits, cfg.sym, cfg.mse
 
     if not g:  # one grid per row, from the weights before dead columns are zeroed (as the reference)
         s, z = find_params(W, bits, sym, mse)
-    dead = torch.diag(H) == 0
-    H[dead, dead] = 1
+    diag_h = torch.diag(H).to(device=W.device, dtype=dtype)  # a copy
+    dead = diag_h == 0
+    diag_h[dead] = 1
     W[:, dead] = 0
 
     static_s = static_z = None
@@ -199,15 +206,22 @@ def gptq(W: torch.Tensor, H: torch.Tensor | ActStats, cfg: QuantConfig) -> Quant
 
     perm = None
     if cfg.act_order:
-        perm = torch.argsort(torch.diag(H), descending=True)
+        perm = torch.argsort(diag_h, descending=True)
     elif cfg.act_group_aware and g:
-        perm = group_aware_perm(torch.diag(H), g)
+        perm = group_aware_perm(diag_h, g)
     if perm is not None:
         W = W[:, perm]
-        H = H[perm][:, perm]
 
-    Hinv, damp = inverse_hessian_cholesky(H, cfg.damp_percent, cfg.damp_auto_increment)
-    del H
+    def scratch_hessian() -> torch.Tensor:
+        """GPTQ's own copy of H: dead columns' diagonal set to 1, rows and columns in the processing order."""
+        Hs = H.to(device=W.device, dtype=dtype).clone()
+        Hs[dead, dead] = 1
+        if perm is not None:  # one C x C gather at a time
+            Hs = Hs.index_select(0, perm)
+            Hs = Hs.index_select(1, perm)
+        return Hs
+
+    Hinv, damp = inverse_hessian_cholesky(scratch_hessian, cfg.damp_percent, cfg.damp_auto_increment)
 
     # Transposed buffers: row p holds column p of the (permuted) weight, so every
     # per-column kernel reads and writes contiguous memory.

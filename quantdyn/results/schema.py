@@ -154,6 +154,9 @@ ERRORS = _table("""
     t_eval                float         Seconds spent evaluating, this quantizer's share.
     t_load                float         Seconds spent opening the checkpoint.
     eval_group            int           Quantizers measured in one pass with this one.
+    t_<read|convert|capture|calib_forward|quantize_layers|diagnostics|eval_forward|head|total>  float  Seconds
+                                        of the whole measurement (all eval_group quantizers together) in one
+                                        engine phase (quantdyn/engine/phases.py); total: the whole call.
     calib_batch_size      int           Calibration batch size.
     quantize_threads      int           CPU threads while quantizing (0: on an accelerator).
 """)

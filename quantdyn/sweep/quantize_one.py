@@ -19,8 +19,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 from quantdyn.data.prepare import DataConfig, prepare_data
 from quantdyn.engine.lazy_model import LazyModel, compute_dtype_of
-from quantdyn.engine.measure import MeasureConfig, measure
+from quantdyn.engine.measure import MeasureConfig, check_budget, measure
 from quantdyn.engine.rows import calibration_draws, ptq_fields, repeat_labels
+from quantdyn.engine.streams import parse_bytes
 from quantdyn.engine.writer import ExportSink, QuantizedCheckpointWriter
 from quantdyn.errors import QuantdynError
 from quantdyn.export import push_to_hub as push
@@ -199,7 +200,8 @@ def quantize_one(
                   n_calib_samples=n_calib_samples)
     dev = resolve_device(device)
     weights = open_checkpoint(model_ref)  # validated before any data is prepared
-    source = LazyModel(weights, compute_dtype_of(cfg.dtype))
+    source = LazyModel(weights, compute_dtype_of(cfg.dtype), dev)
+    check_budget(source, parse_bytes(cfg.max_memory))  # a budget too small for the model: refused before the data
     # the writer first: what an export cannot hold is refused before any data is tokenized
     writer = None
     if out is not None and export:

@@ -103,7 +103,8 @@ class SweepConfig:
     count (BLAS rounds differently with more threads); 0 = torch's setting, ~1.75x faster for a whole model
     on an idle 2-core CPU (BENCHMARKS.md). The GPTQ column loop itself always runs single-threaded."""
     dtype: str = "auto"
-    """Compute dtype: auto (the checkpoint's own; bf16 stays bf16) | float32 | bfloat16 | float16."""
+    """Compute dtype: auto (the checkpoint's own, except bf16/fp16 on a CPU without native units for it: float32)
+    | float32 | bfloat16 | float16."""
     max_memory: str = ""
     """Memory for one block's weights and the activation streams, e.g. 8GB ('' = half the free RAM or GPU
     memory); streams beyond it spill to a temporary directory."""
