@@ -298,8 +298,11 @@ def child(a) -> None:
         trace.mark("hash")
         cfg = MeasureConfig(layer_diagnostics=not a.no_calib, streams=a.streams, dtype=a.dtype,
                             batch_size=a.batch, calib_batch_size=min(a.batch, 8))
+        import inspect
+
+        per_block = "on_block" if "on_block" in inspect.signature(measure).parameters else "progress"  # older engines
         m = measure(a.ckpt, qs, ev, None if a.no_calib else calib, device=dev, cfg=cfg,
-                    progress=lambda line: trace.mark(line.split(" (")[0]))
+                    **{per_block: lambda line: trace.mark(line.split(" (")[0])})
         trace.mark("head")
         dce = {k: v["delta_ce"] for k, v in m.metrics.items()}
         extra = {"streams": m.streams, "dtype": m.dtype,
