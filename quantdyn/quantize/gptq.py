@@ -282,17 +282,20 @@ def gptq(W: torch.Tensor, H: torch.Tensor | ActStats, cfg: QuantConfig) -> Quant
         scales, zeros = s[:, None], z[:, None]
         g_idx = group_index(C, 0, W.device)
 
+    # the inverse Hessian (C x C) and the working weight are done with: dropped before the result is assembled,
+    # whose temporaries are out x in each (in place where the values allow)
+    d = torch.diagonal(Hinv).clone()
+    del Hinv, W
     Q, codes, E = QT.t(), CT.t(), ET.t()
     if perm is not None:
         invperm = torch.argsort(perm)
         Q, codes, E = Q[:, invperm], codes[:, invperm], E[:, invperm]
-        d = torch.diagonal(Hinv)[invperm]
-    else:
-        d = torch.diagonal(Hinv)
+        d = d[invperm]
+    del QT, CT, ET
     seconds = time.perf_counter() - t0
-    loss = 0.5 * float((E.double() ** 2).sum())
+    loss = 0.5 * float(E.double().pow_(2).sum())
     gi = g_idx.long()
-    clipped = float(((E.abs() * d) > 0.5 * scales[:, gi] * (1 + 1e-4)).float().mean())
+    clipped = float(E.abs().mul_(d).gt_(scales[:, gi].mul_(0.5).mul_(1 + 1e-4)).mean())
     return QuantResult(
         weight=Q.contiguous(),
         codes=codes.to(torch.uint8),
