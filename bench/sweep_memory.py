@@ -184,6 +184,25 @@ def write_big(out: Path, shape: str = "llama2-7b", shards: int = 3, layers: int 
     return out
 
 
+def first_blocks(ck: Path, blocks: int) -> Path:
+    """A view of checkpoint ``ck`` holding only its first ``blocks`` decoder blocks: a directory beside it whose
+    config.json says ``num_hidden_layers = blocks`` and whose shard files (and index) are links to ``ck``'s. The
+    engine then reads the real files of the real layout (the later blocks' tensors are never read) and runs the
+    embedding, those blocks, the final norm and the head: the per-block peak of the whole model, in less time.
+    0 (or all of them): ``ck`` itself."""
+    cfg = json.loads((ck / "config.json").read_text())
+    if not blocks or blocks >= cfg["num_hidden_layers"]:
+        return ck
+    view = ck.with_name(f"{ck.name}-first{blocks}")
+    shutil.rmtree(view, ignore_errors=True)
+    view.mkdir()
+    for f in ck.iterdir():
+        if f.suffix == ".safetensors" or f.name.endswith(".index.json"):
+            (view / f.name).symlink_to(f.resolve())
+    (view / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": blocks}, indent=2))
+    return view
+
+
 # ----------------------------------------------------------------------------- the measured child
 def _status_bytes(*keys: str) -> dict[str, int]:
     out = {}
@@ -399,10 +418,20 @@ def big_cases(a, work: Path, out: dict, save) -> None:
     keeps what was measured if a later case fails or is stopped."""
     b = argparse.Namespace(**vars(a))
     b.windows, b.calib, b.batch = a.big_windows, a.big_calib, a.big_batch
-    out.update(windows=b.windows, calib=b.calib, batch=b.batch)
+    out.update(windows=b.windows, calib=b.calib, batch=b.batch, blocks=a.blocks or "all")
+
+    def measured(ck: Path, quantizers: str, **kw) -> dict:  # the engine child on the first --blocks blocks of ck
+        view = first_blocks(ck, a.blocks)
+        try:
+            return {**run_case(str(view), "engine", quantizers.split(","), b, **kw), "blocks": a.blocks or "all"}
+        finally:
+            if view != ck:
+                shutil.rmtree(view, ignore_errors=True)
+
     print(f"\n{'case':<34}{'file':>8}{'peak':>8}{'x file':>7}{'block':>8}{'head':>8}{'engine s':>10}  load  phases (s)")
 
     def show(label: str, fb: int, e: dict) -> dict:
+        label += f" ({e['blocks']} blk)" if isinstance(e.get("blocks"), int) else ""
         save()
         ps = phase_summary(e)
         print(f"{label:<34}{gib(fb):>8}{gib(ps['peak']):>8}{ps['peak'] / fb:>7.2f}{gib(ps['block_peak']):>8}"
@@ -422,7 +451,7 @@ def big_cases(a, work: Path, out: dict, save) -> None:
     for n in layouts:
         ck = write_big(work / f"llama2-7b-{n}shards", "llama2-7b", n)
         for calib in {"yes": (True,), "no": (False,), "both": (True, False)}[a.layout_calib]:
-            e = run_case(str(ck), "engine", a.layout_quantizers.split(","), b, no_calib=not calib)
+            e = measured(ck, a.layout_quantizers, no_calib=not calib)
             add("layouts", {"shards": n, "calibrated": calib,
                             **show(f"7b {n} shards {a.layout_quantizers}" + ("" if calib else " no calib"),
                                    file_bytes(ck), e)})
@@ -430,7 +459,7 @@ def big_cases(a, work: Path, out: dict, save) -> None:
             done_with(ck)
     if a.gptq7b:
         ck = ck if layouts else write_big(work / "llama2-7b-3shards", "llama2-7b", 3)
-        e = run_case(str(ck), "engine", a.gptq_quantizers.split(","), b)
+        e = measured(ck, a.gptq_quantizers)
         out["gptq7b"] = {"shards": len(list(ck.glob("*.safetensors"))),
                          **show(f"7b {a.gptq_quantizers}", file_bytes(ck), e)}
         save()
@@ -495,6 +524,8 @@ def main() -> None:
     big.add_argument("--big-windows", type=int, default=8, help="evaluation windows of 128 tokens")
     big.add_argument("--big-calib", type=int, default=8, help="calibration windows of 128 tokens")
     big.add_argument("--big-batch", type=int, default=4, help="windows per forward")
+    big.add_argument("--blocks", type=int, default=0, help="--layouts/--gptq7b: measure only the first N decoder "
+                     "blocks of the written 7B checkpoint (its real files and layout; the peak is per block)")
     big.add_argument("--keep", action="store_true", help="keep the written checkpoints (13.5 GB each at 7B)")
     ap.add_argument("--llama7b", action="store_true", help="the 7B case of gpu_check: 7 shards, no calibration "
                     "passes, --llama-counts quantizers, --windows (at most 8) evaluation windows")
