@@ -324,7 +324,7 @@ def child(a) -> None:
                     **{per_block: lambda line: trace.mark(line.split(" (")[0])})
         trace.mark("head")
         dce = {k: v["delta_ce"] for k, v in m.metrics.items()}
-        extra = {"streams": m.streams, "dtype": m.dtype,
+        extra = {"streams": m.streams, "dtype": m.dtype, "ce_fp": m.ce_fp,
                  "phase_seconds": getattr(m, "phase_seconds", {}),  # {}: an engine from before issue 30
                  "quantize_seconds": {k: v.seconds for k, v in m.quantizations.items()}}
     else:
