@@ -193,7 +193,7 @@ def first_blocks(ck: Path, blocks: int) -> Path:
     cfg = json.loads((ck / "config.json").read_text())
     if not blocks or blocks >= cfg["num_hidden_layers"]:
         return ck
-    view = ck.with_name(f"{ck.name}-first{blocks}")
+    view = ck.with_name(f"{ck.name}-first{blocks}-{os.getpid()}")  # its own: other runs may read the same ck
     shutil.rmtree(view, ignore_errors=True)
     view.mkdir()
     for f in ck.iterdir():
