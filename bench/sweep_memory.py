@@ -36,7 +36,9 @@ them); 8 calibration and 8 evaluation windows of 128 tokens, 4 per forward (``--
 * ``--dtype-block`` — one 7B-shape block computed in bf16 and in float32, natively and with oneDNN limited
   to AVX-512 without its bf16 instructions (``ONEDNN_MAX_CPU_ISA=AVX512_CORE``: a CPU without native bf16).
 
-``--big`` runs all four. ``--llama7b`` (gpu_check's step; ``--llama-shape tiny`` for its CPU dry run) sweeps the
+``--blocks N`` measures only the first N decoder blocks of the written 7B checkpoint (``--layouts``,
+``--gptq7b``): its real shard files through a view whose config says N blocks, since the peak is per block and
+a whole 7B sweep takes hours on 2 cores. ``--big`` runs all four. ``--llama7b`` (gpu_check's step; ``--llama-shape tiny`` for its CPU dry run) sweeps the
 7B shape in 7 shards with rtn4 (and rtn3), no calibration passes, and reports the peak GPU memory on cuda. Results are printed as tables and written to
 bench/results/sweep_memory-<machine>-<date>-<cases>.json (with the machine and the date).
 """
