@@ -61,7 +61,8 @@ def test_ptq_fields_of_a_measurement_are_all_documented():
     quant = SimpleNamespace(rows=[{"loss": 1.0}], seconds=0.5, n_calibration=4)
     labels = ["gptq3", "gptq3#r1", "gptq3#r2"]
     m = SimpleNamespace(metrics={x: {**metrics, "delta_ce": 0.03 + 0.001 * k} for k, x in enumerate(labels)},
-                        quantizations={x: quant for x in labels}, t_eval=1.0, dtype="float32")
+                        quantizations={x: quant for x in labels}, t_eval=1.0, dtype="float32",
+                        phase_seconds={"read": 0.1, "quantize_layers": 0.4, "total": 1.5})
     qc = parse_quantizer("gptq3")
     for R in (1, 3):
         row = {"key": "k", "kind": "ptq", **ptq_fields("gptq3", qc, m, MeasureConfig(), 2, R)}
