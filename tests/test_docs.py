@@ -29,8 +29,9 @@ def _blocks(text: str, langs: tuple[str, ...]) -> list[str]:
 
 
 def slug(heading: str) -> str:
-    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
-    text = re.sub(r"[`*_]|\[([^\]]*)\]\([^)]*\)", r"\1", heading).strip().lower()
+    """GitHub's anchor of a heading: lower case, punctuation dropped (underscores and hyphens kept), spaces to
+    hyphens."""
+    text = re.sub(r"[`*]|\[([^\]]*)\]\([^)]*\)", r"\1", heading).strip().lower()
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
@@ -69,6 +70,7 @@ def test_slug_follows_github():
     assert slug("A(a): decayed endpoints vs constant-LR controls") == "aa-decayed-endpoints-vs-constant-lr-controls"
     assert slug("What a field means: `quantdyn.results.schema`") == "what-a-field-means-quantdynresultsschema"
     assert slug("Several processes: DDP and FSDP2") == "several-processes-ddp-and-fsdp2"
+    assert slug("A(a) on a GPU (`configs/studies/cooldown_gpu.yaml`)") == "aa-on-a-gpu-configsstudiescooldown_gpuyaml"
 
 
 def _command_lines(text: str) -> list[list[str]]:
@@ -132,3 +134,30 @@ def test_python_blocks_parse_and_the_readme_uses_only_the_public_api():
             if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "qd"}
     assert used and used <= set(qd.__all__), used - set(qd.__all__)
     assert len(example.strip().splitlines()) <= 12
+
+
+@pytest.mark.e2e
+def test_the_readme_python_example_runs_as_written(tmp_path, monkeypatch):
+    """The README's example, word for word, in a directory laid out as `make demo` leaves it: a run's
+    checkpoint at runs/demo/checkpoints/step-0000600 (here a tiny run's last one) and a store in results/."""
+    import quantdyn.api as qd
+
+    cfg = qd.from_dict(qd.RunConfig, {
+        "name": "tiny", "out_dir": str(tmp_path / "train"), "seed": 0,
+        "model": {"n_layer": 2, "d_model": 64, "n_head": 2, "max_seq_len": 256},
+        "data": {"source": "builtin:kjv", "tokenizer": "bpe:512", "max_tokens": 200_000, "bpe_train_chars": 400_000},
+        "schedule": {"name": "wsd", "warmup": 2, "decay": 4},
+        "train": {"steps": 8, "batch_size": 4, "seq_len": 64, "eval_every": 0, "eval_windows": 4,
+                  "checkpoint_every": 4, "log_every": 4}})
+    run = qd.train(cfg, progress=False, overwrite=True)
+    (tmp_path / "runs" / "demo" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "runs" / "demo" / "checkpoints" / "step-0000600").symlink_to(run / "checkpoints" / "step-0000008")
+    qd.run_sweep(qd.from_dict(qd.SweepConfig, {
+        "trajectory": {"run": str(run)}, "quantizers": ["rtn3"], "store": str(tmp_path / "results"),
+        "data": {"calib_samples": 4, "calib_seq_len": 64, "eval_windows": 8, "eval_seq_len": 64}}), progress=False)
+    monkeypatch.chdir(tmp_path)
+    (example,) = _blocks(README.read_text(), ("python",))
+    printed = []
+    exec(compile(example, "README.md", "exec"), {"print": lambda *a, **k: printed.append(" ".join(map(str, a)))})
+    assert printed[0].startswith("gptq3: Δ CE ") and printed[1].startswith("rtn4: Δ CE ")
+    assert "rtn3" in printed[2] and "main" in printed[2]
