@@ -55,14 +55,24 @@ def test_sweep_rows_idempotent_and_report(small_run, tmp_path):
 
     for r in rows:  # every field the sweep wrote is described in the row schema, under its kind
         assert undocumented(r) == [], r["kind"]
-    # adding a quantizer only computes the new one
+    # the noise floor is stored once per checkpoint, in its fp row; every ptq row is read against it
+    fps = {r["checkpoint"]: r for r in rows if r["kind"] == "fp"}
+    assert all(r["floor_rounding"] == "bf16 weights and block outputs" and r["floor_kl"] > 0
+               and len(r["floor_window_delta"]) == 12 and len(r["floor_block_rel_fro"]) == 2 for r in fps.values())
+    for r in ptq:
+        assert isinstance(r["within_noise_floor"], bool) and len(r["block_sqnr"]) == 2 and r["n_tokens"] == 12 * 31
+    # adding a quantizer only computes the new one; its rows read the floor the stored fp rows carry
     more = run_sweep(_cfg(small_run, store, quantizers=["rtn4", "gptq3", "rtn2"]), progress=False)
     assert more["written"] == 5
+    rtn2 = [r for r in ResultStore(store).rows() if r.get("quantizer") == "rtn2"]
+    assert len(rtn2) == 5 and all(isinstance(r["within_noise_floor"], bool) for r in rtn2)
     from quantdyn.report.html import write_report
 
     page = write_report(small_run, tmp_path / "rep", store=store)
     names = {p.name for p in page.parent.iterdir()}
-    assert {"index.html", "trajectory_sw.png", "rainbow_sw.png", "loss_vs_dce.png"} <= names
+    assert {"index.html", "trajectory_sw.png", "rainbow_sw.png", "loss_vs_dce.png", "block_errors_sw.png",
+            "kl_by_confidence_sw.png"} <= names
+    assert "bf16 noise floor" in (page.parent / "trajectory_sw.csv").read_text()
     assert "control-s8-d4" in page.read_text()
 
 

@@ -8,10 +8,14 @@ This is the only place where "quantize, then compare with FP" happens: sweeps, `
 `interpolate`, the monitor and `analyze` call it. The work is a block walk
 (``quantize/apply.py``: every quantizer's blocks and the shared full-precision blocks
 carry the evaluation windows through the model) followed by the head: the final norm and
-head turn each variant's last hidden states into logits one batch at a time, with the
-full-precision logits shared by all quantizers, and give per window the CE, KL(FP‖Q) and
-top-1 agreement (``evaluate/quant_error.py``). Logits of the variants are never held at
-once; a batch whose logits would exceed ``logits_budget`` is split by windows.
+head turn each variant's last hidden states into logits one slice of windows at a time, with
+the full-precision logits shared by all quantizers, and give the CE, KL both ways, top-K
+agreement, the correct token's Δp and log-probability (``evaluate/quant_error.py``). Logits of
+the variants are never held at once and never written: a batch whose logits would exceed
+``logits_budget`` is split by windows, and what is kept is a few floats per token. The walk
+also compares every variant's hidden states with FP's after every block (per-block error
+maps), and ``noise_floor=True`` adds the bf16 noise floor as one more variant
+(``engine/noise_floor.py``).
 
 The model is a checkpoint reference (local directory, sharded safetensors, hub
 ``ID@REVISION``) read lazily in its own dtype, or a model already in memory (left
@@ -33,10 +37,11 @@ import torch.nn as nn
 from quantdyn.analysis.propagation import block_sums, finalize_propagation, input_sums
 from quantdyn.engine.blockwise import block_output
 from quantdyn.engine.lazy_model import BlockSource, InMemoryModel, LazyModel, compute_dtype_of
+from quantdyn.engine.noise_floor import NOISE_FLOOR_LABEL, BF16NoiseFloor, floor_rounding
 from quantdyn.engine.streams import fmt_bytes, parse_bytes, trim_heap
 from quantdyn.engine.walk import BlockTransform, VariantQuantization, WalkConfig, walk
 from quantdyn.errors import QuantdynError, unknown_name
-from quantdyn.evaluate.quant_error import FPLogits, summarize, window_metrics
+from quantdyn.evaluate.quant_error import TOP_K, ErrorTokens, FPLogits, FPTokens, summarize
 from quantdyn.models.weights import CheckpointWeights
 from quantdyn.quantize.config import QuantConfig, parse_quantizer
 from quantdyn.quantize.primitives import QuantResult
@@ -76,6 +81,10 @@ class MeasureConfig:
     streams: str = "auto"
     """Where activation streams live: auto | memory | disk. auto: by the memory budget, and on CPU with the
     automatic budget streams over 256 MiB spill unless the spill directory is on tmpfs/ramfs (StreamStore)."""
+    detailed_metrics: bool = True
+    """KL percentiles and reverse KL, top-2..5 agreement, Δp, log-probability correlation, KL by confidence and
+    the per-block error maps (evaluate/quant_error.py); false: only CE, mean KL and top-1 agreement, what rows
+    held before these (the cost reference of bench/metrics_cost.py)."""
 
     def __post_init__(self):
         if self.batch_size < 1 or self.calib_batch_size < 1:
@@ -97,8 +106,10 @@ class Measurement:
     fp_window_ce: torch.Tensor
     """Per-window full-precision CE (float64)."""
     metrics: dict[str, dict] = field(default_factory=dict)
-    """Per quantizer label: ce_fp, ce_q, delta_ce (± SE), rel_delta_ce, delta_ppl, kl (± SE), top1_agree,
-    n_windows, window_delta."""
+    """Per quantizer label: the error fields of ``evaluate.quant_error.summarize`` (ce_fp, ce_q, delta_ce ± SE,
+    rel_delta_ce, delta_ppl, kl ± SE, top1_agree, n_windows, window_delta and, with ``detailed_metrics``, the KL
+    percentiles, reverse KL, top-K agreement, Δp, correlation, KL by confidence) and the per-block maps
+    block_rel_fro, block_cos_err, block_sqnr."""
     quantizations: dict[str, VariantQuantization] = field(default_factory=dict)
     """Per quantizer label: layer rows, quantization seconds, calibration count."""
     t_eval: float = 0.0
@@ -117,6 +128,9 @@ class Measurement:
     convert, capture, calib_forward, quantize_layers, diagnostics, eval_forward, head), and ``total``: the whole
     call, opening the checkpoint included (the rest of total: building the skeleton, copying blocks, freeing
     memory)."""
+    noise_floor: dict | None = None
+    """With ``noise_floor=True``: the same error fields for the FP model against its bf16-rounded self
+    (engine/noise_floor.py), and ``floor_rounding``, what was rounded; None when not measured."""
 
     @property
     def ce_fp(self) -> float:
@@ -179,6 +193,7 @@ def measure(
     propagation_ids: torch.Tensor | None = None,
     on_layer: Callable[[str, str, QuantResult, nn.Module], None] | None = None,
     on_block: Callable[[str], None] | None = None,
+    noise_floor: bool = False,
     **old,
 ) -> Measurement:
     """Quantize ``model`` with each of ``quantizers`` and measure every one against full precision on
@@ -191,7 +206,8 @@ def measure(
     error-propagation analysis on these sequences (the four passes per block of analysis/propagation.py,
     inside the same walk). The model is left untouched (an in-memory model included).
     ``on_layer(label, layer, result, module)`` sees every quantized layer (to pack or export codes);
-    ``on_block(line)`` gets a line per block (``progress=`` before 0.2)."""
+    ``on_block(line)`` gets a line per block (``progress=`` before 0.2). ``noise_floor``: also measure the bf16
+    noise floor (``Measurement.noise_floor``; one extra block pass per block)."""
     if "progress" in old:
         warnings.warn("measure(progress=callable) is now measure(on_block=callable)", DeprecationWarning, stacklevel=3)
         on_block = on_block or old.pop("progress")
@@ -200,6 +216,8 @@ def measure(
     t_start = time.perf_counter()
     device = torch.device(device)
     variants = _variants(quantizers)
+    if noise_floor and eval_windows is not None:
+        variants[NOISE_FLOOR_LABEL] = BF16NoiseFloor()
     probes: dict[str, torch.Tensor] = {}
     if eval_windows is not None:
         if not isinstance(eval_windows, torch.Tensor) or eval_windows.dim() != 2 or eval_windows.shape[1] < 2:
@@ -212,7 +230,8 @@ def measure(
     threads = cfg.quantize_threads if device.type == "cpu" else None
     wcfg = WalkConfig(calib_batch_size=cfg.calib_batch_size, probe_batch_size=cfg.batch_size,
                       calib_threads=threads if threads else None, calibrate_all=cfg.layer_diagnostics,
-                      max_memory=stream_budget, spill_dir=cfg.spill_dir or None, streams=cfg.streams)
+                      max_memory=stream_budget, spill_dir=cfg.spill_dir or None, streams=cfg.streams,
+                      block_errors="eval" if eval_windows is not None and cfg.detailed_metrics else None)
     t0 = time.perf_counter()
     prop_sums: dict[str, list] = {}
 
@@ -239,28 +258,38 @@ def measure(
               observer=observer if propagation_ids is not None else None,
               observe="prop" if propagation_ids is not None else None, progress=block_done) as w:
         t_head = time.perf_counter()
-        fp_ce, per_q = (_head_metrics(w, eval_windows[:, 1:], cfg.batch_size, cfg.logits_budget_mb * 2**20, device)
-                        if eval_windows is not None else (torch.zeros(0, dtype=torch.float64), {}))
+        fp_tokens, per_q = (_head_metrics(w, eval_windows[:, 1:], cfg.batch_size, cfg.logits_budget_mb * 2**20,
+                                          device, cfg.detailed_metrics)
+                            if eval_windows is not None else (FPTokens(), {}))
+        metrics = {label: {**summarize(fp_tokens, acc), **w.block_errors.get(label, {})} for label, acc in per_q.items()}
         t_head = time.perf_counter() - t_head
         if eval_windows is not None:
             w.times.seconds["head"] += t_head
         streams = w.store.describe()
-        quantizations = w.variants
+        quantizations = dict(w.variants)
         t_eval = w.probe_seconds + t_head
         phase_seconds = dict(w.times.seconds)
-    metrics = {label: summarize(fp_ce, *per_q[label]) for label in per_q}
+    floor = None
+    if NOISE_FLOOR_LABEL in metrics:
+        floor = {**metrics.pop(NOISE_FLOOR_LABEL), "floor_rounding": floor_rounding(source.dtype)}
+    quantizations.pop(NOISE_FLOOR_LABEL, None)
+    prop_sums.pop(NOISE_FLOOR_LABEL, None)
+    fp_ce = fp_tokens.window_ce
     propagation = {label: finalize_propagation(s) for label, s in prop_sums.items()}
     phase_seconds["total"] = time.perf_counter() - t_start
     return Measurement(fp_ce, metrics, quantizations, t_eval, source.n_params(), str(source.dtype).replace("torch.", ""),
-                       streams, propagation, phase_seconds)
+                       streams, propagation, phase_seconds, floor)
 
 
-def _head_metrics(w, targets: torch.Tensor, batch_size: int, logits_budget: int, device: torch.device):
-    """Per-window FP CE and, per quantizer, (CE, KL, agreement), from the walk's final hidden states."""
+def _head_metrics(w, targets: torch.Tensor, batch_size: int, logits_budget: int, device: torch.device,
+                  detailed: bool = True) -> tuple[FPTokens, dict[str, ErrorTokens]]:
+    """FP's per-window CE and per-token values and, per variant, its accumulated errors
+    (``evaluate/quant_error.py``), from the walk's final hidden states."""
     fp_stream = w.finals[None]["eval"]
     labels = [k for k in w.finals if k is not None and "eval" in w.finals[k]]
-    fp_ce: list[torch.Tensor] = []
-    acc: dict[str, list[list[torch.Tensor]]] = {k: [[], [], []] for k in labels}
+    fp_tokens = FPTokens()
+    acc = {k: ErrorTokens(detailed) for k in labels}
+    top_k = TOP_K if detailed else 1
     vocab = w.head.weight.shape[0]
     start = 0
     for i in range(len(fp_stream)):
@@ -269,19 +298,16 @@ def _head_metrics(w, targets: torch.Tensor, batch_size: int, logits_budget: int,
         y_all = targets[start : start + B].to(device)
         start += B
         # windows per slice so that one variant's float32 logits stay within the budget (the FP side holds three
-        # tensors of that size: log-probabilities, probabilities and the logits until sliced away)
+        # tensors of that size: log-probabilities, probabilities and the logits until sliced away; a variant its
+        # logits, then its log-probabilities and their difference from FP's)
         step = max(1, min(B, logits_budget // max(1, T * vocab * 4)))
         hq_all = {label: w.finals[label]["eval"][i] for label in labels}
         for a in range(0, B, step):
-            fp = FPLogits(w.head(w.norm(h_fp[a : a + step])).float(), y_all[a : a + step])
-            fp_ce.append(fp.window_ce)
+            fp = FPLogits(w.head(w.norm(h_fp[a : a + step])).float(), y_all[a : a + step], top_k)
+            fp_tokens.add(fp, detailed)
             for label in labels:
-                lq = w.head_of(label)(w.norm(hq_all[label][a : a + step])).float()
-                for lst, v in zip(acc[label], window_metrics(fp, lq)):
-                    lst.append(v)
-                del lq
+                acc[label].add(fp, w.head_of(label)(w.norm(hq_all[label][a : a + step])).float())
             del fp
             if device.type == "cpu":
                 trim_heap()  # each slice frees logits-sized tensors that glibc would otherwise keep (see trim_heap)
-    fp = torch.cat(fp_ce) if fp_ce else torch.zeros(0, dtype=torch.float64)
-    return fp, {label: [torch.cat(v) for v in a] for label, a in acc.items()}
+    return fp_tokens, acc

@@ -8,7 +8,9 @@ identity (``calib_hash``) live in :mod:`quantdyn.results.schema`:
 * ``calibration_draws`` / ``repeat_labels`` — the calibration sets and engine labels of R repeats;
 * ``quantizer_fields`` / ``ptq_fields`` — what a PTQ row says about its quantizer, its error,
   its storage cost (``storage_fields``: bits per weight, GGUF fallbacks) and how it was computed
-  (batch size and threads while calibrating, timings, seconds per phase).
+  (batch size and threads while calibrating, timings, seconds per phase), and whether its Δ CE sits
+  inside its checkpoint's noise floor;
+* ``floor_fields`` — the bf16 noise floor of a checkpoint as the fp row stores it (``floor_<field>``).
 """
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ from quantdyn.engine.measure import MeasureConfig, Measurement
 from quantdyn.errors import unknown_name
 from quantdyn.quantize.config import QuantConfig
 from quantdyn.quantize.config import row_fields as quantizer_fields
-from quantdyn.results.schema import EVAL, combined_se, dominant
-from quantdyn.results.stats import mean_se
+from quantdyn.results.schema import EVAL, combined_se, dominant, number
+from quantdyn.results.stats import floor_difference, mean_se, within_noise_floor
 
 
 REPEAT_VARY = ("draw", "order", "both")
@@ -55,8 +57,21 @@ def calibration_draws(data, samples: int, seq_len: int, seed: int, repeats: int,
     return out
 
 
+def _mean_of(values: list):
+    """The mean over repeats of one error field: numbers averaged, lists of numbers averaged element by element
+    (None where a repeat has none), anything else taken from the first repeat."""
+    if all(number(v) is not None for v in values):
+        return statistics.fmean(number(v) for v in values)
+    if all(isinstance(v, list) for v in values) and len({len(v) for v in values}) == 1:
+        return [_mean_of([v[i] for v in values]) for i in range(len(values[0]))]
+    if any(v is None for v in values):
+        return None
+    return values[0]
+
+
 def _combine_repeats(ms: list[dict]) -> dict:
-    """One row's error fields from R repeats: means, the SD over repeats and the combined uncertainty."""
+    """One row's error fields from R repeats: means, the SD over repeats and the combined uncertainty (every
+    other field, e.g. the KL percentiles and per-block maps, the mean over repeats)."""
     R = len(ms)
     wd = torch.tensor([m["window_delta"] for m in ms], dtype=torch.float64).mean(0)
     ce_fp = ms[0]["ce_fp"]
@@ -66,6 +81,7 @@ def _combine_repeats(ms: list[dict]) -> dict:
     se = mean_se(wd)[1]
     ce_q = statistics.fmean(m["ce_q"] for m in ms)
     return {
+        **{k: _mean_of([m.get(k) for m in ms]) for k in ms[0]},
         "ce_fp": ce_fp, "ce_q": ce_q, "delta_ce": mean, "delta_ce_se": se,
         "rel_delta_ce": mean / ce_fp if ce_fp else None,
         "delta_ppl": math.exp(ce_q) - math.exp(ce_fp),
@@ -75,6 +91,8 @@ def _combine_repeats(ms: list[dict]) -> dict:
         "delta_ce_repeats": dce, "delta_ce_run_sd": run_sd, "kl_run_sd": statistics.stdev(m["kl"] for m in ms),
         "quant_repeats": R, "delta_ce_total_se": combined_se(se, run_sd, R),
         "uncertainty_dominant": dominant(se, run_sd / math.sqrt(R)),
+        **({"ppl_ratio": math.exp(mean), "ppl_ratio_se": math.exp(mean) * se, "n_tokens": ms[0]["n_tokens"]}
+           if "ppl_ratio" in ms[0] else {}),
     }
 
 
@@ -90,15 +108,27 @@ def storage_fields(layer_rows: list[dict]) -> dict:
     return {"bits_per_weight": bpw, "format_fallbacks": fallbacks or None}
 
 
+def floor_fields(floor: dict | None) -> dict:
+    """The bf16 noise floor of a checkpoint (``Measurement.noise_floor``) as the fp row stores it: every error
+    field prefixed ``floor_`` (its CE(FP) is the row's own ce_fp, not repeated); {} without a floor."""
+    if not floor:
+        return {}
+    return {(k if k.startswith("floor_") else f"floor_{k}"): v for k, v in floor.items() if k != "ce_fp"}
+
+
 def ptq_fields(label: str, qc: QuantConfig, m: Measurement, cfg: MeasureConfig, threads: int, repeats: int = 1,
-               vary: str = "draw") -> dict:
+               vary: str = "draw", floor: dict | None = None) -> dict:
     """Quantizer, error metrics, per-layer loss total and how it was computed, for one quantizer of a measurement.
 
     With ``repeats`` R > 1 the measurement holds R variants of the quantizer (``repeat_labels``), each calibrated
     on its own draw (``calibration_draws``): the row gives the means over repeats, ``delta_ce_se`` of the
     per-window deltas averaged over repeats, ``delta_ce_run_sd`` (SD over repeats: what re-quantizing the
     same checkpoint changes), ``delta_ce_total_se`` = sqrt(delta_ce_se² + delta_ce_run_sd² / R) (the
-    uncertainty of the reported mean) and which of the two dominates."""
+    uncertainty of the reported mean) and which of the two dominates.
+
+    ``within_noise_floor`` compares the row's Δ CE with the checkpoint's noise floor (``results/stats.py``):
+    ``floor`` is the fp row's floor fields (``floor_fields``), by default those of ``m.noise_floor``; without a
+    floor the verdict is None."""
     labels = repeat_labels(label, repeats)
     vs = [m.quantizations[x] for x in labels]
     losses = [r.get("loss") for r in vs[0].rows if r.get("loss") is not None]
@@ -108,9 +138,13 @@ def ptq_fields(label: str, qc: QuantConfig, m: Measurement, cfg: MeasureConfig, 
     else:
         errors = {**m.metrics[label], "quant_repeats": 1, "delta_ce_run_sd": None,
                   "delta_ce_total_se": m.metrics[label]["delta_ce_se"], "uncertainty_dominant": EVAL}
+    floor_row = floor if floor is not None else floor_fields(m.noise_floor)
+    above = floor_difference(errors, floor_row)
     return {
         **quantizer_fields(label, qc),
         **errors,
+        "within_noise_floor": within_noise_floor(errors, floor_row),
+        "delta_ce_floor_z": number(above.z) if above is not None else None,
         **storage_fields(vs[0].rows),
         "repeat_vary": vary if repeats > 1 else None,
         "layer_loss_sum": float(sum(losses)) if losses else None,

@@ -55,6 +55,7 @@ from quantdyn.engine.lazy_model import BlockSource, InMemoryModel
 from quantdyn.engine.phases import PhaseTimer, time_phase
 from quantdyn.engine.streams import Stream, StreamStore, trim_heap
 from quantdyn.errors import QuantdynError
+from quantdyn.evaluate.quant_error import HiddenError
 from quantdyn.models.adapters import model_type_of
 from quantdyn.quantize.config import QUANTIZERS, BlockTransform, QuantConfig, TensorSite, parse_quantizer
 from quantdyn.quantize.gptq import stats_update
@@ -91,6 +92,9 @@ class WalkConfig:
     streams: str = "auto"
     """Where activation streams live: auto (by max_memory; on CPU large streams spill to a real disk: StreamStore)
     | memory | disk."""
+    block_errors: str | None = None
+    """A probe set whose hidden states are compared after every block, each variant's against FP's
+    (``evaluate.quant_error.HiddenError``: relative Frobenius error, cosine error, SQNR); None = none."""
 
     def __post_init__(self):
         if self.calib_batch_size < 1 or self.probe_batch_size < 1:
@@ -135,6 +139,9 @@ class Walk:
     store: StreamStore
     times: PhaseTimer = field(default_factory=PhaseTimer)
     """Wall seconds per phase of the walk (engine/phases.py); the head's are added by whoever evaluates it."""
+    block_errors: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    """With ``WalkConfig.block_errors``: per variant label, ``block_rel_fro``, ``block_cos_err`` and
+    ``block_sqnr``, one value per block (its output against FP's, on that probe set)."""
 
     def head_of(self, label: str | None) -> nn.Module:
         v = self.variants.get(label) if label is not None else None
@@ -200,6 +207,8 @@ def walk(
         raise ValueError("an in-place walk takes exactly one quantizer and no probe sets")
     if observe is not None and observe not in probes:
         raise ValueError(f"observed probe set '{observe}' is not among the probes")
+    if cfg.block_errors is not None and cfg.block_errors not in probes:
+        raise ValueError(f"probe set '{cfg.block_errors}' for block errors is not among the probes")
     vocab = vocab_size_of(model)
     calib_of: dict[str, torch.Tensor] = {}
     for label, qc in qcfgs.items():
@@ -268,6 +277,7 @@ def walk(
         variants = {label: VariantQuantization(qc, n_calibration=int(calib_of[label].shape[0]) if label in qcal else 0)
                     for label, qc in qcfgs.items()}
         probe_seconds = 0.0
+        block_errors: dict[str, dict[str, list[float]]] = {}
 
         for b, block in enumerate(blocks):
             source.load(block, device, timer)
@@ -314,6 +324,9 @@ def walk(
             with time_phase(timer if caps else None, "eval_forward"):
                 for name in caps:
                     run_block(block, fp[name], probe_args[name])
+                if cfg.block_errors is not None:
+                    _compare_streams(fp[cfg.block_errors], {label: q[cfg.block_errors] for label, q in qs.items()},
+                                     block_errors)
             probe_seconds += time.perf_counter() - t0
             source.unload(block)
             if device.type == "cpu":
@@ -358,13 +371,26 @@ def walk(
         for s in qcal.values():
             s.close()
         finals: dict[str | None, dict[str, Stream]] = {None: fp, **qs}
-        return Walk(source, variants, finals, norm, head, probe_seconds, store, timer)
+        return Walk(source, variants, finals, norm, head, probe_seconds, store, timer, block_errors)
     except BaseException:
         if store is not None:
             store.close()
         raise
     finally:
         model.train(was_training)
+
+
+def _compare_streams(fp: Stream, variants: dict[str, Stream], out: dict[str, dict[str, list[float]]]) -> None:
+    """Append each variant's error against FP at this block output to ``out[label]`` (every batch read once)."""
+    errs = {label: HiddenError() for label in variants}
+    for i in range(len(fp)):
+        f = fp[i]
+        for label, s in variants.items():
+            errs[label].add(s[i], f)
+    for label, e in errs.items():
+        per = out.setdefault(label, {"block_rel_fro": [], "block_cos_err": [], "block_sqnr": []})
+        for key, v in zip(per, e.result()):
+            per[key].append(v)
 
 
 # ------------------------------------------------------------------ one model, in place

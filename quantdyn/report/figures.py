@@ -4,7 +4,8 @@ numbers behind it; every figure is page-wide and written as PNG (print dpi) and 
   metric_panels  FP loss, Δ CE, Δ CE / CE(FP), Δ PPL, KL and top-1 agreement against tokens, one panel per
                  metric (or per group of quantizers of similar size, :func:`y_layout`), one colour per
                  quantizer, the LR overlaid with its axis on every panel: the trajectory figure of a sweep's
-                 rows (:func:`trajectory`) and of a monitored run's metrics.jsonl (``monitored.py``) alike
+                 rows (:func:`trajectory`) and of a monitored run's metrics.jsonl (``monitored.py``) alike; the
+                 checkpoints' bf16 noise floor as a grey band (``error_maps.noise_floor_band``)
   rainbow        cooldown branches' Δ CE against tokens, one colour per branch,
                  constant-LR controls dashed beside them (paper A, Fig. 5)
   loss_vs_dce    Δ CE against FP loss, one marker per run/branch (paper A, Fig. 6)
@@ -31,6 +32,7 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from quantdyn.report import uncertainty
+from quantdyn.report.error_maps import noise_floor_band, noise_floor_handle, noise_floor_rows
 from quantdyn.report.output import LR_STYLE, PAGE_WIDTH, overlay_lr, panel_grid, save_figure, tokens_axis
 from quantdyn.report.palette import FP_COLOR, Palette, ordered_colors
 from quantdyn.results.schema import MAIN, control_of, is_control, rel_delta_ce, rel_delta_ce_se, total_se
@@ -190,6 +192,8 @@ def metric_panels(fp: list[dict], series: dict[str, list[dict]], lr_curve: list[
               "ce_fp": p["ce_fp"], "ce_fp_se": p.get("ce_fp_se")} for p in fp]
     for q in qs:
         table += [trajectory_table_row(q, p) for p in series[q]]
+    table += noise_floor_rows(fp)
+    floor_drawn = False
     for ax, (panel, group, scale, split) in zip(axes, panels):
         if panel == "fp":
             pts = sorted(fp, key=lambda p: p[x_key])
@@ -213,6 +217,7 @@ def metric_panels(fp: list[dict], series: dict[str, list[dict]], lr_curve: list[
                     ax.tick_params(axis="y", which="minor", labelsize=6)
                 else:
                     ax.yaxis.set_minor_formatter(NullFormatter())
+            floor_drawn |= noise_floor_band(ax, fp, panel.key, x_key)
             ax.set_ylabel(panel.label + (" (log)" if scale == "log" else ""), fontsize=8)
             if split:  # small multiples: say whose panel it is
                 ax.legend(fontsize=6, loc="best", handlelength=1.2, borderpad=0.3, labelspacing=0.2, framealpha=0.8)
@@ -235,6 +240,8 @@ def metric_panels(fp: list[dict], series: dict[str, list[dict]], lr_curve: list[
         handles.insert(0, Line2D([], [], color=FP_COLOR, marker="o", ms=3, lw=1.1, label="FP"))
     if lr_curve:
         handles.append(Line2D([], [], **LR_STYLE, label="LR (right axis)"))
+    if floor_drawn:
+        handles.append(noise_floor_handle())
     fig.suptitle(title, fontsize=10, y=0.995)
     fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 1 - 0.25 / fig.get_figheight()),
                ncol=min(8, len(handles)), fontsize=7, frameon=False)

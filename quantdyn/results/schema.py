@@ -137,7 +137,54 @@ ERRORS = _table("""
     delta_ppl             float         exp CE(quantized) − exp CE(FP).
     kl                    float         KL(P_FP ‖ P_Q) per token (nats), mean over windows.
     kl_se                 float         SE of kl over windows.
-    top1_agree            float         Fraction of tokens whose top-1 prediction is the same in both models.
+    top1_agree            float         Fraction of tokens whose top-1 prediction is the same in both models
+                                        (llama.cpp's "same top p"; exact ties count as agreement since the
+                                        detailed measures, top_k_agreement).
+    ppl_ratio             float | None  PPL(Q) / PPL(FP) = exp(delta_ce). Its logarithm, llama.cpp's
+                                        "ln(PPL(Q)/PPL(base))", is delta_ce itself (not stored twice).
+    ppl_ratio_se          float | None  ppl_ratio × delta_ce_se (delta method, as llama.cpp).
+    kl_median             float | None  Median over all evaluated tokens of the per-token KL(P_FP ‖ P_Q) (nats);
+                                        percentiles interpolate linearly between order statistics (numpy's
+                                        default, llama.cpp's percentile).
+    kl_p90                float | None  90th percentile of the per-token KL(P_FP ‖ P_Q).
+    kl_p99                float | None  99th percentile of the per-token KL(P_FP ‖ P_Q).
+    kl_p999               float | None  99.9th percentile of the per-token KL(P_FP ‖ P_Q).
+    kl_max                float | None  Largest per-token KL(P_FP ‖ P_Q).
+    kl_reverse            float | None  KL(P_Q ‖ P_FP) per token (nats), mean over windows.
+    kl_reverse_se         float | None  SE of kl_reverse over windows.
+    top<2|3|4|5>_agree    float | None  Top-K agreement: fraction of tokens whose K most probable tokens under Q
+                                        are FP's K most probable, in the same order (exllamav3 model_diff's
+                                        "top-K agreement"; K = 1 is top1_agree). Exact ties count as
+                                        agreement.
+    top<1|2|3|4|5>_agree_se  float | None  SE over windows of the top-K agreement.
+    delta_p               float | None  Mean over tokens of Δp = P_Q(y) − P_FP(y), the correct next token's
+                                        probability change (llama.cpp's "Mean Δp", as a fraction, not %).
+    delta_p_se            float | None  SE of delta_p over windows (paired: Δp is a per-token difference).
+    delta_p_rms           float | None  RMS of Δp over tokens (llama.cpp's "RMS Δp").
+    delta_p_rms_se        float | None  SE of delta_p_rms: the SE over windows of the mean Δp², / (2 RMS).
+    delta_p_p1            float | None  1st percentile of Δp over tokens.
+    delta_p_p99           float | None  99th percentile of Δp over tokens.
+    logprob_corr          float | None  Pearson correlation over tokens of ln P_FP(y) and ln P_Q(y) (llama.cpp's
+                                        "Cor(ln(PPL(Q)), ln(PPL(base)))"); no SE (not a mean).
+    kl_by_confidence      list[float | None]  Mean KL(P_FP ‖ P_Q) of the tokens in each bucket of FP's top-1
+                                        probability, buckets [0, .25), [.25, .5), [.5, .75), [.75, .95),
+                                        [.95, 1] (exllamav3's; evaluate/quant_error.CONFIDENCE_EDGES); None
+                                        for an empty bucket.
+    confidence_fraction   list[float]   Fraction of the evaluated tokens in each bucket of kl_by_confidence.
+    n_tokens              int | None    Evaluated tokens (n_windows × tokens per window) the per-token
+                                        percentiles, correlation and histogram are over.
+    block_rel_fro         list[float]   Per block: relative Frobenius error ‖H_Q − H_FP‖_F / ‖H_FP‖_F of the
+                                        block's output hidden states on each evaluation window, mean over
+                                        windows (exllamav3 model_diff; quantdyn/evaluate/quant_error.py
+                                        HiddenError). Block 0 first.
+    block_cos_err         list[float]   Per block: 1 − cosine similarity of each token's output hidden state
+                                        with FP's, mean over tokens.
+    block_sqnr            list[float]   Per block: SQNR of each token's output hidden state,
+                                        10·log10(‖h_FP‖² / (‖h_Q − h_FP‖² + 1e-8)) dB, mean over tokens.
+    within_noise_floor    bool | None   Whether delta_ce sits inside the checkpoint's bf16 noise floor: Δ CE −
+                                        floor_delta_ce is at most 2 paired SEs (results/stats.py
+                                        within_noise_floor); None when no floor was measured.
+    delta_ce_floor_z      float | None  z of Δ CE − floor_delta_ce, paired over windows (None: no floor).
     window_delta          list[float]   Per-window Δ CE (7 decimals), in window order: what paired differences pair.
     quant_repeats         int           R, how many times the quantization was repeated (1 when absent).
     repeat_vary           str | None    What changed between repeats: draw (calibration windows), order, both.
@@ -160,6 +207,26 @@ ERRORS = _table("""
     calib_batch_size      int           Calibration batch size.
     quantize_threads      int           CPU threads while quantizing (0: on an accelerator).
 """)
+FLOOR_METRICS = ("ce_q", "delta_ce", "delta_ce_se", "rel_delta_ce", "delta_ppl", "ppl_ratio", "ppl_ratio_se", "kl",
+                 "kl_se", "kl_median", "kl_p90", "kl_p99", "kl_p999", "kl_max", "kl_reverse", "kl_reverse_se",
+                 "top1_agree", *(f"top{k}_agree" for k in range(2, 6)), *(f"top{k}_agree_se" for k in range(1, 6)),
+                 "delta_p", "delta_p_se",
+                 "delta_p_rms", "delta_p_rms_se", "delta_p_p1", "delta_p_p99", "logprob_corr", "kl_by_confidence",
+                 "confidence_fraction", "n_windows", "n_tokens", "window_delta", "block_rel_fro", "block_cos_err",
+                 "block_sqnr")
+"""The error fields a noise floor carries (as ``floor_<field>`` in the fp row)."""
+FLOOR = (
+    Field("floor_rounding", "str | None",
+          "What the checkpoint's noise floor rounded: 'bf16 weights and block outputs' (float32/float16 compute; "
+          "with a bf16 checkpoint the weight rounding is a no-op and the floor is the bf16 rounding of the block "
+          "outputs), or, with bf16 compute (where that rounding changes nothing), 'float32 blocks, bf16 block "
+          "outputs': the floor is then the bf16 arithmetic inside the blocks (engine/noise_floor.py). None/absent: "
+          "no floor measured."),
+    Field("floor_<" + "|".join(FLOOR_METRICS) + ">", "as the field",
+          "The noise floor of the checkpoint: the error field of the same name (a ptq row's) for the FP model "
+          "against itself with bf16 rounding injected after every block (floor_rounding), measured in the same "
+          "pass as ce_fp, stored once per checkpoint in its fp row; the band of every trajectory figure."),
+)
 QUANTIZE_COMMAND = _table("""
     calib_data     str         Calibration token source of `quantdyn quantize`.
     calib_samples  int         Calibration sequences of `quantdyn quantize`.
@@ -235,8 +302,8 @@ SCALING = _table("""
     points                     list[dict]  The (N, D, loss) points fitted.
 """)
 
-GROUPS: tuple[tuple[Field, ...], ...] = (IDENTITY, PROVENANCE, CHECKPOINT, DATA, QUANTIZER, ERRORS, QUANTIZE_COMMAND,
-                                         QAT, ANALYSIS, ACCURACY, INTERPOLATION, SCALING)
+GROUPS: tuple[tuple[Field, ...], ...] = (IDENTITY, PROVENANCE, CHECKPOINT, DATA, QUANTIZER, ERRORS, FLOOR,
+                                         QUANTIZE_COMMAND, QAT, ANALYSIS, ACCURACY, INTERPOLATION, SCALING)
 FIELDS: dict[str, Field] = {f.name: f for group in GROUPS for f in group}
 """Every field of every row kind, by name."""
 
@@ -268,8 +335,9 @@ ROW_KINDS: dict[str, RowKind] = {k.name: k for k in (
             "sweep/sweep.py, sweep/quantize_one.py (engine/rows.py ptq_fields)",
             "row_key(checkpoint, ptq_what = 'ptq:<config hash>:<calib hash>[:R<R>:<vary>]', eval_hash)",
             _names(*_MEASURED, QUANTIZER, ERRORS, QUANTIZE_COMMAND)),
-    RowKind("fp", "The full-precision CE of one checkpoint on the evaluation windows.", "sweep/sweep.py",
-            "row_key(checkpoint, 'fp', eval_hash)", _names(*_MEASURED, only=("ce_fp", "ce_fp_se"))),
+    RowKind("fp", "The full-precision CE of one checkpoint on the evaluation windows, and its bf16 noise floor "
+                  "(floor_<field>, when measured).", "sweep/sweep.py (engine/rows.py floor_fields)",
+            "row_key(checkpoint, 'fp', eval_hash)", _names(*_MEASURED, FLOOR, only=("ce_fp", "ce_fp_se"))),
     RowKind("qat", "A QAT run's checkpoint deployed with its own fake quantization (W and A), against FP.",
             "sweep/sweep.py", "row_key(checkpoint, 'qat:<config hash>', eval_hash)",
             _names(*_MEASURED, QUANTIZER, ERRORS, QAT)),

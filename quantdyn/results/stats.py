@@ -14,7 +14,8 @@ Paired differences (:func:`paired_difference`)
     hashes differ are never paired (their SEs add in quadrature); a row without a hash (written before the
     field) pairs on an equal window count. The run-to-run part sqrt(SD_a²/R_a + SD_b²/R_b) is added in
     quadrature (the two quantizations are independent draws), None when neither row repeated its
-    quantization.
+    quantization. The same pairing sets a row against its checkpoint's bf16 noise floor
+    (:func:`floor_difference`, :func:`within_noise_floor`).
 
 The verdict rule (:class:`Effect`, :func:`verdict_sign`)
     An effect is resolved when |z| > Z (default 2), z = effect / SE, where SE is its combined uncertainty:
@@ -274,6 +275,27 @@ def decay_difference(decayed: Mapping, control: Mapping, jitter: float | None) -
     """A decayed endpoint minus its constant-LR control: paired over windows, the run-to-run part, and the
     stable-phase jitter of the run and quantizer (a comparison along a trajectory)."""
     return replace(paired_difference(decayed, control), jitter=jitter)
+
+
+def floor_difference(row: Mapping, fp_row: Mapping) -> Difference | None:
+    """A ptq row's Δ CE minus its checkpoint's bf16 noise floor (the fp row's ``floor_delta_ce``, with
+    ``floor_window_delta`` to pair window by window), as :func:`paired_difference`; None when the fp row carries
+    no floor (written before it, or measured without it)."""
+    if number(fp_row.get("floor_delta_ce")) is None or number(row.get("delta_ce")) is None:
+        return None
+    floor = {"delta_ce": fp_row["floor_delta_ce"], "delta_ce_se": fp_row.get("floor_delta_ce_se"),
+             "window_delta": fp_row.get("floor_window_delta"), "eval_hash": fp_row.get("eval_hash")}
+    return paired_difference(row, floor)
+
+
+def within_noise_floor(row: Mapping, fp_row: Mapping, z: float = Z) -> bool | None:
+    """Whether a ptq row's Δ CE sits inside its checkpoint's noise floor: Δ CE − floor Δ CE is not resolved above
+    0 (at most z times its paired SE; at most 0 when that SE is unknown). None without a floor."""
+    d = floor_difference(row, fp_row)
+    if d is None:
+        return None
+    se = number(d.se)
+    return d.difference <= (z * se if se is not None else 0.0)
 
 
 def verdict_sign(effect: float | None, se: float | None, z: float = Z) -> int:

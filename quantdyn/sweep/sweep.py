@@ -29,7 +29,7 @@ import torch
 from quantdyn.config import config_hash, from_dict, to_dict
 from quantdyn.data.prepare import DataConfig, TokenData, prepare_data
 from quantdyn.engine.measure import MeasureConfig, measure
-from quantdyn.engine.rows import REPEAT_VARY, calibration_draws, ptq_fields, ptq_what, repeat_labels
+from quantdyn.engine.rows import REPEAT_VARY, calibration_draws, floor_fields, ptq_fields, ptq_what, repeat_labels
 from quantdyn.errors import QuantdynError, unknown_name
 from quantdyn.models.hf_io import checkpoint_hash, load_causal_lm
 from quantdyn.progress import progress as counted
@@ -143,6 +143,12 @@ class SweepConfig:
     eval_group: int = 8
     """Quantizers measured in one streamed pass over a checkpoint, sharing the FP forward (each adds one
     activation stream, not a model copy; more quantizers take several passes)."""
+    noise_floor: bool = True
+    """Measure each checkpoint's bf16 noise floor with its FP row (one extra block pass, engine/noise_floor.py):
+    the fp row stores it (floor_<field>), every ptq row says whether its Δ CE sits inside it."""
+    detailed_metrics: bool = True
+    """KL percentiles and reverse KL, top-K agreement, Δp, correlation, KL by confidence and per-block error maps
+    in every row (MeasureConfig.detailed_metrics); false: only CE, mean KL and top-1 agreement."""
 
     def __post_init__(self):
         if self.quant_repeats < 1:
@@ -219,7 +225,7 @@ def measure_config(cfg: SweepConfig) -> MeasureConfig:
     return MeasureConfig(batch_size=cfg.batch_size, calib_batch_size=cfg.calib_batch_size,
                          quantize_threads=cfg.quantize_threads, layer_diagnostics=cfg.layer_diagnostics,
                          dtype=cfg.dtype, max_memory=cfg.max_memory, spill_dir=cfg.spill_dir, streams=cfg.streams,
-                         logits_budget_mb=cfg.logits_budget_mb)
+                         logits_budget_mb=cfg.logits_budget_mb, detailed_metrics=cfg.detailed_metrics)
 
 
 def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True,
@@ -303,6 +309,16 @@ class _SweepContext:
     done: set
     acc_done: set
     block_echo: Any = None
+    stored_floors: dict | None = None
+    """fp row key -> its floor fields, read from the store once when first needed."""
+
+
+def _stored_floor(ctx: _SweepContext, fp_key: str) -> dict:
+    """The noise floor an fp row already stored carries ({} when it has none: written before the floor)."""
+    if ctx.stored_floors is None:
+        ctx.stored_floors = {r["key"]: {k: v for k, v in r.items() if k.startswith("floor_")}
+                             for r in ctx.store.rows() if r.get("kind") == "fp"}
+    return ctx.stored_floors.get(fp_key, {})
 
 
 def _point_done(ctx: _SweepContext, p: Point) -> bool:
@@ -354,6 +370,7 @@ def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
     fp_pending = fp_key not in ctx.done
     skipped += not fp_pending
     groups = [pending[g : g + cfg.eval_group] for g in range(0, len(pending), cfg.eval_group)] or [[]]
+    floor = None if fp_pending else _stored_floor(ctx, fp_key)  # the floor fields the ptq rows are read against
     for g, group in enumerate(groups):
         variants: dict = {}
         calib: dict = {}
@@ -370,14 +387,16 @@ def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
                     if label in collect else None) if collect else None
         m = measure(weights, variants, ctx.eval_ids, calib, device=ctx.device, cfg=ctx.mcfg, on_layer=on_layer,
                     on_block=(lambda line: ctx.block_echo(f"{p.ref}: pass {g + 1}/{len(groups)} {line}"))
-                    if ctx.block_echo else None)
+                    if ctx.block_echo else None, noise_floor=cfg.noise_floor and g == 0 and fp_pending)
+        if g == 0 and fp_pending:
+            floor = floor_fields(m.noise_floor)
         base["n_params"] = m.n_params
         rows = []
         if g == 0 and fp_pending:
             fp_ce = m.fp_window_ce
             rows.append({"key": fp_key, "kind": "fp", **base, "ce_fp": float(fp_ce.mean()),
                          "ce_fp_se": mean_se(fp_ce)[1],
-                         "n_windows": len(fp_ce), "compute_dtype": m.dtype, **provenance()})
+                         "n_windows": len(fp_ce), "compute_dtype": m.dtype, **floor, **provenance()})
         if "__qat__" in variants:
             tr = variants["__qat__"]
             qc = tr.cfg
@@ -389,7 +408,7 @@ def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
             if q_keys[label] not in ctx.done:
                 rows.append({"key": q_keys[label], "kind": "ptq", **base,
                              **ptq_fields(label, ctx.qcfgs[label], m, ctx.mcfg, threads, cfg.quant_repeats,
-                                          cfg.repeat_vary), "t_load": t_load,
+                                          cfg.repeat_vary, floor), "t_load": t_load,
                              **provenance()})
             else:
                 skipped += 1
