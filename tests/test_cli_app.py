@@ -225,6 +225,24 @@ def test_results_out_errors_and_old_csv_spelling(capsys, tmp_path):
     assert "check the --where expression" in one_line_error(code, err)
 
 
+def test_results_columns_of_an_old_store_name_what_rows_lack(capsys, tmp_path):
+    """Rows written before the detailed measures (issue 29) read with those columns empty, one line each."""
+    st = _store(tmp_path)
+    st.append([{"key": "c", "kind": "ptq", "run": "r", "branch": "main", "step": 3, "tokens": 30, "quantizer": "rtn4",
+                "delta_ce": 0.2, "kl_p99": 0.01, "top5_agree": 0.9}])
+    code, out, err = run(capsys, "results", "--store", str(st.root), "--columns", "step,kl_p99,top5_agree,block_sqnr",
+                         "--json")
+    assert code == 0 and [r["kl_p99"] for r in json.loads(out)] == [None, None, 0.01]
+    assert err.splitlines() == [
+        "note: kl_p99: 2 of 3 rows lack it (written before the field existed, or of a kind that has none); shown empty",
+        "note: top5_agree: 2 of 3 rows lack it (written before the field existed, or of a kind that has none); "
+        "shown empty",
+        "note: block_sqnr: 3 of 3 rows lack it (written before the field existed, or of a kind that has none); "
+        "shown empty"]
+    code, _, err = run(capsys, "results", "--store", str(st.root), "--columns", "kl_p98")
+    assert "did you mean" in one_line_error(code, err)
+
+
 def test_scaling_takes_store_as_option_or_old_argument(capsys, tmp_path, monkeypatch):
     import quantdyn.studies.scaling as sc
 

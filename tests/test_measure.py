@@ -141,8 +141,16 @@ def test_engine_equals_reference_path(kind, tmp_path):
         for layer, c in ref_codes[label].items():
             assert torch.equal(codes[label][layer], c), (label, layer)  # the same decisions
         got, want = m.metrics[label], ref[label]
-        for key in ("ce_q", "delta_ce", "kl", "top1_agree"):
-            assert _close(got[key], want[key]), (label, key, got[key], want[key])
+        for key in ("ce_q", "delta_ce", "kl", "top1_agree", "kl_reverse", "kl_median", "kl_p99", "kl_max",
+                    "top5_agree", "delta_p", "delta_p_rms", "delta_p_p1", "logprob_corr"):
+            assert _close(got[key], want[key], 1e-3 if key.startswith("kl_") else 1.0), (label, key, got[key],
+                                                                                         want[key])
+        assert [v is None for v in got["kl_by_confidence"]] == [v is None for v in want["kl_by_confidence"]]
+        assert all(_close(a, b, 1e-3) for a, b in zip(got["kl_by_confidence"], want["kl_by_confidence"]) if a is not None)
+        assert got["confidence_fraction"] == want["confidence_fraction"]
+        n_blocks = len(adapter_for(fp).get_blocks(fp))
+        assert len(got["block_rel_fro"]) == len(got["block_cos_err"]) == len(got["block_sqnr"]) == n_blocks
+        assert all(v > 0 for v in got["block_rel_fro"])
         assert got["n_windows"] == len(ev) and got["delta_ce_se"] > 0
         assert got["rel_delta_ce"] == pytest.approx(got["delta_ce"] / got["ce_fp"])
         assert m.quantizations[label].n_calibration == len(calib)

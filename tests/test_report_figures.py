@@ -250,3 +250,36 @@ def test_uncertainty_note_groups_quantizers_and_names_deterministic_repeats():
     assert "gptq3, gptq4 (R = 2): the run-to-run part is the larger at 1 of 2 points" in note
     assert "awq4: not repeated (R = 1), evaluation SE only" in note
     assert uncertainty.note([{"quantizer": "x", "delta_ce": 1.0}]) == ""  # a table without uncertainty columns
+
+
+def test_error_maps_are_left_out_for_old_rows_and_drawn_for_new_ones(tmp_path):
+    """Rows written before issue 29 carry no floor, block maps or confidence histogram: no band, no heat map, no
+    KL-by-confidence figure, no error. The same rows with those fields get all three."""
+    from quantdyn.report import error_maps
+
+    old = study_rows()
+    assert error_maps.sections(old, tmp_path) == []
+    fp = [r for r in old if r["kind"] == "fp" and r["branch"] == "main"]
+    series = {q: [r for r in old if r.get("quantizer") == q and r["branch"] == "main"] for q in QUANTIZERS}
+    table = figures.metric_panels(fp, series, [], tmp_path / "old.png", "old rows")
+    assert not any(t["quantizer"] == "bf16 noise floor" for t in table)
+    new = []
+    for r in old:
+        extra = {}
+        if r["kind"] == "fp":
+            extra = {"floor_delta_ce": 0.001, "floor_delta_ce_se": 0.0002, "floor_kl": 1e-4, "floor_kl_se": 1e-5,
+                     "floor_top1_agree": 0.99, "floor_block_rel_fro": [0.002, 0.003, 0.004]}
+        elif r["kind"] == "ptq":
+            extra = {"block_rel_fro": [0.01 * r["bits"], 0.02, 0.03], "kl_by_confidence": [0.3, 0.2, 0.1, 0.05, None],
+                     "confidence_fraction": [0.1, 0.2, 0.3, 0.4, 0.0]}
+        new.append({**r, **extra})
+    found = {title: table for title, _, table, _ in error_maps.sections(new, tmp_path)}
+    assert len(found) == 2 and all(found.values())
+    heat = next(t for k, t in found.items() if "where in the network" in k)
+    assert {t["quantizer"] for t in heat} == {*QUANTIZERS, "bf16 noise floor"} and heat[0]["block_2"] == 0.03
+    kl = next(t for k, t in found.items() if "confidence" in k)
+    assert {t["branch"] for t in kl} == {"cooldown-s200-d100-linear", "control-s200-d100"}
+    fp = [r for r in new if r["kind"] == "fp" and r["branch"] == "main"]
+    table = figures.metric_panels(fp, series, [], tmp_path / "new.png", "new rows")
+    floor_rows = [t for t in table if t["quantizer"] == "bf16 noise floor"]
+    assert len(floor_rows) == len(fp) and floor_rows[0]["floor_kl"] == 1e-4

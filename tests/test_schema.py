@@ -4,7 +4,6 @@ stored number, rel_delta_ce and the combined SE — and old rows read without an
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -49,26 +48,30 @@ def test_varying_fields_match_their_patterns_and_unknown_names_are_refused():
         describe("delta_cee")
 
 
-def test_ptq_fields_of_a_measurement_are_all_documented():
-    from quantdyn.engine.rows import ptq_fields
-    from quantdyn.engine.measure import MeasureConfig
+def test_ptq_and_fp_fields_of_a_measurement_are_all_documented():
+    """Every field ptq_fields and floor_fields write, for one quantization and for R = 3 repeats, from a real
+    measurement with the noise floor and every detailed measure."""
+    from quantdyn.engine.measure import MeasureConfig, measure
+    from quantdyn.engine.rows import floor_fields, ptq_fields
+    from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config
     from quantdyn.quantize.config import parse_quantizer
 
-    w = torch.linspace(0.01, 0.05, 8, dtype=torch.float64)
-    metrics = {"ce_fp": 4.0, "ce_q": 4.03, "delta_ce": 0.03, "delta_ce_se": 0.002, "rel_delta_ce": 0.0075,
-               "delta_ppl": 1.6, "kl": 0.02, "kl_se": 0.001, "top1_agree": 0.95, "n_windows": 8,
-               "window_delta": [float(v) for v in w]}
-    quant = SimpleNamespace(rows=[{"loss": 1.0}], seconds=0.5, n_calibration=4)
+    torch.manual_seed(0)
+    model = GPT(resolve_model_config(ModelConfig(preset="tiny-2x64", vocab_size=64))).eval()
+    ev = torch.randint(0, 64, (6, 17), generator=torch.Generator().manual_seed(1))
+    cal = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(2))
     labels = ["gptq3", "gptq3#r1", "gptq3#r2"]
-    m = SimpleNamespace(metrics={x: {**metrics, "delta_ce": 0.03 + 0.001 * k} for k, x in enumerate(labels)},
-                        quantizations={x: quant for x in labels}, t_eval=1.0, dtype="float32",
-                        phase_seconds={"read": 0.1, "quantize_layers": 0.4, "total": 1.5})
+    m = measure(model, dict.fromkeys(labels, "gptq3"), ev, cal, noise_floor=True, cfg=MeasureConfig(batch_size=4))
     qc = parse_quantizer("gptq3")
+    fp_row = {"key": "f", "kind": "fp", "ce_fp": m.ce_fp, **floor_fields(m.noise_floor)}
+    assert undocumented(fp_row) == [] and fp_row["floor_kl"] > 0 and "floor_ce_fp" not in fp_row
     for R in (1, 3):
         row = {"key": "k", "kind": "ptq", **ptq_fields("gptq3", qc, m, MeasureConfig(), 2, R)}
         assert undocumented(row) == []
-    assert row["delta_ce_total_se"] == pytest.approx(schema.combined_se(row["delta_ce_se"], 0.001, 3))
-    assert row["uncertainty_dominant"] == schema.EVAL  # SD 0.001 / √3 < SE of the windows
+        assert isinstance(row["within_noise_floor"], bool) and row["delta_ce_floor_z"] is not None
+    assert row["delta_ce_total_se"] == pytest.approx(schema.combined_se(row["delta_ce_se"], row["delta_ce_run_sd"], 3))
+    assert row["ppl_ratio"] == pytest.approx(math.exp(row["delta_ce"]))
+    assert len(row["block_rel_fro"]) == 2 and row["quant_repeats"] == 3
 
 
 # ------------------------------------------------------------------ keys

@@ -252,3 +252,26 @@ def test_format_estimate_prints_a_zero_without_a_sign():
     assert format_estimate(-4e-7, 0.0036) == ("0.0000", "0.0036", "0.0")
     assert format_estimate(4e-7, 0.0036) == ("0.0000", "0.0036", "0.0")
     assert format_estimate(-0.0004, 0.0036) == ("-0.0004", "0.0036", "-0.1")
+
+
+def test_a_row_is_read_against_its_checkpoints_noise_floor():
+    from quantdyn.results.stats import floor_difference, within_noise_floor
+
+    floor = [0.001, 0.003, 0.002, 0.002]
+    fp_row = {"kind": "fp", "floor_delta_ce": 0.002, "floor_delta_ce_se": 0.0004, "floor_window_delta": floor,
+              "eval_hash": "e"}
+
+    def row(shift, noise=(0.0, 0.0, 0.0, 0.0)):
+        wd = [f + shift + n for f, n in zip(floor, noise)]
+        return {"kind": "ptq", "delta_ce": sum(wd) / 4, "window_delta": wd, "eval_hash": "e"}
+
+    near = row(0.0005, (0.001, -0.001, 0.0005, -0.0005))  # paired SE ~0.0005: 0.0005 above is not resolved
+    d = floor_difference(near, fp_row)
+    assert d.paired and d.difference == pytest.approx(0.0005) and within_noise_floor(near, fp_row) is True
+    far = row(0.01, (0.001, -0.001, 0.0005, -0.0005))
+    assert within_noise_floor(far, fp_row) is False and floor_difference(far, fp_row).z > 2
+    assert within_noise_floor(row(-0.001), fp_row) is True  # better than bf16 storage: inside
+    # exactly shifted windows: SE 0, any excess is resolved
+    assert within_noise_floor(row(1e-6), fp_row) is False and within_noise_floor(row(0.0), fp_row) is True
+    # no floor measured (an fp row written before it): no verdict, never an error
+    assert within_noise_floor(far, {"kind": "fp", "ce_fp": 3.0}) is None and floor_difference(far, {}) is None

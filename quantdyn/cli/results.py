@@ -23,6 +23,9 @@ def results(
     csv: Optional[Path] = typer.Option(None, "--csv", hidden=True, help="Old spelling of --out FILE.csv."),
     as_json: bool = opt.as_json(),
     all_columns: bool = typer.Option(False, "--all", help="Every column (default: the main ones)."),
+    columns: Optional[str] = typer.Option(None, "--columns", help="Comma-separated columns to show instead of "
+                                          "the main ones, e.g. quantizer,kl_p99,top5_agree (any row field: "
+                                          "quantdyn.results.schema.FIELDS)."),
     check: bool = typer.Option(False, "--check", help="Check every line of the store instead; move unreadable "
                                "lines to STORE/quarantine/ and remove temporary files left by killed writers."),
 ):
@@ -46,11 +49,20 @@ def results(
         if out.suffix.lower() != ".parquet":
             raise QuantdynError(f"--parquet '{parquet}': name a .parquet file")
     target, fmt = _output(out, csv)
+    asked = _asked_columns(columns)
     cols, rows = st.query(where)
     recs = sorted((dict(zip(cols, r)) for r in rows), key=lambda r: tuple(_sort_key(r.get(c)) for c in _ORDER))
-    cols = [c for c in cols if c != "window_delta"] if (all_columns or as_json or target) else \
-        [c for c in _MAIN_COLUMNS if c in cols]  # a store holds the columns its rows have
-    recs = [{c: r[c] for c in cols} for r in recs]
+    if asked:
+        for c in asked:  # a field the schema knows but rows lack: one line naming it, its cells empty
+            lacking = sum(1 for r in recs if r.get(c) is None)
+            if lacking:
+                typer.echo(f"note: {c}: {lacking} of {len(recs)} rows lack it (written before the field existed, or "
+                           "of a kind that has none); shown empty", err=True)
+        cols = asked
+    else:
+        cols = [c for c in cols if c != "window_delta"] if (all_columns or as_json or target) else \
+            [c for c in _MAIN_COLUMNS if c in cols]  # a store holds the columns its rows have
+    recs = [{c: r.get(c) for c in cols} for r in recs]
     if target is not None and fmt == "parquet":
         from quantdyn.results.tables import to_parquet  # pandas/pyarrow only for this output
 
@@ -78,6 +90,18 @@ _FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "jsonl", ".parquet": "parq
 _MAIN_COLUMNS = ("run", "branch", "kind", "step", "tokens", "lr", "quantizer", "ce_fp", "ce_q", "delta_ce", "delta_ce_se",
                  "kl", "top1_agree")
 _ORDER = ("run", "branch", "tokens", "quantizer")
+
+
+def _asked_columns(columns: Optional[str]) -> list[str]:
+    """The --columns list, each a row field the schema describes (else one line with a did-you-mean)."""
+    if not columns:
+        return []
+    from quantdyn.results.schema import describe
+
+    asked = [c.strip() for c in columns.split(",") if c.strip()]
+    for c in asked:
+        describe(c)  # QuantdynError: no result-row field 'x'; did you mean ...
+    return asked
 
 
 def _sort_key(v) -> tuple:
