@@ -229,29 +229,30 @@ def _lacking(rows: list[dict], field: str) -> str:
             if n else "")
 
 
+_SECTIONS = (  # (file stem, figure, title after "Run <run>: ", caption, the row field it needs)
+    ("block_errors", block_heatmaps, "where in the network and when in training the error appears",
+     "Per quantizer, the relative Frobenius error ‖H_Q − H_FP‖/‖H_FP‖ of every block's output on the evaluation "
+     "windows (y: block, 0 at the bottom; x: main-run checkpoints in training order; colour: log scale, its own per "
+     "panel). The last panel is the bf16 noise floor's map: what rounding every block's output to bf16 costs.",
+     "block_rel_fro"),
+    ("kl_by_confidence", kl_by_confidence, "KL by the model's confidence, decayed endpoint vs control",
+     "Mean KL(FP ‖ Q) of the evaluation tokens in each bucket of the FP model's top-1 probability (exllamav3's "
+     "buckets), for the last checkpoint of each cooldown branch (filled) and of its constant-LR control "
+     "(hatched); the share of tokens in each bucket (decayed endpoint) under the axis. The mean KL is dominated "
+     "by tokens the model is unsure of; this shows whether decay moves the error among confident or uncertain "
+     "tokens.", "kl_by_confidence"),
+)
+
+
 def sections(rows: list[dict], out: Path, palette: Palette | None = None) -> list[tuple[str, str, list[dict], str]]:
     """The heat-map and KL-by-confidence sections of the report, per run, when rows carry their fields."""
     found = []
     runs = sorted({r["run"] for r in rows if r.get("kind") == "ptq" and r.get("run")})
     for run in runs:
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run)
-        png = out / f"block_errors_{safe}.png"
-        table = block_heatmaps(rows, run, png, palette)
-        if table:
-            found.append((
-                f"Run {run}: where in the network and when in training the error appears", png.name, table,
-                "Per quantizer, the relative Frobenius error ‖H_Q − H_FP‖/‖H_FP‖ of every block's output on the "
-                "evaluation windows (y: block, 0 at the bottom; x: main-run checkpoints in training order; colour: "
-                "log scale, its own per panel). The last panel is the bf16 noise floor's map: what rounding every "
-                "block's output to bf16 costs." + _lacking(rows, "block_rel_fro")))
-        png = out / f"kl_by_confidence_{safe}.png"
-        table = kl_by_confidence(rows, run, png, palette)
-        if table:
-            found.append((
-                f"Run {run}: KL by the model's confidence, decayed endpoint vs control", png.name, table,
-                "Mean KL(FP ‖ Q) of the evaluation tokens in each bucket of the FP model's top-1 probability "
-                "(exllamav3's buckets), for the last checkpoint of each cooldown branch (filled) and of its "
-                "constant-LR control (hatched); the share of tokens in each bucket (decayed endpoint) under the "
-                "axis. The mean KL is dominated by tokens the model is unsure of; this shows whether decay moves "
-                "the error among confident or uncertain tokens." + _lacking(rows, "kl_by_confidence")))
+        for stem, figure, title, caption, field in _SECTIONS:
+            png = out / f"{stem}_{safe}.png"
+            table = figure(rows, run, png, palette)
+            if table:
+                found.append((f"Run {run}: {title}", png.name, table, caption + _lacking(rows, field)))
     return found
