@@ -73,6 +73,21 @@ crosscheck:
 	$(AVENV)/bin/pip install -q $(TORCH_SPEC)
 	$(AVENV)/bin/pip install -q -e '.[crosscheck-awq]'
 	$(AVENV)/bin/python bench/crosscheck_awq.py
+	$(MAKE) crosscheck-llamacpp
+
+# quantdyn's KL distribution, same-top-p and PPL ratio against llama.cpp's `llama-perplexity --kl-divergence`
+# on the same Q8_0/Q4_0 GGUF files (issue 29). llama-cpp-python builds llama.cpp from source (~22 min on 2
+# cores the first time; pip caches the wheel); the script compiles the perplexity tool against that build's
+# libraries in seconds. Its own venv: nothing of llama.cpp's enters the others.
+LVENV ?= .cache/venv-crosscheck-llamacpp
+LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36 gguf==0.19.0
+.PHONY: crosscheck-llamacpp
+crosscheck-llamacpp:
+	test -x $(LVENV)/bin/python || $(PYTHON) -m venv $(LVENV)
+	$(LVENV)/bin/pip install -q --upgrade pip setuptools
+	$(LVENV)/bin/pip install -q $(TORCH_SPEC)
+	$(LVENV)/bin/pip install -q -e . $(LLAMA_CPP_SPEC)
+	$(LVENV)/bin/python bench/crosscheck_llamacpp.py
 
 # ---------------------------------------------------------------------------------------------- the GPU image
 # The GPU machines (tools/gpu_bundle.py; BENCHMARKS.md, "GPU readiness / pipeline race", has the runbook) run
