@@ -273,11 +273,13 @@ class HiddenError:
     def add(self, hq: torch.Tensor, hf: torch.Tensor) -> None:
         f = hf.double()
         q = hq.double()
-        nf = torch.linalg.vecdot(f, f)  # [B, T]
-        nq = torch.linalg.vecdot(q, q)
-        dot = torch.linalg.vecdot(q, f)
+        # per-token dot products by einsum: torch.linalg.vecdot takes a slow elementwise path in float64 on the
+        # CPU (~200x slower at [16, 128, 128]; bench/metrics_cost.py found it dominating the walk at 14m)
+        nf = torch.einsum("...d,...d->...", f, f)  # [B, T]
+        nq = torch.einsum("...d,...d->...", q, q)
+        dot = torch.einsum("...d,...d->...", q, f)
         q -= f
-        nd = torch.linalg.vecdot(q, q)
+        nd = torch.einsum("...d,...d->...", q, q)
         self.rel_fro += float((nd.sum(-1) / nf.sum(-1).clamp_min(1e-300)).sqrt().sum())
         self.cos_err += float((1 - dot / (nq * nf).sqrt().clamp_min(1e-8)).sum())
         self.sqnr += float((10 * torch.log10(nf / (nd + SQNR_EPS))).sum())
