@@ -279,6 +279,14 @@ def walk(
         probe_seconds = 0.0
         block_errors: dict[str, dict[str, list[float]]] = {}
 
+        def forward_variant(label: str, b: int, block: nn.Module, qblock: nn.Module, probe_args: dict) -> None:
+            """A variant's streams through its quantized block (and the observer, which sees both blocks)."""
+            with time_phase(timer if caps else None, "eval_forward"):  # nothing to time without probes
+                if observer is not None:
+                    observer(label, b, block, qblock, fp[observe], qs[label][observe], probe_args[observe])
+                for name in caps:
+                    run_block(qblock, qs[label][name], probe_args[name])
+
         for b, block in enumerate(blocks):
             source.load(block, device, timer)
             groups = adapter.linear_groups(block)
@@ -300,11 +308,7 @@ def walk(
                 variants[label].rows += rows
                 variants[label].seconds += time.perf_counter() - t0
                 t0 = time.perf_counter()
-                with time_phase(timer if caps else None, "eval_forward"):  # nothing to time without probes
-                    if observer is not None:
-                        observer(label, b, block, qblock, fp[observe], qs[label][observe], probe_args[observe])
-                    for name in caps:
-                        run_block(qblock, qs[label][name], probe_args[name])
+                forward_variant(label, b, block, qblock, probe_args)
                 probe_seconds += time.perf_counter() - t0
                 del qblock
                 if device.type == "cpu":
@@ -313,11 +317,7 @@ def walk(
                 t0 = time.perf_counter()
                 with timer("quantize_layers"):
                     qblock = tr.block(copy.deepcopy(block))
-                with time_phase(timer if caps else None, "eval_forward"):
-                    if observer is not None:
-                        observer(label, b, block, qblock, fp[observe], qs[label][observe], probe_args[observe])
-                    for name in caps:
-                        run_block(qblock, qs[label][name], probe_args[name])
+                forward_variant(label, b, block, qblock, probe_args)
                 probe_seconds += time.perf_counter() - t0
                 del qblock
             t0 = time.perf_counter()
