@@ -56,10 +56,13 @@ def test_gpu_study_stops_on_sigterm_and_the_same_command_resumes_it(tmp_path):
     assert proc.returncode == 143, err[-3000:]
     assert err.strip().splitlines()[-1].startswith("interrupted; rerun the same command"), err[-3000:]
     assert not (tmp_path / "report" / "cooldown_gpu" / "study.json").is_file()
+    # on a loaded machine the signal can land after the main run's last 8 steps (then a later stage is what was
+    # stopped, and the main run has nothing to resume): the resume line is asked for only when it had
+    main_done = (run / "checkpoints" / "step-0000016" / "model.safetensors").is_file()
 
     again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "resuming at step" in again.stdout, again.stdout[-3000:]
+    assert main_done or "resuming at step" in again.stdout, again.stdout[-3000:]
     rows = [r for r in ResultStore(tmp_path / "runs" / "studies" / "cooldown_gpu" / "results").rows()
             if r["kind"] == "ptq"]
     # main run steps 8, 16 + the cooldown and the control ends (20), 2 quantizers each
