@@ -65,10 +65,27 @@ def launched_by_torchrun() -> bool:
 
 
 def init_distributed(device: torch.device) -> None:
+    """Join the torchrun job's default process group; a gloo group is destroyed when the process exits.
+
+    A process that exits with the group alive can abort at interpreter shutdown ("terminate called without an
+    active exception": gloo's worker threads outlive the interpreter; pytorch/pytorch#179291). Seen once in a
+    kill-and-resume test on torch 2.11 (gloo): the resumed job's rank 1 died with SIGABRT after training."""
+    import atexit
+
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend)
+        if backend == "gloo":  # NCCL's teardown with work still pending can block: left to the process's end there
+            atexit.register(_destroy_default_group)
+
+
+def _destroy_default_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def is_distributed() -> bool:
@@ -120,6 +137,7 @@ def rank0_first(fn: Callable[[], T], timeout_min: int = 1440, what: str = "prepa
             dist.broadcast_object_list(outcome, src=0, group=group)
             raise
     dist.broadcast_object_list(outcome, src=0, group=group)
+    dist.barrier(group=group)  # every rank has received before the group's connections are closed
     dist.destroy_process_group(group)
     if outcome[0] is not None:
         raise QuantdynError(outcome[0])
