@@ -15,7 +15,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import IO, Any, Iterator
 
 from quantdyn.errors import QuantdynError
 
@@ -67,14 +67,16 @@ def atomic_dir(final: Path) -> Iterator[Path]:
         raise
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (fsync, then rename)."""
+@contextlib.contextmanager
+def atomic_file(path: Path, mode: str = "w") -> Iterator[IO]:
+    """Yield a file opened in ``mode`` under a temporary name beside ``path``; on success it is fsynced, given the
+    permissions the umask allows and renamed to ``path``; on an exception it is removed and ``path`` is untouched."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, mode) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         _open_up(Path(tmp), directory=False)
@@ -83,6 +85,12 @@ def write_text_atomic(path: Path, text: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (fsync, then rename)."""
+    with atomic_file(path) as f:
+        f.write(text)
 
 
 def write_json_atomic(path: Path, data) -> None:

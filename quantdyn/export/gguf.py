@@ -40,6 +40,7 @@ import torch
 
 from quantdyn.errors import QuantdynError
 from quantdyn.export.formats import EXPORT_FORMATS, ExportFormat
+from quantdyn.files import atomic_file
 from quantdyn.quantize import gguf as qg
 from quantdyn.quantize.config import QUANTIZERS, QuantConfig, parse_quantizer
 from quantdyn.quantize.primitives import QuantResult
@@ -345,23 +346,12 @@ class GGUFExportWriter:
                 infos += struct.pack(f"<{len(ne)}Q", *ne) + struct.pack("<IQ", ttype, offset)
             header = GGUF_MAGIC + struct.pack("<IQQ", GGUF_VERSION, len(self._tensors), len(meta_kv.items)) + meta + infos
             header += b"\0" * (-len(header) % ALIGNMENT)
-            fd, tmp = tempfile.mkstemp(prefix=f".{self.out.name}.", suffix=".tmp", dir=self.out.parent)
-            try:
-                with os.fdopen(fd, "wb") as f, open(self._data_path, "rb") as data:
-                    f.write(header)
-                    while chunk := data.read(64 * 1024 * 1024):
-                        f.write(chunk)
-                    f.flush()
-                    os.fsync(f.fileno())
+            with atomic_file(self.out, "wb") as f, open(self._data_path, "rb") as data:
+                f.write(header)
+                while chunk := data.read(64 * 1024 * 1024):
+                    f.write(chunk)
                 if self.out.exists():
                     raise QuantdynError(f"'{self.out}' appeared while exporting; not replacing it")
-                umask = os.umask(0)
-                os.umask(umask)
-                os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 is for the temporary file only
-                os.replace(tmp, self.out)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
         except BaseException:
             self.abort()
             raise

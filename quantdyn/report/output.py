@@ -9,8 +9,6 @@ from __future__ import annotations
 import csv
 import io
 import math
-import os
-import tempfile
 from pathlib import Path
 
 import matplotlib
@@ -19,7 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-from quantdyn.files import current_umask
+from quantdyn.files import atomic_file
 from quantdyn.report.palette import LR_COLOR
 
 PAGE_WIDTH = 7.5
@@ -112,19 +110,8 @@ def tokens_axis(ax) -> None:
 
 
 def _write_bytes_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o666 & ~current_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    with atomic_file(path, "wb") as f:
+        f.write(data)
 
 
 def layout_figure(fig, top: float = 0.0, bottom: float = 0.0) -> None:
