@@ -98,49 +98,67 @@ def bench_layers_device(args, device: torch.device) -> list[dict]:
     """Per-layer GPTQ seconds on ``device`` (best of --repeat, synchronized)."""
     cfg = QuantConfig(bits=4, group_size=128)
     layers = dict(list(LAYERS.items())[:2]) if args.quick else LAYERS
-    print(f"per layer on {device}, {cfg.name} (best of {args.repeat} calls, seconds)")
+    graphs = device.type == "cuda"
+    print(f"per layer on {device}, {cfg.name} (best of {args.repeat} calls, seconds)"
+          + ("; eager column loop | CUDA graph per block (same bits)" if graphs else ""))
     rows = []
     for name, (R, C) in layers.items():
         W, H = (t.to(device) for t in layer_inputs(R, C))
         gptq(W[:8], H, cfg)  # warm-up (kernels, cuBLAS/cuSOLVER handles)
         _sync(device)
 
-        def run():
-            out = gptq(W, H, cfg)
+        def run(cuda_graph: bool):
+            out = gptq(W, H, cfg, cuda_graph=cuda_graph)
             _sync(device)
             return out
-        t, _ = timed(run, args.repeat)
-        print(f"{name:>16} {R:>4}x{C:<5} {t:8.4f}", flush=True)
-        rows.append({"layer": name, "shape": [R, C], "device": str(device), "seconds": t})
+        t, eager = timed(lambda: run(False), args.repeat)
+        row = {"layer": name, "shape": [R, C], "device": str(device), "seconds": t}
+        if graphs:
+            tg, graphed = timed(lambda: run(True), args.repeat)
+            row |= {"seconds_cuda_graph": tg, "eager_over_graph": t / tg,
+                    "same_codes": bool(torch.equal(graphed.codes, eager.codes))}
+        print(f"{name:>16} {R:>4}x{C:<5} {t:8.4f}" + (f" | {tg:8.4f}  ({t / tg:.1f}x, same codes: "
+                                                       f"{row['same_codes']})" if graphs else ""), flush=True)
+        rows.append(row)
     return rows
 
 
-def bench_model_device(args, device: torch.device, size: str) -> dict:
-    """Whole-model GPTQ 4-bit g128 of a Pythia ``size`` shape (random weights) on ``device``."""
-    from quantdyn.engine.walk import quantize_model
-    from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config
-
+def bench_model_device(args, device: torch.device, size: str, eager: bool = False) -> dict:
+    """Whole-model GPTQ 4-bit g128 of a Pythia ``size`` shape (random weights) on ``device``; ``eager``: without
+    the CUDA graphs of the column loop."""
     from sweep_memory import model_config  # the Pythia shapes the benchmarks share (1b included)
+
+    from quantdyn.engine.walk import quantize_model
+    from quantdyn.models.gpt import GPT, resolve_model_config
 
     torch.manual_seed(0)
     mcfg = resolve_model_config(model_config(size))
     model = GPT(mcfg).to(device)
     ids = torch.randint(0, mcfg.vocab_size, (args.n_calib, args.seq_len))
     cfg = QuantConfig(bits=4, group_size=128, true_sequential=True)
+    if eager:  # the column loop without CUDA graphs (quantize_model calls gptq() with its defaults)
+        import quantdyn.quantize.gptq as gptq_mod
+
+        saved, gptq_mod.GRAPH_MIN_BLOCKS = gptq_mod.GRAPH_MIN_BLOCKS, 1 << 30
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     _sync(device)
     t = time.perf_counter()
-    res = quantize_model(model, ids, cfg, device=device, progress=False, batch_size=args.calib_batch)
-    _sync(device)
+    try:
+        res = quantize_model(model, ids, cfg, device=device, progress=False, batch_size=args.calib_batch)
+        _sync(device)
+    finally:
+        if eager:
+            gptq_mod.GRAPH_MIN_BLOCKS = saved
     t = time.perf_counter() - t
     n = sum(p.numel() for p in model.parameters())
-    out = {"model": f"pythia-{size} shape", "params_m": round(n / 1e6, 1), "device": str(device),
+    out = {"model": f"pythia-{size} shape", "column_loop": "eager" if eager or device.type != "cuda" else "cuda graph",
+           "params_m": round(n / 1e6, 1), "device": str(device),
            "quantizer": cfg.name, "calib": [args.n_calib, args.seq_len], "seconds": t,
            "gptq_seconds": sum(r["seconds"] for r in res.rows), "layers": len(res.rows),
            "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
-    print(f"whole model pythia-{size} shape ({n / 1e6:.0f} M params), {cfg.name}, calibration {args.n_calib} x "
-          f"{args.seq_len}: {t:.1f} s ({out['gptq_seconds']:.1f} s inside gptq(), {len(res.rows)} layers)"
+    print(f"whole model pythia-{size} shape ({n / 1e6:.0f} M params), {out['column_loop']}, {cfg.name}, "
+          f"calibration {args.n_calib} x {args.seq_len}: {t:.1f} s ({out['gptq_seconds']:.1f} s inside gptq(), {len(res.rows)} layers)"
           + (f", peak GPU memory {out['peak_gpu_bytes'] / 2**30:.2f} GiB" if out["peak_gpu_bytes"] else ""),
           flush=True)
     del model
@@ -221,6 +239,8 @@ def main() -> None:
                    help="cuda: per-layer and whole-model times on the GPU (--model-sizes)")
     p.add_argument("--model-sizes", default="", help="--device runs: whole-model GPTQ of these Pythia shapes, "
                                                       "e.g. 160m,1b (default 70m)")
+    p.add_argument("--compare-eager", action="store_true", help="--device cuda: the whole models also without "
+                   "the CUDA graphs of GPTQ's column loop")
     p.add_argument("--calib-batch", type=int, default=8, help="calibration sequences per forward")
     args = p.parse_args()
     if args.quick:
@@ -232,7 +252,10 @@ def main() -> None:
         device = torch.device(args.device)
         figures = {"layers": bench_layers_device(args, device)}
         if not args.no_model:
-            figures["models"] = [bench_model_device(args, device, s) for s in (args.model_sizes or "70m").split(",")]
+            sizes = (args.model_sizes or "70m").split(",")
+            figures["models"] = [bench_model_device(args, device, s) for s in sizes]
+            if device.type == "cuda" and args.compare_eager:
+                figures["models_eager"] = [bench_model_device(args, device, s, eager=True) for s in sizes]
         from common import record
 
         record("gptq_speed", figures, args)

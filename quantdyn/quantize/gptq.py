@@ -31,8 +31,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Callable
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -171,12 +171,82 @@ def inverse_hessian_cholesky(
         pct += damp_auto_increment
 
 
+#: the column loop is graphed only for layers of at least this many full blocks (capturing costs one block's
+#: Python time; block 0 runs eagerly)
+GRAPH_MIN_BLOCKS = 3
+
+
+def _column_steps(W1T: torch.Tensor, CTb: torch.Tensor, QTb: torch.Tensor, ETb: torch.Tensor, Hinv1: torch.Tensor,
+                  maxq: int, params_at: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Step 4 inside one block: W1T (count, R) holds the block's columns as rows and is updated in place;
+    codes, dequantized values and scaled errors go to rows of CTb, QTb, ETb; ``params_at(i)`` gives column i's
+    grid (scale, zero)."""
+    # views made once per block (indexing per column costs as much as a kernel)
+    ws, cs, qs, es = W1T.unbind(0), CTb.unbind(0), QTb.unbind(0), ETb.unbind(0)
+    hs, ds = Hinv1.unbind(0), Hinv1.diagonal().unbind(0)
+    count = W1T.shape[0]
+    for i in range(count):
+        s, z = params_at(i)
+        w, c, q, e = ws[i], cs[i], qs[i], es[i]
+        torch.div(w, s, out=c)                      # code = clamp(round(w / s) + z, 0, maxq)
+        c.round_().add_(z).clamp_(0, maxq)
+        torch.sub(c, z, out=q).mul_(s)              # q = s * (code - z)
+        torch.sub(w, q, out=e).div_(ds[i])          # err = (w - q) / U_ii
+        if i + 1 < count:                           # w_j -= err * U_ij, j > i in the block
+            W1T[i + 1:].sub_(torch.outer(hs[i][i + 1:], e))
+
+
+class _GraphedBlock:
+    """The column loop of one full block of ``bs`` columns as a CUDA graph over fixed buffers: ``run`` copies a
+    block's weights (R, bs) and inverse-Hessian block (bs, bs) in, replays, and leaves the codes, dequantized
+    values and scaled errors in ``C``, ``Q``, ``E`` (bs, R); it returns the grids of the groups that start in the
+    block (dynamic groups: from the block's weights as they were at its start, as the eager loop).  Captured at
+    the first ``run`` (capture records without executing, so that run replays too)."""
+
+    def __init__(self, R: int, bs: int, g: int, dtype, device, bits: int, sym: bool, mse: bool,
+                 fixed: tuple[torch.Tensor, torch.Tensor] | None):
+        kw = dict(dtype=dtype, device=device)
+        self.bs, self.g, self.bits, self.sym, self.mse, self.maxq = bs, g, bits, sym, mse, check_bits(bits)
+        self.W_in, self.W1T = torch.empty((R, bs), **kw), torch.empty((bs, R), **kw)
+        self.H1 = torch.empty((bs, bs), **kw)
+        self.C, self.Q, self.E = (torch.empty((bs, R), **kw) for _ in range(3))
+        n_groups = bs // g if g else 0
+        self.S, self.Z = torch.empty((n_groups, R), **kw), torch.empty((n_groups, R), **kw)
+        self.fixed = fixed
+        self.graph = None
+
+    def _params_at(self, i: int):
+        if not self.g:
+            return self.fixed
+        k, r = divmod(i, self.g)
+        if r == 0:
+            s, z = find_params(self.W_in[:, i:i + self.g], self.bits, self.sym, self.mse)
+            self.S[k].copy_(s)
+            self.Z[k].copy_(z)
+        return self.S[k], self.Z[k]
+
+    def run(self, W_block: torch.Tensor, Hinv1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.W_in.copy_(W_block)
+        self.H1.copy_(Hinv1)
+        if self.graph is None:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.W1T.copy_(self.W_in.t())
+                _column_steps(self.W1T, self.C, self.Q, self.E, self.H1, self.maxq, self._params_at)
+        self.graph.replay()
+        return self.S, self.Z
+
+
 # ----------------------------------------------------------------------------- GPTQ
 
 
 @torch.no_grad()
-def gptq(W: torch.Tensor, H: torch.Tensor | ActStats, cfg: QuantConfig) -> QuantResult:
-    """Quantize W (out, in) with GPTQ given the layer Hessian H (in, in); pure (inputs untouched)."""
+def gptq(W: torch.Tensor, H: torch.Tensor | ActStats, cfg: QuantConfig, *, cuda_graph: bool = True) -> QuantResult:
+    """Quantize W (out, in) with GPTQ given the layer Hessian H (in, in); pure (inputs untouched).
+
+    On a CUDA device the column loop of every full block after the first is one CUDA graph replay
+    (``cuda_graph``; :class:`_GraphedBlock`): the same kernels in the same order, so the same bits, without
+    the ~10 kernel launches per column from Python that bound the eager loop on a GPU."""
     if isinstance(H, ActStats):
         H = H.H
     check_weight(W)
@@ -192,6 +262,7 @@ def gptq(W: torch.Tensor, H: torch.Tensor | ActStats, cfg: QuantConfig) -> Quant
     g = check_group_size(cfg.group_size, C)
     bits, sym, mse = cfg.bits, cfg.sym, cfg.mse
 
+    s = z = None
     if not g:  # one grid per row, from the weights before dead columns are zeroed (as the reference)
         s, z = find_params(W, bits, sym, mse)
     diag_h = torch.diag(H).to(device=W.device, dtype=dtype)  # a copy
@@ -212,9 +283,11 @@ def gptq(W: torch.Tensor, H: torch.Tensor | ActStats, cfg: QuantConfig) -> Quant
     if perm is not None:
         W = W[:, perm]
 
+    device = W.device
+
     def scratch_hessian() -> torch.Tensor:
         """GPTQ's own copy of H: dead columns' diagonal set to 1, rows and columns in the processing order."""
-        Hs = H.to(device=W.device, dtype=dtype).clone()
+        Hs = H.to(device=device, dtype=dtype).clone()
         Hs[dead, dead] = 1
         if perm is not None:  # one C x C gather at a time
             Hs = Hs.index_select(0, perm)
@@ -235,35 +308,40 @@ def gptq(W: torch.Tensor, H: torch.Tensor | ActStats, cfg: QuantConfig) -> Quant
     dyn_z: list[torch.Tensor] = []
     bs = cfg.block_size
     on_cpu = W.device.type == "cpu"
+    graphed = None
+    if cuda_graph and W.is_cuda and static_s is None and (not g or bs % g == 0) and C // bs >= GRAPH_MIN_BLOCKS:
+        graphed = _GraphedBlock(R, bs, g, W.dtype, W.device, bits, sym, mse, None if g else (s, z))
     for i1 in range(0, C, bs):
         i2 = min(i1 + bs, C)
-        W1T = W[:, i1:i2].t().contiguous()
-        Hinv1 = Hinv[i1:i2, i1:i2]
-        # views made once per block (indexing per column costs as much as a kernel)
-        ws, cs, qs, es = W1T.unbind(0), CT[i1:i2].unbind(0), QT[i1:i2].unbind(0), ET[i1:i2].unbind(0)
-        hs, ds = Hinv1.unbind(0), Hinv1.diagonal().unbind(0)
-        count = i2 - i1
-        # ~10 small kernels per column: on CPU extra threads only add overhead (elementwise
-        # results do not depend on the thread count; the lazy GEMM below keeps the caller's)
-        with num_threads(1) if on_cpu else contextlib.nullcontext():
-            for i in range(count):
-                col = i1 + i
+        if graphed is not None and i1 > 0 and i2 - i1 == bs:  # block 0 ran eagerly: the kernels are warm
+            s_blk, z_blk = graphed.run(W[:, i1:i2], Hinv[i1:i2, i1:i2])
+            CT[i1:i2].copy_(graphed.C)
+            QT[i1:i2].copy_(graphed.Q)
+            ET[i1:i2].copy_(graphed.E)
+            for k in range(len(s_blk)):
+                dyn_s.append(s_blk[k].clone())
+                dyn_z.append(z_blk[k].clone())
+        else:
+            def params_at(i: int, col0: int = i1, W: torch.Tensor = W):
+                nonlocal s, z
+                col = col0 + i
                 if g:
                     if static_s is not None:
-                        s, z = static_s[col_group[col]], static_z[col_group[col]]
-                    elif col % g == 0:
+                        return static_s[col_group[col]], static_z[col_group[col]]
+                    if col % g == 0:
                         s, z = find_params(W[:, col:col + g], bits, sym, mse)
                         dyn_s.append(s)
                         dyn_z.append(z)
-                w, c, q, e = ws[i], cs[i], qs[i], es[i]
-                torch.div(w, s, out=c)                      # code = clamp(round(w / s) + z, 0, maxq)
-                c.round_().add_(z).clamp_(0, maxq)
-                torch.sub(c, z, out=q).mul_(s)              # q = s * (code - z)
-                torch.sub(w, q, out=e).div_(ds[i])          # err = (w - q) / U_ii
-                if i + 1 < count:                           # w_j -= err * U_ij, j > i in the block
-                    W1T[i + 1:].sub_(torch.outer(hs[i][i + 1:], e))
+                return s, z
+
+            # ~10 small kernels per column: on CPU extra threads only add overhead (elementwise
+            # results do not depend on the thread count; the lazy GEMM below keeps the caller's)
+            with num_threads(1) if on_cpu else contextlib.nullcontext():
+                _column_steps(W[:, i1:i2].t().contiguous(), CT[i1:i2], QT[i1:i2], ET[i1:i2], Hinv[i1:i2, i1:i2],
+                              maxq, params_at)
         if i2 < C:
             W[:, i2:] -= ET[i1:i2].t().matmul(Hinv[i1:i2, i2:])
+    del graphed  # its memory pool (the block's temporaries) goes with it
 
     # back to the original column order
     if g and static_s is not None:
