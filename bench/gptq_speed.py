@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import os
 import sys
 import time
 from pathlib import Path
@@ -123,9 +124,9 @@ def bench_layers_device(args, device: torch.device) -> list[dict]:
     return rows
 
 
-def bench_model_device(args, device: torch.device, size: str, eager: bool = False) -> dict:
-    """Whole-model GPTQ 4-bit g128 of a Pythia ``size`` shape (random weights) on ``device``; ``eager``: without
-    the CUDA graphs of the column loop."""
+def bench_model_device(args, device: torch.device, size: str, graph: bool = False) -> dict:
+    """Whole-model GPTQ 4-bit g128 of a Pythia ``size`` shape (random weights) on ``device``; ``graph``: with
+    the CUDA graphs of the column loop (quantize/gptq.py, QUANTDYN_GPTQ_CUDA_GRAPH)."""
     from sweep_memory import model_config  # the Pythia shapes the benchmarks share (1b included)
 
     from quantdyn.engine.walk import quantize_model
@@ -136,10 +137,10 @@ def bench_model_device(args, device: torch.device, size: str, eager: bool = Fals
     model = GPT(mcfg).to(device)
     ids = torch.randint(0, mcfg.vocab_size, (args.n_calib, args.seq_len))
     cfg = QuantConfig(bits=4, group_size=128, true_sequential=True)
-    if eager:  # the column loop without CUDA graphs (quantize_model calls gptq() with its defaults)
-        import quantdyn.quantize.gptq as gptq_mod
+    from quantdyn.quantize.gptq import CUDA_GRAPH_ENV
 
-        saved, gptq_mod.GRAPH_MIN_BLOCKS = gptq_mod.GRAPH_MIN_BLOCKS, 1 << 30
+    saved = os.environ.get(CUDA_GRAPH_ENV)
+    os.environ[CUDA_GRAPH_ENV] = "1" if graph else "0"  # quantize_model calls gptq() with its defaults
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     _sync(device)
@@ -148,17 +149,20 @@ def bench_model_device(args, device: torch.device, size: str, eager: bool = Fals
         res = quantize_model(model, ids, cfg, device=device, progress=False, batch_size=args.calib_batch)
         _sync(device)
     finally:
-        if eager:
-            gptq_mod.GRAPH_MIN_BLOCKS = saved
+        if saved is None:
+            os.environ.pop(CUDA_GRAPH_ENV)
+        else:
+            os.environ[CUDA_GRAPH_ENV] = saved
     t = time.perf_counter() - t
     n = sum(p.numel() for p in model.parameters())
-    out = {"model": f"pythia-{size} shape", "column_loop": "eager" if eager or device.type != "cuda" else "cuda graph",
+    out = {"model": f"pythia-{size} shape", "column_loop": "cuda graph" if graph and device.type == "cuda" else "eager",
            "params_m": round(n / 1e6, 1), "device": str(device),
            "quantizer": cfg.name, "calib": [args.n_calib, args.seq_len], "seconds": t,
            "gptq_seconds": sum(r["seconds"] for r in res.rows), "layers": len(res.rows),
            "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
     print(f"whole model pythia-{size} shape ({n / 1e6:.0f} M params), {out['column_loop']}, {cfg.name}, "
-          f"calibration {args.n_calib} x {args.seq_len}: {t:.1f} s ({out['gptq_seconds']:.1f} s inside gptq(), {len(res.rows)} layers)"
+          f"calibration {args.n_calib} x {args.seq_len}: {t:.1f} s ({out['gptq_seconds']:.1f} s inside gptq(), "
+          f"{len(res.rows)} layers)"
           + (f", peak GPU memory {out['peak_gpu_bytes'] / 2**30:.2f} GiB" if out["peak_gpu_bytes"] else ""),
           flush=True)
     del model
@@ -239,8 +243,8 @@ def main() -> None:
                    help="cuda: per-layer and whole-model times on the GPU (--model-sizes)")
     p.add_argument("--model-sizes", default="", help="--device runs: whole-model GPTQ of these Pythia shapes, "
                                                       "e.g. 160m,1b (default 70m)")
-    p.add_argument("--compare-eager", action="store_true", help="--device cuda: the whole models also without "
-                   "the CUDA graphs of GPTQ's column loop")
+    p.add_argument("--cuda-graph", action="store_true", help="--device cuda: the whole models also with GPTQ's "
+                   "column loop as CUDA graphs (QUANTDYN_GPTQ_CUDA_GRAPH=1)")
     p.add_argument("--calib-batch", type=int, default=8, help="calibration sequences per forward")
     args = p.parse_args()
     if args.quick:
@@ -254,8 +258,8 @@ def main() -> None:
         if not args.no_model:
             sizes = (args.model_sizes or "70m").split(",")
             figures["models"] = [bench_model_device(args, device, s) for s in sizes]
-            if device.type == "cuda" and args.compare_eager:
-                figures["models_eager"] = [bench_model_device(args, device, s, eager=True) for s in sizes]
+            if device.type == "cuda" and args.cuda_graph:
+                figures["models_cuda_graph"] = [bench_model_device(args, device, s, graph=True) for s in sizes]
         from common import record
 
         record("gptq_speed", figures, args)

@@ -94,3 +94,25 @@ def test_copy_out_keeps_the_newest_eight_files(tmp_path):
     got = gpu_check.copy_out(paths, str(tmp_path / "out"))
     assert sorted(p.name for p in got) == sorted(f"r{i}.json" for i in range(2, 10))
     assert gpu_check.copy_out(paths, "") == []
+
+
+def test_train_profile_dry_run_groups_every_kernel_and_refuses_unknown_variants(tmp_path, capsys):
+    """bench/train_profile.py (the MFU investigation of issue 31) on this CPU with tiny shapes: every variant is
+    timed, the profiled one's per-group times add up to its busy time, and the JSON holds both."""
+    import train_profile
+
+    assert train_profile.main(["--device", "cpu", "--dry-run", "--variants", "base,loss_compiled",
+                               "--results-dir", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("train_profile-cpu-*-dry.json")
+    doc = json.loads(path.read_text())
+    assert [v["variant"] for v in doc["variants"]] == ["base", "loss_compiled"]
+    assert all(v["tokens_per_s"] > 0 and v["batch"] == 2 for v in doc["variants"])
+    p = doc["variants"][0]["profile"]
+    assert p["busy_ms_per_step"] > 0 and p["top_kernels"]
+    assert sum(p["groups_ms_per_step"].values()) == pytest.approx(p["busy_ms_per_step"], rel=1e-9)
+    assert "profile" not in doc["variants"][1]
+    assert train_profile.main(["--device", "cpu", "--dry-run", "--variants", "nope"]) == 2
+    assert "unknown variant 'nope'" in capsys.readouterr().err
+    assert train_profile.group_of("triton_red_fused__log_softmax_nll_loss_forward_0") == "cross-entropy"
+    assert train_profile.group_of("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT") == "GEMM"
+    assert train_profile.group_of("pytorch_flash::flash_fwd_kernel") == "attention"

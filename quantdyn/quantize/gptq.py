@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -174,6 +175,13 @@ def inverse_hessian_cholesky(
 #: the column loop is graphed only for layers of at least this many full blocks (capturing costs one block's
 #: Python time; block 0 runs eagerly)
 GRAPH_MIN_BLOCKS = 3
+CUDA_GRAPH_ENV = "QUANTDYN_GPTQ_CUDA_GRAPH"
+
+
+def _graph_capture_possible(W: torch.Tensor) -> bool:
+    """CUDA graphs exist on CUDA devices only (tests replace this to run :class:`_GraphedBlock`'s buffers and
+    order on a CPU without capturing)."""
+    return W.is_cuda
 
 
 def _column_steps(W1T: torch.Tensor, CTb: torch.Tensor, QTb: torch.Tensor, ETb: torch.Tensor, Hinv1: torch.Tensor,
@@ -201,10 +209,11 @@ class _GraphedBlock:
     block's weights (R, bs) and inverse-Hessian block (bs, bs) in, replays, and leaves the codes, dequantized
     values and scaled errors in ``C``, ``Q``, ``E`` (bs, R); it returns the grids of the groups that start in the
     block (dynamic groups: from the block's weights as they were at its start, as the eager loop).  Captured at
-    the first ``run`` (capture records without executing, so that run replays too)."""
+    the first ``run`` (capture records without executing, so that run replays too); ``capture=False`` runs the
+    same steps over the same buffers directly (a CPU test of everything but the capture)."""
 
     def __init__(self, R: int, bs: int, g: int, dtype, device, bits: int, sym: bool, mse: bool,
-                 fixed: tuple[torch.Tensor, torch.Tensor] | None):
+                 fixed: tuple[torch.Tensor, torch.Tensor] | None, capture: bool = True):
         kw = dict(dtype=dtype, device=device)
         self.bs, self.g, self.bits, self.sym, self.mse, self.maxq = bs, g, bits, sym, mse, check_bits(bits)
         self.W_in, self.W1T = torch.empty((R, bs), **kw), torch.empty((bs, R), **kw)
@@ -212,7 +221,7 @@ class _GraphedBlock:
         self.C, self.Q, self.E = (torch.empty((bs, R), **kw) for _ in range(3))
         n_groups = bs // g if g else 0
         self.S, self.Z = torch.empty((n_groups, R), **kw), torch.empty((n_groups, R), **kw)
-        self.fixed = fixed
+        self.fixed, self.capture = fixed, capture
         self.graph = None
 
     def _params_at(self, i: int):
@@ -228,25 +237,34 @@ class _GraphedBlock:
     def run(self, W_block: torch.Tensor, Hinv1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.W_in.copy_(W_block)
         self.H1.copy_(Hinv1)
-        if self.graph is None:
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.W1T.copy_(self.W_in.t())
-                _column_steps(self.W1T, self.C, self.Q, self.E, self.H1, self.maxq, self._params_at)
-        self.graph.replay()
+        if not self.capture:
+            self._steps()
+        else:
+            if self.graph is None:
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph):
+                    self._steps()
+            self.graph.replay()
         return self.S, self.Z
+
+    def _steps(self) -> None:
+        self.W1T.copy_(self.W_in.t())
+        _column_steps(self.W1T, self.C, self.Q, self.E, self.H1, self.maxq, self._params_at)
 
 
 # ----------------------------------------------------------------------------- GPTQ
 
 
 @torch.no_grad()
-def gptq(W: torch.Tensor, H: torch.Tensor | ActStats, cfg: QuantConfig, *, cuda_graph: bool = True) -> QuantResult:
+def gptq(W: torch.Tensor, H: torch.Tensor | ActStats, cfg: QuantConfig, *,
+         cuda_graph: bool | None = None) -> QuantResult:
     """Quantize W (out, in) with GPTQ given the layer Hessian H (in, in); pure (inputs untouched).
 
-    On a CUDA device the column loop of every full block after the first is one CUDA graph replay
-    (``cuda_graph``; :class:`_GraphedBlock`): the same kernels in the same order, so the same bits, without
-    the ~10 kernel launches per column from Python that bound the eager loop on a GPU."""
+    ``cuda_graph`` (on a CUDA device; default: the environment variable ``QUANTDYN_GPTQ_CUDA_GRAPH=1``): the
+    column loop of every full block after the first is one CUDA graph replay (:class:`_GraphedBlock`): the same
+    kernels in the same order, so the same bits, without the ~10 kernel launches per column from Python that
+    bound the eager loop on a GPU (0.06-0.31 s per layer on an H100).  Off by default until it has run on a GPU:
+    tests/gpu/test_gpu_gptq_graph.py checks the bits there, bench/gptq_speed.py --device cuda times both."""
     if isinstance(H, ActStats):
         H = H.H
     check_weight(W)
@@ -309,8 +327,12 @@ def gptq(W: torch.Tensor, H: torch.Tensor | ActStats, cfg: QuantConfig, *, cuda_
     bs = cfg.block_size
     on_cpu = W.device.type == "cpu"
     graphed = None
-    if cuda_graph and W.is_cuda and static_s is None and (not g or bs % g == 0) and C // bs >= GRAPH_MIN_BLOCKS:
-        graphed = _GraphedBlock(R, bs, g, W.dtype, W.device, bits, sym, mse, None if g else (s, z))
+    if cuda_graph is None:
+        cuda_graph = os.environ.get(CUDA_GRAPH_ENV, "") == "1"
+    if cuda_graph and _graph_capture_possible(W) and static_s is None and (not g or bs % g == 0) \
+            and C // bs >= GRAPH_MIN_BLOCKS:
+        graphed = _GraphedBlock(R, bs, g, W.dtype, W.device, bits, sym, mse, None if g else (s, z),
+                                capture=W.is_cuda)
     for i1 in range(0, C, bs):
         i2 = min(i1 + bs, C)
         if graphed is not None and i1 > 0 and i2 - i1 == bs:  # block 0 ran eagerly: the kernels are warm
