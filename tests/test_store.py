@@ -108,6 +108,7 @@ def test_check_moves_bad_lines_to_quarantine(tmp_path):
 
 def test_leftover_temporaries_are_removed_under_the_lock(tmp_path):
     st = ResultStore(tmp_path / "st")
+    st.root.mkdir()
     orphan = st.root / ".part-20260101T000000.000000Z-1-abcdef01.jsonl.k2j3"
     orphan.write_text('{"key": "half')
     legacy = st.root / ".tmp-x.jsonl"
@@ -138,6 +139,17 @@ def test_bad_store_paths_are_one_line(tmp_path):
         ResultStore(f)
     with pytest.raises(QuantdynError, match="does not exist"):
         ResultStore(tmp_path / "nope", create=False)
+    with pytest.raises(QuantdynError, match="cannot create results store .*file' is not a writable directory"):
+        ResultStore(f / "sub" / "store")
+
+
+def test_a_store_is_created_at_its_first_write_not_before(tmp_path):
+    """A command refused after opening its store (a bad checkpoint, bad data) must leave no empty store behind."""
+    st = ResultStore(tmp_path / "a" / "store")
+    assert not (tmp_path / "a").exists()
+    assert st.rows() == [] and st.keys() == set()
+    st.append([{"key": "k1"}])
+    assert [r["key"] for r in ResultStore(tmp_path / "a" / "store", create=False).rows()] == ["k1"]
 
 
 def _writer(root: str, worker: int, n: int) -> None:

@@ -202,12 +202,12 @@ class ResultStore:
         """Lines the last read skipped because they are not result rows."""
         if self.root.exists() and not self.root.is_dir():
             raise QuantdynError(f"results store '{self.root}' is a file, not a directory; pass a directory with --store")
-        if create:
-            try:
-                self.root.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise QuantdynError(f"cannot create results store '{self.root}': {e.strerror}; "
-                                    "pass a writable directory with --store") from None
+        if create:  # checked now, created at the first write: a command refused later leaves nothing behind
+            if not self.root.is_dir():
+                ancestor = next((a for a in self.root.absolute().parents if a.exists()), None)
+                if ancestor is None or not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+                    raise QuantdynError(f"cannot create results store '{self.root}': '{ancestor}' is not a writable "
+                                        "directory; pass a writable directory with --store")
         elif not self.root.is_dir():
             raise QuantdynError(
                 f"results store '{self.root}' does not exist; run `make demo` or `quantdyn sweep` first, or pass --store"
@@ -278,6 +278,7 @@ class ResultStore:
         flock (Lustre mounted without -o flock), writers go on unlocked; two of them may then store a
         key twice (readers keep the first), and leftover temporary files are left to --check."""
         try:
+            self.root.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.root / _LOCK, os.O_RDWR | os.O_CREAT, 0o666)
         except OSError as e:
             raise StoreWriteError(f"cannot write to results store '{self.root}': {e.strerror}; "
