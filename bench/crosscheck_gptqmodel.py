@@ -49,9 +49,12 @@ CE_REL_TOL, CE_ABS_TOL, CODE_MATCH_MIN = 0.15, 0.005, 0.80
 
 
 def ce(model, windows: torch.Tensor, batch: int = 16) -> float:
+    """Mean next-token cross-entropy (nats) of ``model`` on ``windows``, moved to the model's device."""
     total, n = 0.0, 0
+    device = getattr(model, "device", None) or next(model.parameters()).device
     with torch.no_grad():
         for x in windows.split(batch):
+            x = x.to(device)
             out = model(x)
             logits = (out.logits if hasattr(out, "logits") else out).float()
             total += float(F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
@@ -83,7 +86,10 @@ def train_tiny(data, steps: int, seq_len: int, seed: int = 0) -> GPT:
     return model.eval()
 
 
-def gptqmodel_quantize(src: Path, dst: Path, calib: torch.Tensor, bits: int, group: int, v5_defaults: bool):
+def gptqmodel_quantize(src: Path, dst: Path, calib: torch.Tensor, bits: int, group: int, v5_defaults: bool,
+                       device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """GPTQModel.load (in ``dtype``, on ``device``) -> quantize on ``calib``'s token ids -> save to ``dst``; returns
+    (seconds, the quantize config GPTQModel used)."""
     from gptqmodel import GPTQModel, QuantizeConfig
 
     kw = dict(bits=bits, group_size=group, sym=True, offload_to_disk=False)
@@ -94,9 +100,9 @@ def gptqmodel_quantize(src: Path, dst: Path, calib: torch.Tensor, bits: int, gro
     kw = {k: v for k, v in kw.items() if k in known}
     t0 = time.perf_counter()
     try:
-        model = GPTQModel.load(str(src), QuantizeConfig(**kw), device="cpu", dtype=torch.float32)
+        model = GPTQModel.load(str(src), QuantizeConfig(**kw), device=device, dtype=dtype)
     except TypeError:  # GPTQModel < 5 names it torch_dtype
-        model = GPTQModel.load(str(src), QuantizeConfig(**kw), device="cpu", torch_dtype=torch.float32)
+        model = GPTQModel.load(str(src), QuantizeConfig(**kw), device=device, torch_dtype=dtype)
     rows = [{"input_ids": r.tolist(), "attention_mask": [1] * len(r)} for r in calib]
     model.quantize(rows, batch_size=8)
     model.save(str(dst))

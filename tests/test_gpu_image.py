@@ -3,6 +3,7 @@ nothing the GPU run does needs a package the GPU machine will not have."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -174,3 +175,89 @@ def test_hf_source_without_datasets_names_the_extra(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=absent_env())
     assert r.returncode == 0, r.stderr[-2000:]
     assert "quantdyn[hf]" in r.stdout and len(r.stdout.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------ the race bundle (.whl-race: GPTQModel)
+def test_race_bundle_is_pinned_and_carries_only_what_the_image_lacks():
+    """One exact version of each race package; none is on the image or in the main bundle (they would shadow the
+    image's own); what GPTQModel requires and the race leaves out is neither on the image nor bundled."""
+    race = gpu_bundle.RACE_BUNDLE
+    assert "gptqmodel" in race and race["gptqmodel"][0] == "7.6.0"
+    for name, (version, how) in race.items():
+        assert name == gpu_bundle.normalise(name) and re.fullmatch(r"\d+(\.\d+)+", version), (name, version)
+        assert how in ("binary", "build", "native"), how
+        assert name not in gpu_bundle.IMAGE_PACKAGES and name not in gpu_bundle.BUNDLE, name
+    for name in gpu_bundle.RACE_LEFT_OUT:
+        assert name not in gpu_bundle.IMAGE_PACKAGES and name not in race and name not in gpu_bundle.BUNDLE, name
+    # the GPU run proper never needs the race: gptqmodel stays absent from its point of view
+    assert "gptqmodel" in gpu_bundle.absent()
+
+
+def _wheel_requiring(folder: Path, requires: list[str]) -> Path:
+    path = folder / "fakegptq-1.0-py3-none-any.whl"
+    meta = "Metadata-Version: 2.4\nName: fakegptq\nVersion: 1.0\n" + "".join(f"Requires-Dist: {r}\n" for r in requires)
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("fakegptq-1.0.dist-info/METADATA", meta)
+    return path
+
+
+def test_race_requirements_are_accounted_for(tmp_path):
+    """bundle --race stops when GPTQModel's metadata names a requirement that is neither on the image, bundled nor
+    knowingly left out; markers are read for the image's Python and extras are not requirements."""
+    wheel = _wheel_requiring(tmp_path, [
+        "accelerate>=1.13.0", 'numpy==2.2.6; python_version < "3.14"', 'numpy>=2.3.0; python_version >= "3.14"',
+        "pypcre>=0.6.2", "Device_SMI>=0.5.7", "datasets>=3.6.0", 'pytest>=8; extra == "test"',
+        'oldthing; python_version < "3.10"', "brand-new-dep>=1"])
+    req = gpu_bundle.wheel_requirements(wheel)
+    assert req == ["accelerate", "brand-new-dep", "datasets", "device-smi", "numpy", "pypcre"]
+    assert gpu_bundle.unaccounted(req) == ["brand-new-dep"]
+
+
+def test_race_set_up_line_installs_both_bundles_with_no_index(tmp_path):
+    """The race's set-up line is the main one with the race folder added: one pip call, no index, no
+    dependencies, into /tmp/site; run here on two folders of wheels, both import."""
+    line = gpu_bundle.setup_line(more=(gpu_bundle.RACE_DEST,))
+    assert line.startswith("python3 -m pip install -q --no-index --no-deps ") and "--target /tmp/site " in line
+    assert " .whl/*.whl .whl-race/*.whl && export PYTHONPATH=$PWD:/tmp/site " in line
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_bundle.py"), "setup-line", "--race"],
+                       capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == line
+    main, race, site = tmp_path / ".whl", tmp_path / ".whl-race", tmp_path / "site"
+    main.mkdir()
+    race.mkdir()
+    _wheel(main, "qdmainprobe", "1.0")
+    _wheel(race, "qdraceprobe", "2.0")
+    cmd = gpu_bundle.install_command(sys.executable, str(main), str(site), (str(race),))
+    subprocess.run(cmd, shell=True, check=True, env={**os.environ, "PIP_NO_INDEX": "1"})
+    r = subprocess.run([sys.executable, "-c", "import qdmainprobe, qdraceprobe; print(qdraceprobe.VERSION)"],
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(site)})
+    assert r.returncode == 0 and r.stdout.strip() == "2.0", r.stderr
+
+
+def test_carry_check_counts_the_race_bundle_too(tmp_path, monkeypatch, capsys):
+    main, race = tmp_path / ".whl", tmp_path / ".whl-race"
+    main.mkdir()
+    race.mkdir()
+    (main / "a.whl").write_bytes(b"0" * 4096)
+    (race / "b.whl").write_bytes(b"0" * 8192)
+    tree = gpu_bundle.travelling_bytes([])[0]
+    monkeypatch.setattr(gpu_bundle, "CARRY_LIMIT", tree + 4096 + 8192)
+    assert gpu_bundle.check(main, margin=0, more=(race,))
+    assert ".whl/ 0.0 MiB + .whl-race/ 0.0 MiB" in capsys.readouterr().out
+    monkeypatch.setattr(gpu_bundle, "CARRY_LIMIT", tree + 4096 + 8191)
+    assert not gpu_bundle.check(main, margin=0, more=(race,))
+    assert gpu_bundle.check(main, margin=0)  # without the race folder it fits
+
+
+def test_race_device_errors_are_one_line():
+    """crosscheck_race.py's usage errors (before anything is trained or written): one line, exit status 2."""
+    import torch
+
+    cases = [["--device", "tpu"], ["--sizes", "70m,9b"]]
+    if not torch.cuda.is_available():
+        cases.append(["--device", "cuda"])
+    for args in cases:
+        r = subprocess.run([sys.executable, str(ROOT / "bench" / "crosscheck_race.py"), *args], capture_output=True,
+                           text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
+        assert r.stderr.startswith("crosscheck_race: --"), r.stderr
