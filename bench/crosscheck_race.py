@@ -236,12 +236,14 @@ def gptqmodel_child(a) -> None:
             "quantization_config": GPTQConfig(bits=bits, backend=a.gptqmodel_backend)}  # a loading attribute
         model = AutoModelForCausalLM.from_pretrained(str(dst), dtype=dtype, **dev, **kernel).eval()
         reload_s = time.perf_counter() - t
+        used = sorted({type(m).__name__ for m in model.modules() if hasattr(m, "qweight")})  # the kernel chosen
         t = time.perf_counter()
         ce_q = ce(model, windows)
         eval_s = time.perf_counter() - t
         del model
         out["quantizers"][spec_of(bits, a.group_size)] = {"delta_ce": ce_q - ce_fp, "quantize_save_s": q_s,
-                                                          "reload_s": reload_s, "eval_s": eval_s}
+                                                          "reload_s": reload_s, "eval_s": eval_s,
+                                                          "kernel": used}
         print("RESULT " + json.dumps(out), flush=True)
 
 
@@ -276,6 +278,21 @@ def steps_of(spec: str, size: str) -> int:
     if size not in table:
         raise SystemExit(f"--train-steps {spec} names no steps for size {size}")
     return int(table[size])
+
+
+def warm_gptqmodel() -> dict:
+    """Build GPTQModel's JIT-compiled CPU packing extension, untimed, before the race: GPTQModel compiles it at
+    first use (~30 s cold by its own baseline) and caches it per machine, so a user's later runs do not pay it, and
+    on a fresh GPU machine it would land in the first timed quantizer. Where it cannot be built (no compiler),
+    GPTQModel packs in Python, as it then would for that user too; the result says which."""
+    t = time.perf_counter()
+    try:
+        from gptqmodel.utils.cpp import load_pack_block_extension
+
+        built: bool | str = load_pack_block_extension() is not None
+    except Exception as e:  # GPTQModel falls back to its Python packing on any failure here
+        built = f"{type(e).__name__}: {e}"
+    return {"pack_block_extension": built, "seconds": time.perf_counter() - t}
 
 
 def race(size: str, a, deadline: float | None = None) -> dict:
@@ -450,6 +467,8 @@ def main() -> int:
             "budget_s": a.budget_s or None, "goal": {"time_ratio": TIME_GOAL, "memory_ratio": MEMORY_GOAL},
             "races": rows}
     deadline = t_start + a.budget_s if a.budget_s else None
+    info["gptqmodel_warmup"] = warm_gptqmodel()
+    print(f"GPTQModel's packing extension, built untimed first: {info['gptqmodel_warmup']}", flush=True)
     for size in (s for s in a.sizes.split(",") if s):
         if deadline is not None and deadline - time.monotonic() < ESTIMATE_S[size]:
             print(f"\n## pythia-{size} shape: not started, {deadline - time.monotonic():.0f} s of the budget left, "
