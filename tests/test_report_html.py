@@ -176,7 +176,7 @@ def test_report_of_a_run_with_neither_rows_nor_monitor_is_one_line(tmp_path, cli
     run.mkdir()
     (run / "config.yaml").write_text("name: r\n")
     (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "tokens": 8, "lr": 1e-3}) + "\n")
-    ResultStore(tmp_path / "st")
+    (tmp_path / "st").mkdir()  # a store without rows
     res = cli("report", run, "--store", tmp_path / "st", "--out", tmp_path / "rep")
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1
     assert "no result rows" in res.stderr and "monitor" in res.stderr and not (tmp_path / "rep").exists()
