@@ -109,6 +109,27 @@ def test_quantizer_colors_are_fixed_for_common_labels_and_hashed_stably_for_othe
     assert seen == {str([quantizer_color(q) for q in odd])}
 
 
+def test_deployment_formats_drawn_together_get_colours_told_apart():
+    """The formats study draws q4_k_m, q3_k_m, fp8, nf4, nvfp4 and gptq4 in one panel: hashed colours put fp8 and
+    q3_k_m on the same purple (2026-11-24), so every registered format has a fixed colour, and those drawn together
+    (a study's set; a format and its -imatrix variant) differ by a clear RGB distance."""
+    from quantdyn.quantize.config import QUANTIZERS
+
+    formats = [q for q in QUANTIZERS if q not in ("awq", "gptq", "rtn")]
+    assert all(q in QUANTIZER_COLORS for q in formats if not q.endswith("-imatrix"))
+
+    def rgb(c):
+        return [int(c[i:i + 2], 16) for i in (1, 3, 5)]
+
+    def dist(a, b):
+        return sum((x - y) ** 2 for x, y in zip(rgb(quantizer_color(a)), rgb(quantizer_color(b)))) ** 0.5
+
+    together = ["q4_k_m", "q3_k_m", "fp8", "nf4", "nvfp4", "gptq4", "rtn4", "gptq3", "rtn3", "mxfp4", "q8_0"]
+    closest = min(dist(a, b) for i, a in enumerate(together) for b in together[i + 1:])
+    assert closest > 60, closest
+    assert all(dist(q, f"{q}-imatrix") > 60 for q in ("q4_k_m", "q3_k_m", "q4_k", "q2_k", "q6_k"))
+
+
 def test_branch_palette_orders_cooldowns_and_gives_controls_their_twins_colour():
     names = ["main", "cooldown-s400-d100-linear", "control-s400-d100", "cooldown-s200-d100-linear",
              "control-s200-d100", "lawa-k3-p10", "soup"]

@@ -39,8 +39,30 @@ QUANTIZER_COLORS: dict[str, str] = {
     "awq3": "#2ca02c",
     "awq4": "#8ca252",
     "awq8": "#bcbd22",
+    # deployment formats. GGUF: browns and golds, the mixes (what people download) the most distinct
+    "q4_k_m": "#a6761d",
+    "q3_k_m": "#5c3a12",
+    "q5_k_m": "#d8b365",
+    "q2_k": "#2b1a08",
+    "q3_k": "#7f5a2a",
+    "q4_k": "#c99a3b",
+    "q5_k": "#e0c38c",
+    "q6_k": "#8c6d46",
+    "q8_0": "#bfa98a",
+    "q4_0": "#b35806",
+    "q4_1": "#e08214",
+    "q5_0": "#fdb863",
+    "q5_1": "#f4a582",
+    # floats: magentas (FP8), teal (NF4), violets (the 4-bit block floats)
+    "fp8": "#c51b7d",
+    "fp8_channel": "#f1b6da",
+    "w8a8_fp8": "#8e0152",
+    "nf4": "#01665e",
+    "nvfp4": "#6a3d9a",
+    "mxfp4": "#b2abd2",
 }
-"""Fixed colours of the common canonical labels (``<method><bits>`` with the default group size 128)."""
+"""Fixed colours of the common canonical labels (``<method><bits>`` with the default group size 128, and the
+deployment formats); a format's ``-imatrix`` variant is its colour lightened."""
 
 FP_COLOR = "#000000"
 """Full precision (the FP loss panel)."""
@@ -70,7 +92,13 @@ def hashed_color(label: str) -> str:
 def quantizer_color(label: str) -> str:
     """The colour of a quantizer label: the fixed table for common labels, a hash of the label otherwise."""
     label = str(label)
-    return QUANTIZER_COLORS.get(label) or hashed_color(label)
+    if label in QUANTIZER_COLORS:
+        return QUANTIZER_COLORS[label]
+    base, _, tail = label.rpartition("-")
+    if tail == "imatrix" and base in QUANTIZER_COLORS:  # halfway to white: the same family, told apart
+        rgb = [int(QUANTIZER_COLORS[base][i:i + 2], 16) / 255 for i in (1, 3, 5)]
+        return _hex(tuple(c + 0.5 * (1 - c) for c in rgb))
+    return hashed_color(label)
 
 
 def _rainbow(x: float) -> str:
