@@ -21,7 +21,7 @@ MFU as bench/train_throughput.py (nanoGPT's estimate_mfu: 6·N + 12·L·d·T FLO
 The profile (of ``--profile-variant``, 3 steps after warm-up) groups kernels by name: GEMM (cuBLAS/CUTLASS),
 attention (flash/cuDNN SDPA), inductor's fused kernels split by what they fuse (cross-entropy, layer norm, GELU,
 rotary, other), the optimizer, copies, other; and gives the GPU's busy time against the step's wall time (the
-rest is the GPU waiting for the host). Writes bench/results/train_profile-<device>-<date>.json (and a copy into
+rest is the GPU waiting for the host). Writes bench/results/train_profile-<machine>-<date>.json (and a copy into
 $OUT when that is set) and prints a table.
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import sys
 import time
 from collections import defaultdict
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--peak-tflops", type=float, default=0)
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes without compile (any device)")
-    ap.add_argument("--results-dir", default=str(HERE / "results"))
+    ap.add_argument("--results-dir", default="", help="default: bench/results (or $QUANTDYN_BENCH_RESULTS_DIR)")
     a = ap.parse_args(argv)
     names = [v for v in a.variants.split(",") if v]
     bad = [v for v in names if v not in VARIANTS]
@@ -230,22 +231,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"    {gname:26s} {ms:8.2f} ms  {100 * ms / max(p['busy_ms_per_step'], 1e-9):5.1f} %")
             for k in p["top_kernels"][:12]:
                 print(f"    {k['ms_per_step']:8.2f} ms  x{k['calls_per_step']:5.0f}  [{k['group']}] {k['name'][:90]}")
-    import datetime as _dt
+    from common import _git_sha, results_path, write_results
 
-    from common import _git_sha, _versions
-
-    doc = {"date": _dt.date.today().isoformat(), "device": gpu, "git_sha": _git_sha(),
-           "versions": _versions("torch", "triton", "transformers"), "cuda": torch.version.cuda,
-           "preset": a.preset, "seq": a.seq, "flops_per_token": fpt, "peak_tflops": peak,
-           "compile": not a.no_compile, "dry_run": a.dry_run, "variants": results}
-    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
-    path = Path(a.results_dir) / f"train_profile-{slug}-{doc['date']}{'-dry' if a.dry_run else ''}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    from quantdyn.files import write_json_atomic
-
-    write_json_atomic(path, doc)
-    if os.environ.get("OUT"):
-        write_json_atomic(Path(os.environ["OUT"]) / path.name, doc)
+    doc = {"device": gpu, "git_sha": _git_sha(), "preset": a.preset, "seq": a.seq, "flops_per_token": fpt,
+           "peak_tflops": peak, "compile": not a.no_compile, "dry_run": a.dry_run, "variants": results}
+    root = Path(a.results_dir) if a.results_dir else None
+    path = write_results("train_profile", doc, out=results_path(root, name="train_profile",
+                                                                 suffix="dry" if a.dry_run else ""))
+    if os.environ.get("OUT"):  # the device tool's folder: what comes back from a GPU machine
+        shutil.copy(path, Path(os.environ["OUT"]) / path.name)
     print(f"wrote {path}")
     return 0
 

@@ -20,6 +20,7 @@ every other family is built by ``transformers`` from its config.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Iterator
 
 import torch
@@ -221,13 +222,10 @@ class LazyModel(BlockSource):
 
     def largest_tensor(self) -> tuple[str, int]:
         best = ("", 0)
-        for param, key in self._keys.items():
+        for key in self._keys.values():
             e = self.weights.entry(key)
-            n = 1
-            for d in e.shape:
-                n *= d
-            compute = n * torch.empty((), dtype=self.dtype).element_size() if e.dtype.is_floating_point else 0
-            need = e.nbytes + (compute if compute and e.dtype != self.dtype else 0)
+            converted = e.dtype.is_floating_point and e.dtype != self.dtype  # read, then a compute-dtype copy
+            need = e.nbytes + (math.prod(e.shape) * self.dtype.itemsize if converted else 0)
             if need > best[1]:
                 best = (key, need)
         return best
