@@ -249,6 +249,13 @@ def test_hub_revisions_and_preset_points_offline(tmp_path, models, cli, monkeypa
     assert [row["train/lr"] for row in read_metrics(b) if "train/lr" in row] == [1e-4, 0.0]
     assert _weights_equal(models["llama"], b / "checkpoints" / "step-0000000")
 
+    cfg = tmp_path / "preset.yaml"  # `quantdyn train` with a preset point: config.yaml records its hub revision
+    cfg.write_text(json.dumps({**_train(tmp_path, "smollm3-3b@stage1-step-40000", "p"),
+                               "optimizer_start": {"mode": "fresh"}}))
+    assert cli("train", str(cfg), "--quiet").returncode == 0
+    saved = read_meta(tmp_path / "p" / "checkpoints" / "step-0000002")["config"]["model"]["hf"]
+    assert saved == f"{pre.repos[0]}@stage1-step-40000"
+
     r = cli("average", "soup", "org/tiny-llama@step100", "smollm3-3b@stage1-step-40000", "--out", str(tmp_path / "s"))
     assert r.returncode == 0, r.stderr
     meta = read_meta(tmp_path / "s")
@@ -273,6 +280,16 @@ def test_two_models_with_one_tokenizer_share_one_token_cache(tmp_path, models):
     f = train(from_dict(RunConfig, d), progress=False)
     manifest = json.loads((Path(RunDir(f).read_info()["data_cache"]) / "manifest.json").read_text())
     assert manifest["tokenizer"] == str(models["olmo"]) and manifest["vocab_size"] == 512
+
+
+def test_the_example_config_trains_a_checkpoint(models):
+    """configs/hf_continue.yaml (the docs' example) is a valid run config whose model.hf may be any checkpoint."""
+    from quantdyn.config import apply_overrides, load_yaml
+
+    d = apply_overrides(load_yaml(Path(__file__).parents[1] / "configs" / "hf_continue.yaml"),
+                        [f"model.hf={models['llama']}"])
+    cfg = from_dict(RunConfig, d)
+    assert cfg.model.hf == str(models["llama"]) and cfg.optimizer_start.mode == "estimate"
 
 
 # ------------------------------------------------------------------ bad input: one line, nothing written
