@@ -55,11 +55,17 @@ def branch_configs(parent: RunConfig, from_step: int, decay_steps: int, shape: s
             f"step {from_step} is not in the parent's stable phase (LR {lr_at(from_step - 1, peak, parent.schedule, total):.3g}"
             f" != peak {peak:.3g}); branch from a checkpoint after warmup and before the decay"
         )
+    return _branch_pair(parent, from_step, decay_steps, shape, warmup, decay_start=from_step)
+
+
+def _branch_pair(parent: RunConfig, from_step: int, decay_steps: int, shape: str, warmup: int,
+                 decay_start: int) -> tuple[RunConfig, RunConfig]:
+    """A cooldown (WSD: ``warmup`` steps, the decay of ``decay_steps`` from ``decay_start``) and its constant-LR
+    control, both ``decay_start + decay_steps`` steps long, named for ``from_step``."""
     if decay_steps < 1:
         raise QuantdynError("--decay-steps must be positive")
-    steps = from_step + decay_steps
-    train = replace(parent.train, steps=steps, checkpoint_tokens=())
-    sched = ScheduleConfig(name="wsd", warmup=warmup, decay=decay_steps, decay_start=from_step,
+    train = replace(parent.train, steps=decay_start + decay_steps, checkpoint_tokens=())
+    sched = ScheduleConfig(name="wsd", warmup=warmup, decay=decay_steps, decay_start=decay_start,
                            decay_shape=shape, lr_end=parent.schedule.lr_end)
     cool = replace(parent, name=cooldown_branch(from_step, decay_steps, shape), schedule=sched, train=train)
     ctrl = replace(parent, name=control_branch(from_step, decay_steps),
@@ -128,25 +134,15 @@ def _experiment(cfg: RunConfig) -> dict:
     return {k: (d["train"][k[6:]] if k.startswith("train.") else d[k]) for k in EXPERIMENT_KEYS}
 
 
-def checkpoint_branch_configs(parent: RunConfig, from_step: int, decay_steps: int,
-                              shape: str) -> tuple[RunConfig, RunConfig]:
+def checkpoint_branch_configs(parent: RunConfig, decay_steps: int, shape: str) -> tuple[RunConfig, RunConfig]:
     """(cooldown, control) configs of one decay length from the checkpoint ``parent.model.hf``: the branch
-    counts its steps from the branch point (step 0); with a schedule.warmup of W steps (a re-warm-up) the
-    decay starts at W and both branches run W + D steps. Named from the source's global step ``from_step``."""
-    if decay_steps < 1:
-        raise QuantdynError("--decay-steps must be positive")
+    counts its steps from the branch point (step 0; names cooldown-s0-dD-SHAPE, control-s0-dD); with a
+    schedule.warmup of W steps (a re-warm-up) the decay starts at W and both branches run W + D steps."""
     warmup = parent.schedule.warmup
     if warmup != int(warmup):
         raise QuantdynError(f"schedule.warmup={warmup}: a re-warm-up before a cooldown from a checkpoint is a number "
                             "of steps (0 = none)")
-    warmup = int(warmup)
-    train = replace(parent.train, steps=warmup + decay_steps, checkpoint_tokens=())
-    sched = ScheduleConfig(name="wsd", warmup=warmup, decay=decay_steps, decay_start=warmup,
-                           decay_shape=shape, lr_end=parent.schedule.lr_end)
-    cool = replace(parent, name=cooldown_branch(from_step, decay_steps, shape), schedule=sched, train=train)
-    ctrl = replace(parent, name=control_branch(from_step, decay_steps),
-                   schedule=ScheduleConfig(name="constant", warmup=warmup), train=train)
-    return cool, ctrl
+    return _branch_pair(parent, 0, decay_steps, shape, int(warmup), decay_start=int(warmup))
 
 
 def cooldown_from_checkpoint(
@@ -175,7 +171,7 @@ def cooldown_from_checkpoint(
     parent = replace(parent, data=data_config_of(parent))  # the model's own tokenizer, recorded as such
     if not decay_steps or any(d < 1 for d in decay_steps):
         raise QuantdynError(f"--decay-steps {decay_steps}: give positive step counts, e.g. 50,100")
-    pairs = [checkpoint_branch_configs(parent, 0, d, shape) for d in decay_steps]  # the branch point is step 0
+    pairs = [checkpoint_branch_configs(parent, d, shape) for d in decay_steps]
     check_hf_run(parent, run_model(parent.model))
     _check_out(out, parent)
     steps = max([parent.train.steps] + [c.train.steps for c, _ in pairs])
