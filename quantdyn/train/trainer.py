@@ -611,11 +611,12 @@ def start_from_weights(run: TrainingRun, state: TrainState, console: Progress) -
 
 def estimate_optimizer_state(run: TrainingRun, state: TrainState, steps: int) -> None:
     """``steps`` optimizer steps at LR 0 (clipped gradients, as in training) that fill the optimizer's state
-    without moving the weights; the weights are restored from a copy afterwards, so an optimizer whose LR-0
-    step is not exactly the identity changes nothing either. The run's step counter stays at 0."""
-    params = [p for p in state.model.parameters() if p.requires_grad]
+    without moving the weights; the weights are restored from a copy afterwards (in host memory: this process's
+    shards), so an optimizer whose LR-0 step is not exactly the identity changes nothing either. The run's step
+    counter stays at 0."""
+    params = [_local(p) for p in state.model.parameters() if p.requires_grad]
     with torch.no_grad():
-        kept = [p.detach().clone() for p in params]
+        kept = [p.detach().to("cpu", copy=True) for p in params]
     for g in state.optimizer.param_groups:
         g["lr"] = 0.0
     for k in range(steps):
@@ -627,6 +628,11 @@ def estimate_optimizer_state(run: TrainingRun, state: TrainState, steps: int) ->
         for p, k in zip(params, kept):
             p.copy_(k)
     del kept
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This process's part of a parameter (FSDP2's DTensor shard), the parameter itself otherwise."""
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 class Throughput:
