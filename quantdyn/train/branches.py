@@ -42,7 +42,8 @@ from quantdyn.runs import (
 )
 from quantdyn.schedules import ScheduleConfig, _steps, lr_at
 from quantdyn.train.config import RunConfig, data_config_of, load_run_config
-from quantdyn.train.trainer import check_hf_run, train
+from quantdyn.train.from_weights import check_hf_run
+from quantdyn.train.trainer import train
 
 
 def branch_configs(parent: RunConfig, from_step: int, decay_steps: int, shape: str) -> tuple[RunConfig, RunConfig]:

@@ -46,11 +46,10 @@ import torch.nn.functional as F
 from quantdyn.config import dump_yaml, to_dict
 from quantdyn.data.batches import batch_starts, get_batch
 from quantdyn.data.prepare import TokenData, prepare_data
-from quantdyn.data.tokenizer import load_pretrained_tokenizer
 from quantdyn.errors import QuantdynError
 from quantdyn.evaluate.loss import mean_loss
 from quantdyn.files import write_json_atomic, write_text_atomic
-from quantdyn.models.causal_lm import HFModel, RunModel, checkpoint_blocks, run_model
+from quantdyn.models.causal_lm import RunModel, checkpoint_blocks, run_model
 from quantdyn.models.hf_io import load_gpt
 from quantdyn.progress import Progress
 from quantdyn.runs import (
@@ -64,7 +63,7 @@ from quantdyn.runs import (
     remove_stale_temporaries,
 )
 from quantdyn.runtime import git_sha, hardware, resolve_device, seed_everything
-from quantdyn.schedules import _steps, lr_at
+from quantdyn.schedules import lr_at
 from quantdyn.train.averaging import OnlineEMA, OnlineLAWA, local_state_dict
 from quantdyn.train.checkpoint import load_training_state, save_checkpoint
 from quantdyn.train.config import RunConfig, data_config_of
@@ -78,6 +77,7 @@ from quantdyn.train.distributed import (
     mean_over_ranks,
     rank0_first,
 )
+from quantdyn.train.from_weights import check_hf_run, estimate_optimizer_state, optimizer_start_note
 from quantdyn.train.loggers import (
     TRAIN_GRAD_NORM,
     TRAIN_LOSS,
@@ -356,19 +356,6 @@ def prepare_run(cfg: RunConfig, run_dir: Path, runtime: Runtime, resume: Checkpo
     )
 
 
-def check_hf_run(cfg: RunConfig, model: HFModel) -> None:
-    """What a run of model.hf can get wrong, checked before the data is tokenized: the sequence length and a
-    tokenizer whose ids do not fit the model's vocabulary."""
-    if cfg.train.seq_len > model.max_positions:
-        raise QuantdynError(f"train.seq_len={cfg.train.seq_len} exceeds the {model.max_positions} positions of "
-                            f"model.hf '{model.ref}'; use a shorter train.seq_len")
-    spec = data_config_of(cfg).tokenizer
-    tok = load_pretrained_tokenizer(spec)
-    if len(tok) > model.vocab_size:
-        raise QuantdynError(f"tokenizer '{spec}' has {len(tok)} tokens but model.hf '{model.ref}' only "
-                            f"{model.vocab_size}; use the model's own tokenizer (drop data.tokenizer)")
-
-
 def build_model(run: TrainingRun, source: CheckpointInfo | None) -> nn.Module:
     """The model the run starts with, whole and unsharded: the weights of ``source`` (a resume or a branch); else
     the seeded initialisation (``init_weights`` when set) of a GPT, or model.hf's weights. With QAT's
@@ -486,19 +473,6 @@ def write_run_files(run: TrainingRun, start_step: int, *, clear: bool, resuming:
         wandb_project=cfg.log.wandb_project, wandb_entity=cfg.log.wandb_entity, wandb_mode=cfg.log.wandb_mode))
 
 
-def optimizer_start_note(cfg: RunConfig) -> dict:
-    """How the optimizer of a run from model.hf starts, for run.json (the field and a sentence)."""
-    start = cfg.optimizer_start
-    if start.mode == "estimate":
-        how = (f"the checkpoint carries no optimizer state: {cfg.optim.name}'s state was estimated over "
-               f"{start.steps} steps at LR 0 on batches of their own (seed {cfg.seed}, stream 1) before step 1; "
-               "the weights are the checkpoint's bit for bit (step 0)")
-    else:
-        how = (f"the checkpoint carries no optimizer state: {cfg.optim.name} started with an empty state"
-               + (f" and a warmup of {_steps(cfg.schedule.warmup, cfg.train.steps)} steps" if cfg.schedule.warmup else ""))
-    return {"mode": start.mode, "steps": start.steps if start.mode == "estimate" else 0, "how": how}
-
-
 def _warn_if_unmonitored(run: TrainingRun, hooks: Sequence[StepHook]) -> None:
     """The trainer cannot build the monitor itself (it lives in a layer above): a caller of :func:`train` that
     forgot it is told."""
@@ -603,36 +577,12 @@ def start_from_weights(run: TrainingRun, state: TrainState, console: Progress) -
     start = run.cfg.optimizer_start
     if start.mode == "estimate":
         console.note(f"optimizer state: estimating over {start.steps} steps at LR 0")
-        estimate_optimizer_state(run, state, start.steps)
+        estimate_optimizer_state(state.model, state.optimizer, start.steps,
+                                 lambda k: forward_backward(run, state, k, stream=1),
+                                 lambda: run.runtime.strategy.clip_grad_norm(state.model, run.cfg.train.grad_clip))
     lr = lr_at(-1, run.cfg.optim.lr, run.cfg.schedule, run.cfg.train.steps)  # the LR before the first update
     with averaged_point(state.optimizer, True):
         save_step(run, state, lr, None)
-
-
-def estimate_optimizer_state(run: TrainingRun, state: TrainState, steps: int) -> None:
-    """``steps`` optimizer steps at LR 0 (clipped gradients, as in training) that fill the optimizer's state
-    without moving the weights; the weights are restored from a copy afterwards (in host memory: this process's
-    shards), so an optimizer whose LR-0 step is not exactly the identity changes nothing either. The run's step
-    counter stays at 0."""
-    params = [_local(p) for p in state.model.parameters() if p.requires_grad]
-    with torch.no_grad():
-        kept = [p.detach().to("cpu", copy=True) for p in params]
-    for g in state.optimizer.param_groups:
-        g["lr"] = 0.0
-    for k in range(steps):
-        forward_backward(run, state, k, stream=1)
-        run.runtime.strategy.clip_grad_norm(state.model, run.cfg.train.grad_clip)
-        state.optimizer.step()
-        state.optimizer.zero_grad(set_to_none=True)
-    with torch.no_grad():
-        for p, k in zip(params, kept):
-            p.copy_(k)
-    del kept
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    """This process's part of a parameter (FSDP2's DTensor shard), the parameter itself otherwise."""
-    return p.to_local() if hasattr(p, "to_local") else p
 
 
 class Throughput:
