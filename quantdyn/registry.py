@@ -35,10 +35,12 @@ class Registry(Generic[T]):
 
         return deco
 
-    def add(self, name: str, obj: T) -> None:
+    def add(self, name: str, obj: T) -> T:
+        """Register ``obj`` as ``name`` and return it (``PTQ = ROW_KINDS.add("ptq", RowKind(...))``)."""
         if name in self._entries:
             raise ValueError(f"{self.kind} '{name}' is registered twice")
         self._entries[name] = obj
+        return obj
 
     def get(self, name: str) -> T:
         try:
@@ -48,6 +50,11 @@ class Registry(Generic[T]):
 
     def names(self) -> list[str]:
         return sorted(self._entries)
+
+    def values(self) -> list[T]:
+        """The registered objects in the order they were registered (where the order is shown: the report's
+        sections, the findings' families)."""
+        return list(self._entries.values())
 
     def __contains__(self, name: object) -> bool:
         return name in self._entries

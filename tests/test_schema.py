@@ -37,6 +37,29 @@ def test_every_kind_lists_documented_fields_and_no_name_means_two_things():
     assert all(f.meaning.strip() and f.type.strip() for f in schema.FIELDS.values())
 
 
+def test_row_kinds_are_constants_that_readers_match_on():
+    """Every kind is a RowKind constant in ROW_KINDS (registration order is the table's); matching reads
+    ``kind`` alone; and no module under quantdyn/ compares a row's kind with a string (it asks the constant)."""
+    import re
+    from pathlib import Path
+
+    assert [k.name for k in schema.ROW_KINDS.values()] == ["ptq", "fp", "qat", "analysis", "accuracy",
+                                                           "interpolation", "scaling"]
+    assert schema.ROW_KINDS.get("ptq") is schema.PTQ and schema.PTQ.name == "ptq"
+    rows = [{"kind": "ptq", "delta_ce": 0.1}, {"kind": "fp"}, {"delta_ce": 0.2}, {"kind": "ptq"}]
+    assert schema.PTQ.select(rows) == [rows[0], rows[3]] and schema.FP.present(rows)
+    assert not schema.SCALING.present(rows) and not schema.PTQ.matches(rows[2])
+    with pytest.raises(QuantdynError, match="did you mean 'ptq'"):
+        schema.ROW_KINDS.get("ptqq")
+    with pytest.raises(ValueError, match="registered twice"):
+        schema.ROW_KINDS.add("ptq", schema.PTQ)
+    string_test = re.compile(r"""(\.get\(["']kind["']\)|\[["']kind["']\])\s*(==|!=|in\b|not in\b)""")
+    root = Path(schema.__file__).parents[1]
+    found = [f"{p.relative_to(root)}:{n}" for p in sorted(root.rglob("*.py")) if p != Path(schema.__file__)
+             for n, line in enumerate(p.read_text().splitlines(), 1) if string_test.search(line)]
+    assert found == [], f"compare through the RowKind constants of results/schema.py: {found}"
+
+
 def test_varying_fields_match_their_patterns_and_unknown_names_are_refused():
     assert describe("prop_R_final__gptq3g64").name == "prop_R_final__<quantizer>"
     assert describe("act_mmr_token_max").name == "act_<metric>_<mean|max>"

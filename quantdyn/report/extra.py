@@ -7,11 +7,12 @@ from quantdyn.report import error_maps
 from quantdyn.report.accuracy import accuracy_vs_dce
 from quantdyn.report.optimizers import optimizer_figure, optimizer_table, scaling_figure
 from quantdyn.report.predictors import predictor_figure, predictor_rows
+from quantdyn.results.schema import ACCURACY, ANALYSIS, QAT, SCALING
 
 
 def sections(rows: list[dict], out: Path) -> list[tuple[str, str, list[dict], str]]:
     found = []
-    if any(r.get("kind") == "analysis" for r in rows):
+    if ANALYSIS.present(rows):
         corr = predictor_rows(rows)
         png = out / "predictors.png"
         if corr and predictor_figure(rows, corr, png):
@@ -22,21 +23,21 @@ def sections(rows: list[dict], out: Path) -> list[tuple[str, str, list[dict], st
                 "outlier metrics (MMR, kurtosis) fail across optimizers while the propagated error R_L predicts; "
                 "paper A links Δ CE to the Hessian trace and top eigenvalue."),
             ))
-    if any(r.get("kind") == "accuracy" for r in rows):
+    if ACCURACY.present(rows):
         png = out / "accuracy_vs_dce.png"
         table = accuracy_vs_dce(rows, png)
         if table:
             found.append(("Downstream accuracy drop against Δ CE", png.name, table,
                           ("Accuracy of the quantized model minus the full-precision one, per task, against Δ CE "
                           "across checkpoints (paper A, Figure 4).")))
-    if len({r.get("optimizer") for r in rows if r.get("optimizer")}) > 1 or any(r.get("kind") == "qat" for r in rows):
+    if len({r.get("optimizer") for r in rows if r.get("optimizer")}) > 1 or QAT.present(rows):
         table = optimizer_table(rows)
         png = out / "optimizers.png"
         if table and optimizer_figure(table, png):
             found.append(("Optimizers under quantization", png.name, table,
                           ("Per run's final checkpoint: FP loss, PTQ Δ CE per quantizer, the deployed QAT loss, "
                           "outlier metrics (MMR, kurtosis) and the propagated error R_L (paper B).")))
-    if any(r.get("kind") == "scaling" for r in rows):
+    if SCALING.present(rows):
         png = out / "scaling.png"
         table = scaling_figure(rows, png)
         if table:

@@ -31,6 +31,7 @@ from quantdyn.report.extra import sections
 from quantdyn.report.monitored import monitored_points
 from quantdyn.report.output import figure_paths, figure_stem, table_columns, write_csv
 from quantdyn.report.palette import Palette
+from quantdyn.results.schema import FP, PTQ
 from quantdyn.results.stats import Z, format_estimate
 from quantdyn.results.store import ResultStore
 from quantdyn.train.checkpoint import RunDir, read_metrics
@@ -174,13 +175,13 @@ def _monitored_section(run: str, run_dir: Path, out: Path, palette: Palette, bes
 
 def _sections(rows: list[dict], out: Path, run_dir: Path | None, palette: Palette) -> list[Section]:
     sections: list[Section] = []
-    runs = sorted({r["run"] for r in rows if r.get("kind") in ("fp", "ptq") and r.get("run")})
+    runs = sorted({r["run"] for r in rows if (FP.matches(r) or PTQ.matches(r)) and r.get("run")})
     monitored_done = set()
     for run in runs:
         rd = run_dir if run_dir is not None else _run_dir_of(rows, run)
         safe = _safe(run)
         f1 = out / f"trajectory_{safe}.png"
-        if any(r.get("kind") == "ptq" and r.get("run") == run and (r.get("branch") or "main") == "main" for r in rows):
+        if any(PTQ.matches(r) and r.get("run") == run and (r.get("branch") or "main") == "main" for r in rows):
             t1 = figures.trajectory(rows, run, lr_curve_of(rd), f1, palette)
             sections.append(Section(f"Run {run}: loss and quantization error along training", f1.name, t1,
                                     TRAJECTORY_CAPTION))
@@ -210,7 +211,7 @@ def _sections(rows: list[dict], out: Path, run_dir: Path | None, palette: Palett
                 "have; error bars are the SD over seeds (with two seeds, |a − b|/√2), which includes each seed's "
                 "own quantization noise; faint lines the single seeds. Solid: main run and cooldown branches; "
                 "dashed: controls."))
-    if any(r.get("kind") == "ptq" for r in rows):
+    if PTQ.present(rows):
         f3 = out / "loss_vs_dce.png"
         color_key = figures.varied_key(rows) if len(runs) > 1 else "branch"
         t3 = figures.loss_vs_dce(rows, f3, color_key=color_key, palette=palette)
@@ -243,7 +244,7 @@ VERDICT_RULE = (
 
 def _uncertainty_summary(rows: list[dict]) -> str:
     """The page's closing notes on uncertainty: the verdict rule and whether the quantization was repeated."""
-    ptq = [r for r in rows if r.get("kind") == "ptq" and r.get("delta_ce") is not None]
+    ptq = [r for r in rows if PTQ.matches(r) and r.get("delta_ce") is not None]
     if not ptq:
         return ""
     reps = Counter(uncertainty.repeats(r) for r in ptq)

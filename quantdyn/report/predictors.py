@@ -19,6 +19,7 @@ import matplotlib.pyplot as plt
 from quantdyn.analysis.correlate import CorrelateConfig, correlate
 from quantdyn.report.output import PAGE_WIDTH, save_figure
 from quantdyn.report.palette import quantizer_color
+from quantdyn.results.schema import ANALYSIS, PTQ
 
 META = {"key", "kind", "analysis", "time", "git_sha", "hardware", "checkpoint", "checkpoint_hash", "run", "branch",
         "ckpt_kind", "eval_hash", "calib_hash", "data_key", "step", "tokens", "lr", "decaying", "peak_lr", "seed",
@@ -33,7 +34,7 @@ def joined_table(rows: list[dict], quantizer: str) -> list[dict]:
     """One row per checkpoint: delta_ce of ``quantizer`` plus every analysis metric of that checkpoint."""
     metrics: dict[tuple, dict] = {}
     for r in rows:
-        if r.get("kind") != "analysis":
+        if not ANALYSIS.matches(r):
             continue
         m = metrics.setdefault(_point(r), {})
         for k, v in r.items():
@@ -47,13 +48,13 @@ def joined_table(rows: list[dict], quantizer: str) -> list[dict]:
             m[k] = float(v)
     out = []
     for r in rows:
-        if r.get("kind") == "ptq" and r.get("quantizer") == quantizer and _point(r) in metrics:
+        if PTQ.matches(r) and r.get("quantizer") == quantizer and _point(r) in metrics:
             out.append({"delta_ce": r["delta_ce"], "ce_fp": r["ce_fp"], **metrics[_point(r)]})
     return out
 
 
 def predictor_rows(rows: list[dict], n_boot: int = 1000) -> list[dict]:
-    qs = sorted({r["quantizer"] for r in rows if r.get("kind") == "ptq"})
+    qs = sorted({r["quantizer"] for r in rows if PTQ.matches(r)})
     out = []
     for q in qs:
         table = joined_table(rows, q)

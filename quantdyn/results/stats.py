@@ -62,7 +62,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from quantdyn.results.schema import control_of, dominant, number, uncertainty
+from quantdyn.results.schema import PTQ, control_of, dominant, number, uncertainty
 
 Z = 2.0
 """The default verdict threshold: resolved when |z| > Z."""
@@ -356,7 +356,7 @@ def decay_table(rows: Sequence[Mapping], run: str, z: float = Z) -> list[dict]:
     difference_se (the combined uncertainty), z, exceeds_uncertainty (|z| > z), verdict (decay raises / lowers
     the error / within uncertainty), dominant (windows or quantization run), paired, quant_repeats (the smaller
     R of the two rows). A cooldown branch whose control is not in the rows, or ends at other tokens, is left out."""
-    mine = [r for r in rows if r.get("kind") == "ptq" and r.get("run") == run]
+    mine = [r for r in rows if PTQ.matches(r) and r.get("run") == run]
     bits = {r.get("quantizer"): number(r.get("bits")) or 0 for r in mine}
     branches = sorted({r.get("branch") for r in mine
                        if r.get("ckpt_kind") == "cooldown" and control_of(r.get("branch")) is not None})

@@ -35,7 +35,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from quantdyn.analysis.correlate import CorrelateConfig, correlate, spearman
-from quantdyn.results.schema import control_of, is_cooldown, number, total_se, uncertainty
+from quantdyn.results.schema import ANALYSIS, FP, PTQ, control_of, is_cooldown, number, total_se, uncertainty
 from quantdyn.results.stats import (  # the verdict words are the findings' too: fd.REPRODUCED ...
     NOT_RESOLVED,
     OPPOSITE,
@@ -132,14 +132,14 @@ def dedupe(rows: Iterable[Mapping], repeats: int | None = None) -> list[dict]:
 def with_fp_se(rows: list[dict]) -> list[dict]:
     """PTQ rows with ``ce_fp_se`` from the FP row of the same checkpoint (for unpaired CE(q) differences)."""
     fp = {(r.get("checkpoint"), r.get("run"), r.get("branch"), r.get("step")): r.get("ce_fp_se")
-          for r in rows if r.get("kind") == "fp"}
+          for r in rows if FP.matches(r)}
     return [{**r, "ce_fp_se": fp.get((r.get("checkpoint"), r.get("run"), r.get("branch"), r.get("step")))}
-            if r.get("kind") == "ptq" and "ce_fp_se" not in r else r for r in rows]
+            if PTQ.matches(r) and "ce_fp_se" not in r else r for r in rows]
 
 
 def quantizers_of(rows: Iterable[Mapping], wanted: Sequence[str] = ()) -> list[str]:
     """Swept quantizers, most bits first (``wanted`` restricts and orders them)."""
-    ptq = [r for r in rows if r.get("kind") == "ptq"]
+    ptq = PTQ.select(rows)
     have = {r["quantizer"]: r.get("bits") or 0 for r in ptq}
     if wanted:
         return [q for q in wanted if q in have]
@@ -147,7 +147,7 @@ def quantizers_of(rows: Iterable[Mapping], wanted: Sequence[str] = ()) -> list[s
 
 
 def _ptq(rows, run=None, branch=None, quantizer=None) -> list[dict]:
-    return [r for r in rows if r.get("kind") == "ptq" and (run is None or r.get("run") == run)
+    return [r for r in rows if PTQ.matches(r) and (run is None or r.get("run") == run)
             and (branch is None or r.get("branch") == branch) and (quantizer is None or r.get("quantizer") == quantizer)]
 
 
@@ -451,7 +451,7 @@ def averaging_findings(rows: list[dict], runs: Sequence[str], reference_branch: 
 # ------------------------------------------------------------------ (d) sharpness through a cooldown
 def _analysis(rows, name="hessian") -> dict[tuple, dict]:
     return {(r.get("run"), r.get("branch"), r.get("step")): r for r in rows
-            if r.get("kind") == "analysis" and r.get("analysis") == name}
+            if ANALYSIS.matches(r) and r.get("analysis") == name}
 
 
 def sharpness_findings(rows: list[dict], runs: Sequence[str], quantizers: Sequence[str] = (), z: float = 2.0,
@@ -538,7 +538,7 @@ def final_points(rows: list[dict], runs: Sequence[str], quantizer: str) -> list[
         row = {"run": run, "optimizer": end.get("optimizer"), "n_params": end.get("n_params"),
                "ce_fp": end["ce_fp"], "delta_ce": end["delta_ce"], "delta_ce_se": total_se(end)}
         for r in rows:
-            if r.get("kind") != "analysis" or r.get("run") != run or r.get("branch") != "main" \
+            if not ANALYSIS.matches(r) or r.get("run") != run or r.get("branch") != "main" \
                     or r.get("step") != end.get("step"):
                 continue
             for k, v in r.items():

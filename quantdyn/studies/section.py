@@ -27,7 +27,7 @@ from quantdyn.analysis.correlate import CorrelateConfig
 from quantdyn.config import to_dict
 from quantdyn.files import write_json_atomic, write_text_atomic
 from quantdyn.report.html import Section, write_report
-from quantdyn.results.schema import control_of, is_cooldown, number, parse_branch, uncertainty
+from quantdyn.results.schema import ANALYSIS, PTQ, control_of, is_cooldown, number, parse_branch, uncertainty
 from quantdyn.results.stats import NOT_RESOLVED, OPPOSITE, REPRODUCED, decay_verdict, format_estimate, verdict_sign
 from quantdyn.studies import figures
 from quantdyn.studies import findings as fd
@@ -59,9 +59,9 @@ def families_in(rows: Sequence[Mapping]) -> tuple[str, ...]:
     averaged checkpoint beside a cooldown branch), sharpness (Hessian analyses of a cooldown and its control),
     predictors (outlier or propagation analyses)."""
     trained = set(trained_runs(rows))
-    ptq = [r for r in rows if r.get("kind") == "ptq" and r.get("run") in trained]
+    ptq = [r for r in rows if PTQ.matches(r) and r.get("run") in trained]
     branches = {(r.get("run"), r.get("branch")) for r in ptq}
-    analyses = [r for r in rows if r.get("kind") == "analysis"]
+    analyses = ANALYSIS.select(rows)
     has = {
         "decay": any(is_cooldown(b) and (run, control_of(b)) in branches for run, b in branches),
         "peak_lr": len({number(r.get("peak_lr")) for r in ptq if r.get("branch") == "main"} - {None}) >= 2,
@@ -75,14 +75,14 @@ def families_in(rows: Sequence[Mapping]) -> tuple[str, ...]:
 def trained_runs(rows: Sequence[Mapping]) -> list[str]:
     """The runs whose main checkpoints were trained here (ckpt_kind "checkpoint"), the ones a finding compares:
     a public trajectory (a hub repo) is measured, never compared with another model's at another peak LR."""
-    return sorted({r["run"] for r in rows if r.get("kind") == "ptq" and r.get("run")
+    return sorted({r["run"] for r in rows if PTQ.matches(r) and r.get("run")
                    and r.get("ckpt_kind") == "checkpoint"})
 
 
 def reference_branch_in(rows: Sequence[Mapping]) -> str | None:
     """The cooldown branch whose endpoint is "the decayed endpoint" of the averaging finding when no study spec
     names it: the one started latest (a study's default, StudySpec.averaging.reference_from_step)."""
-    cool = {r.get("branch") for r in rows if r.get("kind") == "ptq" and is_cooldown(r.get("branch"))}
+    cool = {r.get("branch") for r in rows if PTQ.matches(r) and is_cooldown(r.get("branch"))}
     parsed = [(p.from_step, b) for b in cool if (p := parse_branch(b)) is not None]
     return max(parsed)[1] if parsed else None
 
@@ -152,7 +152,7 @@ def answer(rows: list[dict], runs: Sequence[str] | None = None, families: Sequen
     ref = reference_branch if reference_branch is not None else reference_branch_in(rows)
     found, details = compute(rows, runs, fams, spec, ref, fp_windows)
     tables = [t for run in runs for t in fd.decay_table(rows, run, spec.z)]
-    reps = Counter(uncertainty(r).repeats for r in rows if r.get("kind") == "ptq" and r.get("delta_ce") is not None)
+    reps = Counter(uncertainty(r).repeats for r in rows if PTQ.matches(r) and r.get("delta_ce") is not None)
     return Answer(found, details, tables, fd.seed_summary(tables, spec.z), spec.z, dict(sorted(reps.items())),
                   tuple(notes), spec_dict if spec_dict is not None else
                   {"families": list(fams), "findings": to_dict(spec), "reference_branch": ref}, title)
