@@ -49,7 +49,7 @@ from quantdyn.results.store import ResultStore
 from quantdyn.results.tables import load as load_results
 from quantdyn.results.tables import to_parquet
 from quantdyn.studies.pipeline import run_study
-from quantdyn.studies.section import write_report_with_findings as write_report
+from quantdyn.studies.section import write_report
 from quantdyn.studies.spec import StudySpec, load_study_spec
 from quantdyn.sweep.quantize_one import QuantizeResult
 from quantdyn.sweep.quantize_one import quantize_one as quantize_checkpoint

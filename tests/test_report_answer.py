@@ -9,7 +9,8 @@ import re
 import pytest
 from test_report_layout import noisy_study_rows
 
-from quantdyn.report.html import RAINBOW_CAPTION, VERDICT_RULE
+from quantdyn.report.contents import RAINBOW_CAPTION
+from quantdyn.report.html import VERDICT_RULE
 from quantdyn.results.store import ResultStore
 from quantdyn.studies import section
 from quantdyn.studies.findings import NOT_RESOLVED, OPPOSITE, REPRODUCED

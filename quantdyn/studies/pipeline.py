@@ -257,7 +257,7 @@ def run_study(spec: StudySpec | dict, progress: bool = True, echo: Echo = print)
             fp_windows.update(fp_window_losses(spec, s["run_dir"], cks, report_dir / "fp_windows.json"))
     notes = [f"{name} diverged: {msg}" for name, msg in diverged.items()]
     answer = section.answer(rows, runs, fams, spec.findings, ref, fp_windows, notes, spec.title, to_dict(spec))
-    page = section.write_report_with_findings(store, report_dir, answer_of=answer)
+    page = section.write_report(store, report_dir, answer_of=answer)
     echo("")
     for s in summary:
         mine = [r for r in rows if r.get("run") == s["cfg"].name]

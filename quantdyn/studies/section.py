@@ -9,8 +9,9 @@ any store's (`quantdyn report`, ``qd.write_report``) alike — and the same line
     summary_lines(answer)        -> what `quantdyn demo`, `quantdyn study` and `quantdyn report` print
     lead_sections(answer, out)   -> the report's first section (verdicts, findings.png, the findings table) and
                                     the families' own figures; writes findings.json and findings.html
-    write_report_with_findings(store_or_run, out)  -> the report with its answer first (report/html.py's
-                                    write_report with this module's lead)
+    write_report(store_or_run, out)  -> the report: its answer first (report/html.py's write_page with this
+                                    module's lead); the one report writer (``qd.write_report``, `quantdyn report`,
+                                    a study's report)
 
 The verdicts are the one rule of :mod:`quantdyn.results.stats`, computed by :mod:`quantdyn.studies.findings`;
 nothing here decides one.
@@ -26,7 +27,8 @@ from typing import Callable, Mapping, Sequence
 from quantdyn.analysis.correlate import CorrelateConfig
 from quantdyn.config import to_dict
 from quantdyn.files import write_json_atomic, write_text_atomic
-from quantdyn.report.html import Section, write_report
+from quantdyn.report.html import write_page
+from quantdyn.report.sections import Section
 from quantdyn.results.schema import ANALYSIS, PTQ, number, uncertainty
 from quantdyn.results.stats import NOT_RESOLVED, OPPOSITE, REPRODUCED, decay_verdict, format_estimate, verdict_sign
 from quantdyn.runs import control_of, is_cooldown, parse_branch
@@ -356,10 +358,10 @@ def lead_sections(a: Answer, out: str | Path) -> list[Section]:
     return [lead, *more]
 
 
-def write_report_with_findings(store_or_run: str | Path, out_dir: str | Path, store: str | Path | None = None,
-                               extra_sections: Sequence = (), answer_of: Answer | None = None,
-                               echo: Callable[[str], None] | None = None) -> Path:
-    """The report of a store or a run directory (report/html.py's write_report) opening with its answer: the
+def write_report(store_or_run: str | Path, out_dir: str | Path, store: str | Path | None = None,
+                 extra_sections: Sequence = (), answer_of: Answer | None = None,
+                 echo: Callable[[str], None] | None = None) -> Path:
+    """The report of a store or a run directory (report/html.py's write_page) opening with its answer: the
     findings ``answer_of`` holds (a study's), else those the report's rows allow (:func:`answer`). ``echo``:
     where the summary lines go (:func:`summary_lines`; `quantdyn report` prints them). Returns index.html."""
     got: list[Answer] = []
@@ -368,7 +370,7 @@ def write_report_with_findings(store_or_run: str | Path, out_dir: str | Path, st
         got.append(answer_of if answer_of is not None else answer(rows))
         return lead_sections(got[0], out)
 
-    page = write_report(store_or_run, out_dir, store=store, extra_sections=extra_sections, lead=lead)
+    page = write_page(store_or_run, out_dir, store=store, extra_sections=extra_sections, lead=lead)
     if echo is not None:
         for line in summary_lines(got[0]):
             echo(line)
