@@ -12,6 +12,7 @@ from test_report_layout import noisy_study_rows
 from quantdyn.report.contents import RAINBOW_CAPTION
 from quantdyn.report.html import VERDICT_RULE
 from quantdyn.results.store import ResultStore
+from quantdyn.studies import findings as fd
 from quantdyn.studies import section
 from quantdyn.studies.findings import NOT_RESOLVED, OPPOSITE, REPRODUCED
 
@@ -91,7 +92,7 @@ def test_families_the_rows_allow():
     hub = [{**r, "run": "EleutherAI/pythia-160m", "ckpt_kind": "hub", "peak_lr": 6e-4} for r in rows
            if r["branch"] == "main"]
     assert "peak_lr" not in section.families_in(rows + hub)  # a public model is measured, not compared
-    assert section.trained_runs(rows + hub) == ["demo-s0"]
+    assert fd.trained_runs(rows + hub) == ["demo-s0"]
 
 
 def test_sentences_digits_agree_with_the_verdict():

@@ -34,13 +34,11 @@ from quantdyn.report.output import figure_paths, figure_stem, table_columns, wri
 from quantdyn.report.palette import Palette
 from quantdyn.report.sections import Page, Section, page_sections
 from quantdyn.results.schema import PTQ
+from quantdyn.results.stats import TONES
 from quantdyn.results.store import ResultStore
 from quantdyn.runs import RunDir
 from quantdyn.train.checkpoint import read_metrics
 
-
-TONES = {"yes": "#1a7f37", "no": "#b42318", "unresolved": "#6e6e6e"}
-"""Verdict colours: resolved with the paper's sign (green), against it (red), not resolved (grey)."""
 
 Lead = Callable[[list[dict], Path], Sequence[Section]]
 """The caller's first sections: called with the rows the report read and its directory (after the checks,

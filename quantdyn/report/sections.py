@@ -35,7 +35,7 @@ class Section:
     caption: str
     sentences: Sequence[tuple[str, str, str, str]] = ()
     """What the section concludes, each (group, statement, verdict, tone), listed above its figure under a
-    heading per group ('' for none); tone is one of results.stats TONES (the colour of the verdict). The
+    heading per group ('' for none); tone is a Verdict's tone (results.stats VERDICTS: its colour). The
     report's first section states each finding's verdict this way, grouped by the papers' claims."""
     shown: list[dict] = field(default_factory=list)
     """A short table shown open under the figure (the full ``table`` is folded and in the CSV)."""

@@ -39,7 +39,7 @@ The verdict rule (:class:`Effect`, :func:`verdict_sign`)
     NaN, 0), has none. The words: a paper's claim is "reproduced" (the paper's sign), "opposite" or "not
     resolved at this scale"; a decayed-minus-control difference "decay raises the error", "decay lowers
     the error" or "within uncertainty (|z| <= 2)". Intervals (correlations): resolved when the interval
-    excludes 0.
+    excludes 0. :data:`VERDICTS` is the one table of the words with their tone and colour (page and figures).
 
 Printing (:func:`format_estimate`, :func:`format_interval`)
     Numbers are printed with as many significant digits as it takes for the printed numbers to agree with
@@ -323,6 +323,36 @@ DECAY_RAISES = "decay raises the error"
 DECAY_LOWERS = "decay lowers the error"
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """A verdict on a paper's claim and how it is shown, the same on the page, in every figure and in print."""
+
+    word: str
+    """The verdict (REPRODUCED, OPPOSITE, NOT_RESOLVED)."""
+    tone: str
+    """The tone of its sentence on the page: 'yes', 'no' or 'unresolved' (report Section.sentences)."""
+    colour: str
+    """Its colour: the page's dot and words, the findings' figures."""
+    legend: str
+    """Its legend in a figure; ``{z:g}`` is the threshold."""
+
+
+VERDICTS: dict[str, Verdict] = {v.word: v for v in (
+    Verdict(REPRODUCED, "yes", "#1a7f37", "reproduced: resolved (|z| > {z:g}) with the paper's sign"),
+    Verdict(OPPOSITE, "no", "#b42318", "opposite: resolved (|z| > {z:g}) against the paper's sign"),
+    Verdict(NOT_RESOLVED, "unresolved", "#6e6e6e", "not resolved at this scale (|z| ≤ {z:g})"),
+)}
+"""The verdict words and their tones and colours: the one table (green: the paper's sign, red: against it, grey:
+not resolved)."""
+TONES: dict[str, str] = {v.tone: v.colour for v in VERDICTS.values()}
+"""Tone -> colour, for the page's sentences."""
+
+
+def verdict_of(word: str | None) -> Verdict:
+    """How the verdict ``word`` is shown (any other word, e.g. "no finding": as not resolved)."""
+    return VERDICTS.get(str(word), VERDICTS[NOT_RESOLVED])
+
+
 def claim_verdict(sign: int, expected: int) -> str:
     """A paper's claim against a resolved direction: reproduced (the paper's sign), opposite, or not resolved."""
     if sign == 0:
@@ -483,8 +513,8 @@ def bootstrap_intervals(statistics_of: Sequence[Callable[[np.ndarray], float]], 
 
 
 __all__ = [
-    "DECAY_LOWERS", "DECAY_RAISES", "NOT_RESOLVED", "OPPOSITE", "REPRODUCED", "Z", "Difference",
-    "Effect", "bootstrap_intervals", "claim_verdict", "combine", "decay_difference", "decay_table", "decay_verdict",
+    "DECAY_LOWERS", "DECAY_RAISES", "NOT_RESOLVED", "OPPOSITE", "REPRODUCED", "TONES", "VERDICTS", "Z",
+    "Difference", "Effect", "Verdict", "verdict_of", "bootstrap_intervals", "claim_verdict", "combine", "decay_difference", "decay_table", "decay_verdict",
     "format_estimate", "format_interval", "interval_sign", "mean_se", "paired_difference", "percentile_interval",
     "same_windows", "se_of_mean", "stable_jitter", "verdict_sign", "window_values", "within_uncertainty", "z_of",
 ]

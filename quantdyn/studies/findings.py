@@ -22,8 +22,9 @@ scale", whatever its sign; beyond it, "reproduced" when its sign is the one the 
 "opposite" otherwise.  Correlations carry a percentile-bootstrap interval instead of an SE: resolved
 when the interval excludes 0.
 
-Families (FINDING_FAMILIES): decay (paper A a), peak_lr (b), averaging (c), sharpness (d),
-predictors (paper B).  Each returns (finding rows, detail tables for figures and docs).
+Families (studies/families.py FINDING_FAMILIES registers each with its inputs, figure and words): decay (paper
+A a), peak_lr (b), averaging (c), sharpness (d), predictors (paper B).  Each function returns (finding rows,
+detail tables for figures and docs).
 """
 from __future__ import annotations
 
@@ -59,6 +60,8 @@ from quantdyn.results.stats import (  # the verdict words are the findings' too:
 from quantdyn.runs import control_of, is_cooldown
 
 _SEED_SUFFIX = re.compile(r"-s(\d+)$")
+AVERAGED = ("lawa", "ema", "soup")
+"""The ckpt_kind of an averaged checkpoint (LAWA, EMA, a soup)."""
 
 
 # ------------------------------------------------------------------ verdicts (the rule: results/stats.py)
@@ -136,6 +139,12 @@ def with_fp_se(rows: list[dict]) -> list[dict]:
           for r in rows if FP.matches(r)}
     return [{**r, "ce_fp_se": fp.get((r.get("checkpoint"), r.get("run"), r.get("branch"), r.get("step")))}
             if PTQ.matches(r) and "ce_fp_se" not in r else r for r in rows]
+
+
+def trained_runs(rows: Sequence[Mapping]) -> list[str]:
+    """The runs whose main checkpoints were trained here (ckpt_kind "checkpoint"), the ones a finding compares:
+    a public trajectory (a hub repo) is measured, never compared with another model's at another peak LR."""
+    return sorted({r["run"] for r in rows if PTQ.matches(r) and r.get("run") and r.get("ckpt_kind") == "checkpoint"})
 
 
 def quantizers_of(rows: Iterable[Mapping], wanted: Sequence[str] = ()) -> list[str]:
@@ -411,7 +420,7 @@ def averaging_findings(rows: list[dict], runs: Sequence[str], reference_branch: 
             for r in _ptq(rows, run=run, quantizer=q):
                 if r.get("tokens") != tokens or r is ref:
                     continue
-                if r.get("ckpt_kind") in ("lawa", "ema", "soup"):
+                if r.get("ckpt_kind") in AVERAGED:
                     cands[r["branch"]] = r
                 elif r.get("branch") == "main":
                     cands["main (constant LR, no averaging)"] = r
