@@ -17,7 +17,7 @@ from quantdyn.report import figures
 from quantdyn.report.html import write_page
 from quantdyn.report.monitored import monitored_points
 from quantdyn.report.palette import quantizer_color
-from quantdyn.results.schema import rel_delta_ce
+from quantdyn.results.stats import rel_delta_ce
 from quantdyn.results.store import ResultStore
 from quantdyn.runtime import git_sha, hardware
 from quantdyn.train.checkpoint import read_metrics

@@ -1,6 +1,6 @@
 """results/schema.py: the field table covers what the writers write, keys and calibration identity are the
-ones stored rows already carry, the one rule for reading a stored number, rel_delta_ce and the combined SE —
-and old rows read without an error."""
+ones stored rows already carry, the row kinds are constants readers match on, the one rule for reading a stored
+number — and old rows read without an error (rel_delta_ce and the combined SE: tests/test_stats.py)."""
 from __future__ import annotations
 
 import math
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from quantdyn.errors import QuantdynError
-from quantdyn.results import schema
+from quantdyn.results import schema, stats
 from quantdyn.results.schema import describe, number, undocumented
 
 
@@ -81,7 +81,7 @@ def test_ptq_and_fp_fields_of_a_measurement_are_all_documented():
         row = {"key": "k", "kind": "ptq", **ptq_fields("gptq3", qc, m, MeasureConfig(), 2, R)}
         assert undocumented(row) == []
         assert isinstance(row["within_noise_floor"], bool) and row["delta_ce_floor_z"] is not None
-    assert row["delta_ce_total_se"] == pytest.approx(schema.combined_se(row["delta_ce_se"], row["delta_ce_run_sd"], 3))
+    assert row["delta_ce_total_se"] == pytest.approx(stats.combined_se(row["delta_ce_se"], row["delta_ce_run_sd"], 3))
     assert row["ppl_ratio"] == pytest.approx(math.exp(row["delta_ce"]))
     assert len(row["block_rel_fro"]) == 2 and row["quant_repeats"] == 3
 
@@ -99,18 +99,3 @@ def test_number_reads_finite_reals_only():
     assert number(3) == 3.0 and number(0.5) == 0.5 and number(np.float32(0.25)) == 0.25 and number(np.int64(2)) == 2
     for v in (None, True, False, "0.5", float("nan"), float("inf"), -math.inf, [1.0], {"a": 1}):
         assert number(v) is None
-
-
-def test_rel_delta_ce_and_combined_se_read_old_rows():
-    assert schema.rel_delta_ce({"rel_delta_ce": 0.123, "delta_ce": 1.0, "ce_fp": 2.0}) == 0.123
-    assert schema.rel_delta_ce({"delta_ce": 1.0, "ce_fp": 2.5}) == pytest.approx(0.4)  # before the field
-    assert schema.rel_delta_ce({"rel_delta_ce": float("nan"), "delta_ce": 1.0, "ce_fp": 2.0}) == 0.5
-    assert schema.rel_delta_ce({"delta_ce": 1.0}) is None and schema.rel_delta_ce({"delta_ce": 1.0, "ce_fp": 0}) is None
-    r = {"delta_ce": 0.5, "delta_ce_se": 0.003, "quant_repeats": 4, "delta_ce_run_sd": 0.02}
-    u = schema.uncertainty(r)
-    assert u.total_se == pytest.approx(math.sqrt(0.003 ** 2 + 0.02 ** 2 / 4)) and u.run_se == pytest.approx(0.01)
-    assert u.dominant == schema.RUN and schema.total_se({**r, "delta_ce_total_se": 0.5}) == 0.5
-    old = schema.uncertainty({"delta_ce": 0.5})  # no SE, no repeats: reads, as zeros and R = 1
-    assert (old.eval_se, old.run_sd, old.repeats, old.total_se, old.dominant) == (0.0, None, 1, 0.0, schema.EVAL)
-    assert schema.repeats({"quant_repeats": "3"}) == 1 and schema.repeats({"quant_repeats": 3}) == 3
-    assert schema.rel_delta_ce_se({**r, "ce_fp": 2.0}) == pytest.approx(schema.total_se(r) / 2.0)

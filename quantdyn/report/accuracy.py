@@ -18,8 +18,8 @@ from pathlib import Path
 
 from quantdyn.report.output import panel_grid, save_figure
 from quantdyn.report.palette import quantizer_color
-from quantdyn.results.schema import ACCURACY, PTQ, total_se
-from quantdyn.results.stats import se_of_mean
+from quantdyn.results.schema import ACCURACY, PTQ
+from quantdyn.results.stats import se_of_mean, total_se
 
 MARKERS = "osD^v<>pP*hX"
 MEAN_TASK = "mean over tasks"

@@ -82,7 +82,7 @@ RAINBOW_CAPTION = (
     "constant-LR checkpoints) in quadrature; z = difference / uncertainty, and |z| > 2 resolves a direction.")
 
 
-def decay_verdicts(table: list[dict], z: float = Z) -> list[dict]:
+def decay_table_shown(table: list[dict], z: float = Z) -> list[dict]:
     """A decay table (results.stats.decay_table) in short, for the page: per quantizer and cooldown branch, the
     decayed endpoint's and its control's Δ CE, their difference ± the combined uncertainty, z and the verdict,
     printed with the digits that make z and the verdict agree (results.stats.format_estimate)."""
@@ -150,7 +150,7 @@ def runs(page: Page) -> list[Section]:
         t2 = figures.rainbow(rows, run, f2, palette)
         if t2:
             found.append(Section(f"Run {run}: cooldown branches vs constant-LR controls", f2.name, t2,
-                                 RAINBOW_CAPTION, shown=decay_verdicts(t2)))
+                                 RAINBOW_CAPTION, shown=decay_table_shown(t2)))
     return found
 
 

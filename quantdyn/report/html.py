@@ -34,7 +34,8 @@ from quantdyn.report.output import figure_paths, figure_stem, table_columns, wri
 from quantdyn.report.palette import Palette
 from quantdyn.report.sections import Page, Section, page_sections
 from quantdyn.results.schema import PTQ
-from quantdyn.results.stats import TONES
+from quantdyn.results.stats import EVAL, RUN, TONES, repeats
+from quantdyn.results.stats import uncertainty as row_uncertainty
 from quantdyn.results.store import ResultStore
 from quantdyn.runs import RunDir
 from quantdyn.train.checkpoint import read_metrics
@@ -97,20 +98,20 @@ def _uncertainty_summary(rows: list[dict]) -> str:
     ptq = [r for r in rows if PTQ.matches(r) and r.get("delta_ce") is not None]
     if not ptq:
         return ""
-    reps = Counter(uncertainty.repeats(r) for r in ptq)
-    doms = Counter(r.get("uncertainty_dominant") or uncertainty.parts(r).dominant for r in ptq)
+    reps = Counter(repeats(r) for r in ptq)
+    doms = Counter(r.get("uncertainty_dominant") or row_uncertainty(r).dominant for r in ptq)
     rs = ", ".join(f"R = {k}: {n} rows" for k, n in sorted(reps.items()))
     if set(reps) == {1}:
-        repeats = ("No row repeats its quantization (R = 1): every error bar and z in this report covers the "
-                   "evaluation windows (paired SE), and the stable-phase jitter where a decayed endpoint meets its "
-                   "control, but not the run-to-run spread of the quantization itself. Re-quantizing a checkpoint "
-                   "(another calibration draw, another float order) can move Δ CE by more than that; measure it with "
-                   "quant_repeats R > 1 (--repeats R).")
+        said = ("No row repeats its quantization (R = 1): every error bar and z in this report covers the "
+                "evaluation windows (paired SE), and the stable-phase jitter where a decayed endpoint meets its "
+                "control, but not the run-to-run spread of the quantization itself. Re-quantizing a checkpoint "
+                "(another calibration draw, another float order) can move Δ CE by more than that; measure it with "
+                "quant_repeats R > 1 (--repeats R).")
     else:
-        repeats = (f"Quantization repeats: {rs}. Error bars and z use the combined SE = √(SE_eval² + SD_run²/R); "
-                   f"the run-to-run part dominates in {doms.get(uncertainty.RUN, 0)} of {len(ptq)} PTQ rows, the "
-                   f"evaluation windows in {doms.get(uncertainty.EVAL, 0)}.")
-    body = "".join(f"<p>{html.escape(p)}</p>" for p in (VERDICT_RULE, repeats))
+        said = (f"Quantization repeats: {rs}. Error bars and z use the combined SE = √(SE_eval² + SD_run²/R); "
+                f"the run-to-run part dominates in {doms.get(RUN, 0)} of {len(ptq)} PTQ rows, the "
+                f"evaluation windows in {doms.get(EVAL, 0)}.")
+    body = "".join(f"<p>{html.escape(p)}</p>" for p in (VERDICT_RULE, said))
     return f"<section id='uncertainty'><h2>Uncertainty</h2>{body}</section>"
 
 

@@ -24,7 +24,8 @@ from quantdyn.report import uncertainty
 from quantdyn.report.figures import y_layout
 from quantdyn.report.output import overlay_lr, panel_grid, save_figure, tokens_axis
 from quantdyn.report.palette import Palette, quantizer_color
-from quantdyn.results.schema import PTQ, rel_delta_ce, rel_delta_ce_se, total_se
+from quantdyn.results.schema import PTQ
+from quantdyn.results.stats import rel_delta_ce, rel_delta_ce_se, total_se
 from quantdyn.schedules import PhaseSchedule, schedule_curve
 from quantdyn.sources.presets import Preset, get_preset, preset_for_repo
 

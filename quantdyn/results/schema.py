@@ -28,8 +28,8 @@ already stored.
 Branch names (the ``branch`` field) are run-directory names: ``quantdyn.runs`` owns them
 (``cooldown_branch``, ``control_branch``, ``parse_branch``, ``control_of``).
 
-Derived quantities: :func:`rel_delta_ce` (Δ CE / CE(FP)) and the combined uncertainty of a Δ CE
-(:func:`uncertainty`, :func:`total_se`): SE_total = sqrt(SE_eval² + SD_run² / R), see :class:`Uncertainty`.
+Schema describes, :mod:`quantdyn.results.stats` computes: what is derived from a row (rel_delta_ce, the combined
+uncertainty of a Δ CE and its parts) is computed there.
 """
 from __future__ import annotations
 
@@ -139,7 +139,7 @@ ERRORS_FIELDS = _table("""
     delta_ce              float         Δ CE = CE(quantized) − CE(FP), paper A's quantization error (nats); with R >
                                         1 repeats the mean over them.
     delta_ce_se           float         Paired SE of delta_ce over evaluation windows (SE_eval).
-    rel_delta_ce          float | None  Δ CE / CE(FP) (rel_delta_ce() for rows written before the field).
+    rel_delta_ce          float | None  Δ CE / CE(FP) (results.stats.rel_delta_ce for rows written before the field).
     delta_ppl             float         exp CE(quantized) − exp CE(FP).
     kl                    float         KL(P_FP ‖ P_Q) per token (nats), mean over windows.
     kl_se                 float         SE of kl over windows.
@@ -198,7 +198,7 @@ ERRORS_FIELDS = _table("""
     delta_ce_run_sd       float | None  SD of Δ CE over the R repeats: what re-quantizing changes (None when R = 1).
     kl_run_sd             float         SD of kl over the R repeats (R > 1 only).
     delta_ce_total_se     float         The combined uncertainty of delta_ce, sqrt(SE_eval² + SD_run²/R)
-                                        (Uncertainty).
+                                        (results.stats.Uncertainty).
     uncertainty_dominant  str           Which part of delta_ce_total_se is the larger: 'evaluation windows' or
                                         'quantization run'.
     layer_loss_sum        float | None  Sum over layers of the quantizer's own layer objective (GPTQ's loss).
@@ -455,92 +455,3 @@ def number(v) -> float | None:
         return None
     f = float(v)
     return f if math.isfinite(f) else None
-
-
-# ------------------------------------------------------------------ derived quantities
-
-
-def rel_delta_ce(row: dict) -> float | None:
-    """Δ CE / CE(FP): the row's ``rel_delta_ce``, else ``delta_ce / ce_fp`` (rows written before the field);
-    None when neither can be read."""
-    v = number(row.get("rel_delta_ce"))
-    if v is not None:
-        return v
-    d, fp = number(row.get("delta_ce")), number(row.get("ce_fp"))
-    return d / fp if d is not None and fp else None
-
-
-EVAL = "evaluation windows"
-"""``uncertainty_dominant`` when the evaluation windows' SE is the larger part."""
-RUN = "quantization run"
-"""``uncertainty_dominant`` when the run-to-run part SD_run/√R is the larger."""
-
-
-def combined_se(eval_se: float, run_sd: float | None, repeats: int) -> float:
-    """sqrt(SE_eval² + SD_run² / R): the uncertainty of a Δ CE averaged over R quantizations (SD_run None:
-    not measured, the evaluation SE alone)."""
-    return math.sqrt(eval_se ** 2 + (run_sd or 0.0) ** 2 / repeats)
-
-
-def dominant(eval_se: float, run_se: float | None) -> str:
-    """Which part of an uncertainty is the larger: RUN when run_se exceeds eval_se, else EVAL (also when the
-    run-to-run part was not measured)."""
-    return RUN if run_se is not None and run_se > eval_se else EVAL
-
-
-def repeats(row: dict) -> int:
-    """R, the number of quantizations the row's Δ CE averages (1 when absent)."""
-    r = number(row.get("quant_repeats"))
-    return int(r) if r and r >= 1 else 1
-
-
-@dataclass(frozen=True)
-class Uncertainty:
-    """The parts of a Δ CE's uncertainty and their combination.
-
-    A ptq row's ``delta_ce_se`` is the paired SE over evaluation windows; it is blind to what re-quantizing
-    the same checkpoint changes (calibration draw, float order), which a row measures when it repeats the
-    quantization R times (``quant_repeats``, ``delta_ce_run_sd``). The uncertainty of the mean is
-    SE_total = sqrt(SE_eval² + SD_run² / R); every error bar and every verdict uses it."""
-
-    eval_se: float
-    """Paired SE over evaluation windows (``<prefix>_se``; 0 when missing)."""
-    run_sd: float | None
-    """SD over the R repeated quantizations (None when R = 1: not measured)."""
-    repeats: int
-    """R."""
-    total_se: float
-    """The combined SE: the row's stored ``<prefix>_total_se`` when it has one, else combined_se()."""
-
-    @property
-    def run_se(self) -> float | None:
-        """The run-to-run part of the SE of the mean, SD_run / √R (None when not measured)."""
-        return None if self.run_sd is None else self.run_sd / math.sqrt(self.repeats)
-
-    @property
-    def dominant(self) -> str:
-        """RUN when SD_run/√R exceeds the evaluation SE, else EVAL."""
-        return dominant(self.eval_se, self.run_se)
-
-
-def uncertainty(row: dict, prefix: str = "delta_ce") -> Uncertainty:
-    """The uncertainty of ``row[prefix]`` (``delta_ce``, or ``kl`` with ``kl_se``/``kl_run_sd``).
-
-    A stored ``<prefix>_total_se`` is taken as it is (the writer's own combination); otherwise it is
-    combined from the parts, missing parts counting as 0 (a verdict treats a total of 0 as unknown)."""
-    eval_se = number(row.get(f"{prefix}_se")) or 0.0
-    R = repeats(row)
-    sd = number(row.get(f"{prefix}_run_sd")) if R > 1 else None
-    stored = number(row.get(f"{prefix}_total_se"))
-    return Uncertainty(eval_se, sd, R, stored if stored is not None else combined_se(eval_se, sd, R))
-
-
-def total_se(row: dict, prefix: str = "delta_ce") -> float:
-    """The error bar of ``row[prefix]``: its combined uncertainty (:class:`Uncertainty`)."""
-    return uncertainty(row, prefix).total_se
-
-
-def rel_delta_ce_se(row: dict) -> float:
-    """The error bar of rel_delta_ce: total_se / CE(FP) (0 without CE(FP))."""
-    fp = number(row.get("ce_fp"))
-    return total_se(row) / fp if fp else 0.0

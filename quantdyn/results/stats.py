@@ -7,6 +7,14 @@ Mean and SE
     :func:`mean_se`: mean and standard error sqrt(s² / n) with the n − 1 variance (NaN SE for n < 2);
     :func:`se_of_mean`: the SE of the mean of k independent estimates, sqrt(Σ SE_i²) / k.
 
+A row's uncertainty (:class:`Uncertainty`, :func:`uncertainty`, :func:`total_se`)
+    A ptq row's Δ CE carries its paired SE over evaluation windows and, when the quantization was repeated
+    R times, the SD over the repeats: SE_total = sqrt(SE_eval² + SD_run² / R) (:func:`combined_se`; the
+    writers store it as ``delta_ce_total_se``), every error bar's and verdict's uncertainty; which part
+    dominates (:func:`dominant`: EVAL or RUN). :func:`rel_delta_ce` reads Δ CE / CE(FP) (and
+    :func:`rel_delta_ce_se` its error bar) from old rows too. results/schema.py says what each field
+    means; this module computes.
+
 Paired differences (:func:`paired_difference`)
     Row a minus row b. When both rows carry per-window values (``window_delta``) for the same evaluation
     windows, the difference is taken window by window and its SE is the SE of the per-window differences
@@ -62,7 +70,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from quantdyn.results.schema import PTQ, dominant, number, uncertainty
+from quantdyn.results.schema import PTQ, number
 from quantdyn.runs import control_of
 
 Z = 2.0
@@ -88,6 +96,95 @@ def se_of_mean(ses: Sequence[float]) -> float:
     if not ses:
         raise ValueError("se_of_mean needs at least one SE")
     return math.sqrt(sum(float(s) ** 2 for s in ses)) / len(ses)
+
+
+# ------------------------------------------------------------------ what a row carries: Δ CE / CE(FP), its uncertainty
+
+
+def rel_delta_ce(row: dict) -> float | None:
+    """Δ CE / CE(FP): the row's ``rel_delta_ce``, else ``delta_ce / ce_fp`` (rows written before the field);
+    None when neither can be read."""
+    v = number(row.get("rel_delta_ce"))
+    if v is not None:
+        return v
+    d, fp = number(row.get("delta_ce")), number(row.get("ce_fp"))
+    return d / fp if d is not None and fp else None
+
+
+EVAL = "evaluation windows"
+"""``uncertainty_dominant`` when the evaluation windows' SE is the larger part."""
+RUN = "quantization run"
+"""``uncertainty_dominant`` when the run-to-run part SD_run/√R is the larger."""
+
+
+def combined_se(eval_se: float, run_sd: float | None, repeats: int) -> float:
+    """sqrt(SE_eval² + SD_run² / R): the uncertainty of a Δ CE averaged over R quantizations (SD_run None:
+    not measured, the evaluation SE alone)."""
+    return math.sqrt(eval_se ** 2 + (run_sd or 0.0) ** 2 / repeats)
+
+
+def dominant(eval_se: float, run_se: float | None) -> str:
+    """Which part of an uncertainty is the larger: RUN when run_se exceeds eval_se, else EVAL (also when the
+    run-to-run part was not measured)."""
+    return RUN if run_se is not None and run_se > eval_se else EVAL
+
+
+def repeats(row: dict) -> int:
+    """R, the number of quantizations the row's Δ CE averages (1 when absent)."""
+    r = number(row.get("quant_repeats"))
+    return int(r) if r and r >= 1 else 1
+
+
+@dataclass(frozen=True)
+class Uncertainty:
+    """The parts of a Δ CE's uncertainty and their combination.
+
+    A ptq row's ``delta_ce_se`` is the paired SE over evaluation windows; it is blind to what re-quantizing
+    the same checkpoint changes (calibration draw, float order), which a row measures when it repeats the
+    quantization R times (``quant_repeats``, ``delta_ce_run_sd``). The uncertainty of the mean is
+    SE_total = sqrt(SE_eval² + SD_run² / R); every error bar and every verdict uses it."""
+
+    eval_se: float
+    """Paired SE over evaluation windows (``<prefix>_se``; 0 when missing)."""
+    run_sd: float | None
+    """SD over the R repeated quantizations (None when R = 1: not measured)."""
+    repeats: int
+    """R."""
+    total_se: float
+    """The combined SE: the row's stored ``<prefix>_total_se`` when it has one, else combined_se()."""
+
+    @property
+    def run_se(self) -> float | None:
+        """The run-to-run part of the SE of the mean, SD_run / √R (None when not measured)."""
+        return None if self.run_sd is None else self.run_sd / math.sqrt(self.repeats)
+
+    @property
+    def dominant(self) -> str:
+        """RUN when SD_run/√R exceeds the evaluation SE, else EVAL."""
+        return dominant(self.eval_se, self.run_se)
+
+
+def uncertainty(row: dict, prefix: str = "delta_ce") -> Uncertainty:
+    """The uncertainty of ``row[prefix]`` (``delta_ce``, or ``kl`` with ``kl_se``/``kl_run_sd``).
+
+    A stored ``<prefix>_total_se`` is taken as it is (the writer's own combination); otherwise it is
+    combined from the parts, missing parts counting as 0 (a verdict treats a total of 0 as unknown)."""
+    eval_se = number(row.get(f"{prefix}_se")) or 0.0
+    R = repeats(row)
+    sd = number(row.get(f"{prefix}_run_sd")) if R > 1 else None
+    stored = number(row.get(f"{prefix}_total_se"))
+    return Uncertainty(eval_se, sd, R, stored if stored is not None else combined_se(eval_se, sd, R))
+
+
+def total_se(row: dict, prefix: str = "delta_ce") -> float:
+    """The error bar of ``row[prefix]``: its combined uncertainty (:class:`Uncertainty`)."""
+    return uncertainty(row, prefix).total_se
+
+
+def rel_delta_ce_se(row: dict) -> float:
+    """The error bar of rel_delta_ce: total_se / CE(FP) (0 without CE(FP))."""
+    fp = number(row.get("ce_fp"))
+    return total_se(row) / fp if fp else 0.0
 
 
 # ------------------------------------------------------------------ paired differences
@@ -513,8 +610,10 @@ def bootstrap_intervals(statistics_of: Sequence[Callable[[np.ndarray], float]], 
 
 
 __all__ = [
-    "DECAY_LOWERS", "DECAY_RAISES", "NOT_RESOLVED", "OPPOSITE", "REPRODUCED", "TONES", "VERDICTS", "Z",
-    "Difference", "Effect", "Verdict", "verdict_of", "bootstrap_intervals", "claim_verdict", "combine", "decay_difference", "decay_table", "decay_verdict",
-    "format_estimate", "format_interval", "interval_sign", "mean_se", "paired_difference", "percentile_interval",
-    "same_windows", "se_of_mean", "stable_jitter", "verdict_sign", "window_values", "within_uncertainty", "z_of",
+    "DECAY_LOWERS", "DECAY_RAISES", "EVAL", "NOT_RESOLVED", "OPPOSITE", "REPRODUCED", "RUN", "TONES", "VERDICTS",
+    "Z", "Difference", "Effect", "Uncertainty", "Verdict", "bootstrap_intervals", "claim_verdict", "combine",
+    "combined_se", "decay_difference", "decay_table", "decay_verdict", "dominant", "format_estimate",
+    "format_interval", "interval_sign", "mean_se", "paired_difference", "percentile_interval", "rel_delta_ce",
+    "rel_delta_ce_se", "repeats", "same_windows", "se_of_mean", "stable_jitter", "total_se", "uncertainty",
+    "verdict_of", "verdict_sign", "window_values", "within_uncertainty", "z_of",
 ]

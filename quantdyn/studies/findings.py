@@ -36,7 +36,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from quantdyn.analysis.correlate import CorrelateConfig, correlate, spearman
-from quantdyn.results.schema import ANALYSIS, FP, PTQ, number, total_se, uncertainty
+from quantdyn.results.schema import ANALYSIS, FP, PTQ, number
 from quantdyn.results.stats import (  # the verdict words are the findings' too: fd.REPRODUCED ...
     NOT_RESOLVED,
     OPPOSITE,
@@ -55,6 +55,8 @@ from quantdyn.results.stats import (  # the verdict words are the findings' too:
     mean_se,
     paired_difference,
     same_windows,
+    total_se,
+    uncertainty,
     verdict_sign,
 )
 from quantdyn.runs import control_of, is_cooldown
@@ -691,7 +693,8 @@ def format_decay_table(tables: Sequence[Mapping], across: Sequence[Mapping] = ()
     """The decayed-minus-control comparison as text lines (what `quantdyn demo` and `quantdyn study` print):
     per run, quantizer and cooldown branch, from ``decay_table``; then, from ``seed_summary``, the mean over
     seeds. Every line gives the difference ± its combined uncertainty, z, the parts and the verdict of the
-    one rule (results/stats.py), its numbers with the digits that make z and the verdict agree."""
+    one rule (results/stats.py, as decay_table and seed_summary decided it), its numbers with the digits that
+    make z and the verdict agree."""
     if not tables:
         return []
     lines = ["", "Decayed endpoint minus its constant-LR control (same tokens); ± is the combined uncertainty",
@@ -702,7 +705,7 @@ def format_decay_table(tables: Sequence[Mapping], across: Sequence[Mapping] = ()
     body = [[str(t["run"]), str(t["quantizer"]), str(t["branch"]), f"{t['delta_ce_decayed']:.4f}",
              f"{t['delta_ce_control']:.4f}", estimate_text(t["difference"], t["difference_se"], z),
              _part(t.get("difference_eval_se")), _part(t.get("difference_run_se")), _part(t.get("stable_jitter")),
-             decay_verdict(verdict_sign(t["difference"], t["difference_se"], z), z)] for t in tables]
+             t["verdict"]] for t in tables]
     lines += _aligned(["run", "quantizer", "branch", "ΔCE decayed", "ΔCE control", "difference ± uncertainty (z)",
                        "windows", "run-to-run", "jitter", "verdict"], body, right=(3, 4, 5, 6, 7, 8))
     if across:
@@ -712,8 +715,7 @@ def format_decay_table(tables: Sequence[Mapping], across: Sequence[Mapping] = ()
                  estimate_text(a["difference"], a["difference_se"], z), _part(a.get("within_se")),
                  _part(a.get("run_se")), _part(a.get("jitter_se")), _part(a.get("between_se")),
                  f"{a['min']:+.4f} .. {a['max']:+.4f}",
-                 decay_verdict(verdict_sign(a["difference"], a["difference_se"], z), z)
-                 + ("" if a["same_sign"] else " (seeds disagree in sign)")] for a in across]
+                 a["verdict"] + ("" if a["same_sign"] else " (seeds disagree in sign)")] for a in across]
         lines += _aligned(["family", "quantizer", "branch", "k", "difference ± uncertainty (z)", "windows",
                            "run-to-run", "jitter", "between", "seeds", "verdict"], body, right=(3, 4, 5, 6, 7, 8))
     return lines

@@ -28,8 +28,8 @@ from quantdyn.config import to_dict
 from quantdyn.files import write_json_atomic, write_text_atomic
 from quantdyn.report.html import write_page
 from quantdyn.report.sections import Section
-from quantdyn.results.schema import PTQ, number, uncertainty
-from quantdyn.results.stats import NOT_RESOLVED, OPPOSITE, REPRODUCED, format_estimate, verdict_of
+from quantdyn.results.schema import PTQ, number
+from quantdyn.results.stats import NOT_RESOLVED, OPPOSITE, REPRODUCED, format_estimate, uncertainty, verdict_of
 from quantdyn.runs import is_cooldown, parse_branch
 from quantdyn.studies import findings as fd
 from quantdyn.studies.families import FINDING_FAMILIES, FindingInputs, draw_figures, families_in, family_of
