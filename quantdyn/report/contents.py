@@ -27,7 +27,7 @@ from quantdyn.report.monitored import monitored_points
 from quantdyn.report.optimizers import optimizer_figure, optimizer_table, scaling_figure
 from quantdyn.report.palette import Palette
 from quantdyn.report.predictors import predictor_figure, predictor_rows
-from quantdyn.report.sections import Page, Section, report_section
+from quantdyn.report.sections import Page, Section, figure_section, report_section
 from quantdyn.results.schema import ACCURACY, ANALYSIS, FP, PTQ, QAT, SCALING
 from quantdyn.results.stats import Z, format_estimate
 from quantdyn.runs import RunDir
@@ -182,73 +182,53 @@ def loss_vs_dce(page: Page) -> list[Section]:
                     + (" Hollow markers: constant-LR controls." if color_key == "branch" else ""))]
 
 
-@report_section("averaging_vs_decay", kind=PTQ)
-def averaging_vs_decay(page: Page) -> list[Section]:
-    """Each run's decayed endpoint against its latest averaged checkpoints, per bit width."""
-    f4 = page.out / "averaging_vs_decay.png"
-    t4 = figures.averaging_vs_decay(page.rows, f4, page.palette)
-    if not t4:
-        return []
-    return [Section(
-        "Weight averaging against the decayed endpoint", f4.name, t4,
-        "Per bit width: Δ CE of each run's decayed endpoint (black) and of its latest averaged checkpoints "
-        "(LAWA, EMA, soups; each in its branch's colour). The table also gives FP and quantized CE: a lower "
-        "Δ CE at a much higher loss is not a better model.")]
+figure_section(
+    "averaging_vs_decay", "averaging_vs_decay.png", "Weight averaging against the decayed endpoint",
+    "Per bit width: Δ CE of each run's decayed endpoint (black) and of its latest averaged checkpoints (LAWA, EMA, "
+    "soups; each in its branch's colour). The table also gives FP and quantized CE: a lower Δ CE at a much higher "
+    "loss is not a better model.",
+    draw=lambda page, png: figures.averaging_vs_decay(page.rows, png, page.palette), kind=PTQ)
 
 
-@report_section("predictors", kind=ANALYSIS)
-def predictors(page: Page) -> list[Section]:
-    """Correlations of every stored metric with Δ CE across checkpoints, scatter plots of the strongest."""
+def _predictor_table(page: Page, png: Path) -> list[dict]:
+    """Correlations of every stored metric with Δ CE across checkpoints (none unless the figure was drawn)."""
     corr = predictor_rows(page.rows)
-    png = page.out / "predictors.png"
-    if not (corr and predictor_figure(page.rows, corr, png)):
-        return []
-    return [Section(
-        "Which metric predicts the quantization error?", png.name, corr,
-        "Spearman and Pearson correlation (95 % bootstrap intervals) of each stored metric with Δ CE across "
-        "the checkpoints of this study, per quantizer; scatter plots of the strongest. Paper B finds "
-        "outlier metrics (MMR, kurtosis) fail across optimizers while the propagated error R_L predicts; "
-        "paper A links Δ CE to the Hessian trace and top eigenvalue.")]
+    return corr if corr and predictor_figure(page.rows, corr, png) else []
 
 
-@report_section("accuracy", kind=ACCURACY)
-def accuracy(page: Page) -> list[Section]:
-    """Downstream accuracy drop against Δ CE."""
-    png = page.out / "accuracy_vs_dce.png"
-    table = accuracy_vs_dce(page.rows, png)
-    if not table:
-        return []
-    return [Section("Downstream accuracy drop against Δ CE", png.name, table,
-                    "Accuracy of the quantized model minus the full-precision one, per task, against Δ CE "
-                    "across checkpoints (paper A, Figure 4).")]
+figure_section(
+    "predictors", "predictors.png", "Which metric predicts the quantization error?",
+    "Spearman and Pearson correlation (95 % bootstrap intervals) of each stored metric with Δ CE across the "
+    "checkpoints of this study, per quantizer; scatter plots of the strongest. Paper B finds outlier metrics (MMR, "
+    "kurtosis) fail across optimizers while the propagated error R_L predicts; paper A links Δ CE to the Hessian "
+    "trace and top eigenvalue.",
+    draw=_predictor_table, kind=ANALYSIS)
+
+figure_section(
+    "accuracy", "accuracy_vs_dce.png", "Downstream accuracy drop against Δ CE",
+    "Accuracy of the quantized model minus the full-precision one, per task, against Δ CE across checkpoints "
+    "(paper A, Figure 4).",
+    draw=lambda page, png: accuracy_vs_dce(page.rows, png), kind=ACCURACY)
 
 
-def _several_optimizers_or_qat(page: Page) -> bool:
-    return len({r.get("optimizer") for r in page.rows if r.get("optimizer")}) > 1 or QAT.present(page.rows)
-
-
-@report_section("optimizers", when=_several_optimizers_or_qat)
-def optimizers(page: Page) -> list[Section]:
-    """Per run's final checkpoint, grouped by optimizer (paper B)."""
+def _optimizer_table(page: Page, png: Path) -> list[dict]:
+    """Per run's final checkpoint, grouped by optimizer (none unless the figure was drawn)."""
     table = optimizer_table(page.rows)
-    png = page.out / "optimizers.png"
-    if not (table and optimizer_figure(table, png)):
-        return []
-    return [Section("Optimizers under quantization", png.name, table,
-                    "Per run's final checkpoint: FP loss, PTQ Δ CE per quantizer, the deployed QAT loss, "
-                    "outlier metrics (MMR, kurtosis) and the propagated error R_L (paper B).")]
+    return table if table and optimizer_figure(table, png) else []
 
 
-@report_section("scaling", kind=SCALING)
-def scaling(page: Page) -> list[Section]:
-    """Scaling-law fits per optimizer, full precision and QAT."""
-    png = page.out / "scaling.png"
-    table = scaling_figure(page.rows, png)
-    if not table:
-        return []
-    return [Section("Scaling laws per optimizer, full precision and QAT", png.name, table,
-                    "L(N, D) = A(ρN)^-α + B·D^-β + E fitted to FP points, then ρ alone to QAT points; ρ < 1 is "
-                    "the parameter efficiency lost under quantization (paper B).")]
+figure_section(
+    "optimizers", "optimizers.png", "Optimizers under quantization",
+    "Per run's final checkpoint: FP loss, PTQ Δ CE per quantizer, the deployed QAT loss, outlier metrics (MMR, "
+    "kurtosis) and the propagated error R_L (paper B).",
+    draw=_optimizer_table,
+    when=lambda page: len({r.get("optimizer") for r in page.rows if r.get("optimizer")}) > 1 or QAT.present(page.rows))
+
+figure_section(
+    "scaling", "scaling.png", "Scaling laws per optimizer, full precision and QAT",
+    "L(N, D) = A(ρN)^-α + B·D^-β + E fitted to FP points, then ρ alone to QAT points; ρ < 1 is the parameter "
+    "efficiency lost under quantization (paper B).",
+    draw=lambda page, png: scaling_figure(page.rows, png), kind=SCALING)
 
 
 @report_section("error_maps", kind=PTQ)

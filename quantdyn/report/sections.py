@@ -11,6 +11,11 @@ order), so adding a section to every report is one decorated builder::
     def sensitivity(page: Page) -> list[Section]:
         table = draw_sensitivity_map(page.rows, page.out / "sensitivity.png")
         return [Section("Per-tensor sensitivity", "sensitivity.png", table, "...")] if table else []
+
+or, for a section of one figure, one call::
+
+    figure_section("sensitivity", "sensitivity.png", "Per-tensor sensitivity", "...", kind=SENSITIVITY,
+                   draw=lambda page, png: draw_sensitivity_map(page.rows, png))
 """
 from __future__ import annotations
 
@@ -87,6 +92,18 @@ def report_section(name: str, kind: RowKind | None = None, when: Callable[[Page]
         return build
 
     return deco
+
+
+def figure_section(name: str, file: str, title: str, caption: str, draw: Callable[[Page, Path], list[dict]],
+                   kind: RowKind | None = None, when: Callable[[Page], bool] | None = None) -> None:
+    """Register the report section ``name`` of one figure: ``draw(page, path of file)`` draws it and returns the
+    table behind it; the section (title, figure, table, caption) appears when that table is not empty."""
+
+    def build(page: Page) -> list[Section]:
+        table = draw(page, page.out / file)
+        return [Section(title, file, table, caption)] if table else []
+
+    REPORT_SECTIONS.add(name, ReportSection(name, kind, build, when))
 
 
 def page_sections(page: Page) -> list[Section]:
