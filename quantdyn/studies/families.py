@@ -33,7 +33,6 @@ from quantdyn.registry import Registry
 from quantdyn.results.schema import ANALYSIS, PTQ, number
 from quantdyn.results.stats import decay_verdict, verdict_sign
 from quantdyn.runs import control_of, is_cooldown
-from quantdyn.studies import figures
 from quantdyn.studies import findings as fd
 
 if TYPE_CHECKING:  # annotations only: spec.py imports this module
@@ -122,6 +121,14 @@ def family_of(finding: Mapping) -> FindingFamily | None:
     return FINDING_FAMILIES.get(name) if name in FINDING_FAMILIES else None
 
 
+def _figures():
+    """studies/figures.py, imported when a figure is drawn: it imports matplotlib, which reading a study spec
+    (this module's other use) does not need."""
+    from quantdyn.studies import figures
+
+    return figures
+
+
 # ------------------------------------------------------------------ the families
 def _trained_ptq(rows: Sequence[Mapping]) -> list[Mapping]:
     trained = set(fd.trained_runs(rows))
@@ -181,7 +188,7 @@ register_family(FindingFamily(
         "findings_peak_lr.png", "A(b) peak LR: Δ CE at matched FP loss",
         "Δ CE against FP loss, one colour per peak LR: each run's checkpoints faint, the values interpolated at the "
         "FP losses every run reaches marked (mean over seeds).",
-        draw=lambda found, detail, out: figures.peak_lr(detail, out))))
+        draw=lambda found, detail, out: _figures().peak_lr(detail, out))))
 
 register_family(FindingFamily(
     name="averaging", about="paper A (c), LAWA and a soup of cooldown branches against the decayed endpoint at "
@@ -196,7 +203,7 @@ register_family(FindingFamily(
         "findings_averaging.png", "A(c) weight averages against the decayed endpoint",
         "Each average (and the constant-LR main checkpoint) minus the decayed endpoint at equal tokens: Δ CE and CE "
         "of the quantized model, one marker per seed ± its uncertainty, the mean as a bar.",
-        draw=lambda found, detail, out: figures.averaging(detail, out))))
+        draw=lambda found, detail, out: _figures().averaging(detail, out))))
 
 register_family(FindingFamily(
     name="sharpness", about="paper A (d), Hessian trace / top eigenvalue through a cooldown and their correlation "
@@ -210,7 +217,7 @@ register_family(FindingFamily(
         "findings_sharpness.png", "A(d) Hessian trace and top eigenvalue through the cooldowns",
         "Hessian trace (± SE), top eigenvalue and Δ CE against tokens: main run (black), cooldown branches (red), "
         "constant-LR controls (blue, dashed).",
-        draw=lambda found, detail, out: figures.sharpness(detail, out))))
+        draw=lambda found, detail, out: _figures().sharpness(detail, out))))
 
 register_family(FindingFamily(
     name="predictors", about="paper B, Spearman of MMR, kurtosis and R_L with PTQ Δ CE across runs",
@@ -223,7 +230,7 @@ register_family(FindingFamily(
         "findings_predictors.png", "B: which metric predicts the quantization error",
         "Spearman ρ of each metric with Δ CE across final checkpoints, 95 % bootstrap intervals, one colour per "
         "quantizer.",
-        draw=lambda found, detail, out: figures.predictors(found, out))))
+        draw=lambda found, detail, out: _figures().predictors(found, out))))
 
 
 # ------------------------------------------------------------------ what the answer asks of the families
@@ -232,7 +239,7 @@ def finding_label(f: Mapping, with_family: bool = False) -> str:
     (studies/figures.py finding_label)."""
     fam = family_of(f)
     own = fam.label(f, with_family) if fam is not None and fam.label is not None else None
-    return own if own is not None else figures.finding_label(f, with_family)
+    return own if own is not None else _figures().finding_label(f, with_family)
 
 
 def panel_title(rows: list[dict], mode: str) -> str | None:
@@ -246,7 +253,7 @@ def panel_title(rows: list[dict], mode: str) -> str | None:
 def draw_figures(out: Path, found: list[dict], details: Mapping) -> dict[str, bool]:
     """The answer's overview (findings.png) and each family's own figure, where the family has findings or a
     detail table; returns which were drawn."""
-    drawn = {"findings.png": figures.overview(found, out / "findings.png", finding_label, panel_title)}
+    drawn = {"findings.png": _figures().overview(found, out / "findings.png", finding_label, panel_title)}
     for fam in FINDING_FAMILIES.values():
         mine = [f for f in found if f.get("family") == fam.name]
         detail = list(details.get(fam.name) or [])
