@@ -57,3 +57,32 @@ class Registry(Generic[T]):
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+class LazyRegistry(Registry[T]):
+    """A registry whose built-in entries are registered by modules imported on first use: ``load()`` imports
+    them before the first lookup or addition, so that the family's package imports without them (the quantizers'
+    catalogue without torch: a mistyped label is refused in a second).  ``loaded`` says whether that happened."""
+
+    def __init__(self, kind: str, load: Callable[[], object]):
+        self._load: Callable[[], object] | None = load
+        super().__init__(kind)
+
+    @property
+    def loaded(self) -> bool:
+        return self._load is None
+
+    @property
+    def _entries(self) -> dict[str, T]:
+        load, self._load = self._load, None
+        if load is not None:
+            try:
+                load()  # the modules it imports add their entries (this property is not loading them again)
+            except BaseException:
+                self._load = load
+                raise
+        return self.__dict__["_entries"]
+
+    @_entries.setter
+    def _entries(self, value: dict[str, T]) -> None:
+        self.__dict__["_entries"] = value
