@@ -15,13 +15,10 @@ import math
 import textwrap
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+from matplotlib import colormaps
 from matplotlib.lines import Line2D
 
-from quantdyn.report.output import PAGE_WIDTH, save_figure
+from quantdyn.report.output import PAGE_WIDTH, save_figure, subplots
 from quantdyn.results.stats import NOT_RESOLVED, OPPOSITE, REPRODUCED, format_estimate, format_interval
 from quantdyn.runs import MAIN, is_cooldown, parse_branch
 
@@ -39,8 +36,8 @@ def peak_lr(detail: list[dict], out: Path) -> bool:
     if not qs:
         return False
     lrs = sorted({d["peak_lr"] for d in detail})
-    cmap = plt.get_cmap("viridis")
-    fig, axes = plt.subplots(1, len(qs), figsize=(3.8 * len(qs), 3.4), squeeze=False)
+    cmap = colormaps["viridis"]
+    fig, axes = subplots(1, len(qs), figsize=(3.8 * len(qs), 3.4), squeeze=False)
     for ax, q in zip(axes[0], qs):
         for k, lr in enumerate(lrs):
             col = cmap(k / max(1, len(lrs) - 1))
@@ -76,7 +73,7 @@ def averaging(detail: list[dict], out: Path) -> bool:
     qs = _quantizers(rows)
     if not qs:
         return False
-    fig, axes = plt.subplots(len(qs), 2, figsize=(8.5, 2.2 * len(qs) + 0.8), squeeze=False)
+    fig, axes = subplots(len(qs), 2, figsize=(8.5, 2.2 * len(qs) + 0.8), squeeze=False)
     for i, q in enumerate(qs):
         mine = [d for d in rows if d["quantizer"] == q]
         names = sorted({d["checkpoint"] for d in mine})
@@ -109,7 +106,7 @@ def sharpness(detail: list[dict], out: Path) -> bool:
     q = qs[0]
     mine = [d for d in detail if d["quantizer"] == q]
     runs = sorted({d["run"] for d in mine})[:4]
-    fig, axes = plt.subplots(3, len(runs), figsize=(3.3 * len(runs) + 0.6, 6.4), squeeze=False, sharex="col")
+    fig, axes = subplots(3, len(runs), figsize=(3.3 * len(runs) + 0.6, 6.4), squeeze=False, sharex="col")
     for c, run in enumerate(runs):
         pts = [d for d in mine if d["run"] == run]
         branches = sorted({d["branch"] for d in pts})
@@ -150,7 +147,7 @@ def predictors(findings: list[dict], out: Path) -> bool:
         return False
     labels = list(dict.fromkeys(f["comparison"].split(" over ")[0] for f in rows))
     qs = list(dict.fromkeys(f["quantizer"] for f in rows))
-    fig, ax = plt.subplots(figsize=(7.0, 0.45 * len(labels) * max(1, len(qs) / 2) + 1.2))
+    fig, ax = subplots(figsize=(7.0, 0.45 * len(labels) * max(1, len(qs) / 2) + 1.2))
     for k, q in enumerate(qs):
         for i, lab in enumerate(labels):
             f = next((x for x in rows if x["quantizer"] == q and x["comparison"].startswith(lab)), None)
@@ -271,7 +268,7 @@ def overview(findings: list[dict], out: Path) -> bool:
     seeds = any(len(f.get("per_seed") or []) > 1 for f in drawable if _kind(f) != "rho")
     kinds = {kind for _, kind in panels}
     leg_h = 0.17 * math.ceil((len(shown) + bool(kinds & {"rel", "rho"}) + seeds) / 2) + 0.15
-    fig, axes = plt.subplots(len(panels), 1, figsize=(PAGE_WIDTH, sum(heights) + leg_h + 0.1), squeeze=False,
+    fig, axes = subplots(len(panels), 1, figsize=(PAGE_WIDTH, sum(heights) + leg_h + 0.1), squeeze=False,
                              gridspec_kw={"height_ratios": heights})
     for ax, ((claim, kind), rows) in zip(axes[:, 0], panels.items()):
         lo, hi = _span(rows, kind, zt) if kind != "rho" else (-1.05, 1.05)
