@@ -30,6 +30,41 @@ def kjv_small():
     return cfg, prepare_data(cfg, progress=False)
 
 
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory, kjv_small):
+    """The one checkpoint (step 8) of a tiny run trained once per session (tiny_run_dict, 8 steps), for tests that
+    read it and write elsewhere (quantize, sweep, export)."""
+    from quantdyn.config import from_dict
+    from quantdyn.train.config import RunConfig
+    from quantdyn.train.trainer import train
+
+    d = tiny_run_dict(tmp_path_factory.mktemp("tiny_run"), kjv_small[0], steps=8, checkpoint_every=8)
+    return train(from_dict(RunConfig, d), progress=False) / "checkpoints" / "step-0000008"
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory, kjv_small):
+    """Tiny Hugging Face checkpoints with the kjv_small tokenizer, saved once per session: {"llama": dir, "gpt2":
+    dir} (random weights, seed 0; no hub access)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    _, data = kjv_small
+    root = tmp_path_factory.mktemp("hf")
+    torch.manual_seed(0)
+    out = {}
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                         bos_token_id=0, eos_token_id=0))
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=0,
+                                      eos_token_id=0))
+    for name, m in (("llama", llama), ("gpt2", gpt2)):
+        d = root / name
+        m.save_pretrained(d)
+        data.tokenizer.save_pretrained(str(d))
+        out[name] = d
+    return out
+
+
 def tiny_run_dict(tmp_path, data_cfg, **train):
     from quantdyn.config import to_dict
 
