@@ -10,9 +10,16 @@ import torch
 
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):
-    """Keep the tests' token caches out of the user's .cache."""
+    """Keep the tests' token caches out of the user's .cache. Under pytest-xdist (`make test` runs two workers)
+    the workers share one cache, beside their own temporary directories: the corpus is tokenized once, by whichever
+    worker comes first (data/prepare.py locks a cache entry while it is written)."""
     old = os.environ.get("QUANTDYN_CACHE")
-    os.environ["QUANTDYN_CACHE"] = str(tmp_path_factory.mktemp("qdcache"))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.getbasetemp().parent / "qdcache"
+        shared.mkdir(exist_ok=True)
+        os.environ["QUANTDYN_CACHE"] = str(shared)
+    else:
+        os.environ["QUANTDYN_CACHE"] = str(tmp_path_factory.mktemp("qdcache"))
     torch.set_num_threads(1)
     yield
     if old is None:
