@@ -82,44 +82,40 @@ def test_the_catalogue_file_is_the_registry():
         "quantdyn/quantize/catalogue.json is out of date: run `python tools/quantizer_catalogue.py`"
 
 
-def test_labels_parse_the_same_without_and_with_the_registry():
-    """Every format label, the methods and a few spellings (presets, flags, -imatrix, -head) and bad labels give the
-    same config, canonical label or error in a process without torch as with the quantizers imported."""
-    from quantdyn.config import to_dict
-    from quantdyn.errors import QuantdynError
-    from quantdyn.quantize.config import QUANTIZERS, format_labels, parse_quantizer
-
-    good = sorted(format_labels()) + ["q4_k_m-head", "fp8-nohead", "q4_0-imatrix-head", "gptq3", "rtn4g64",
-                                      "awq4-sym", "gptq4-gptqmodel-v5", "gptq3-act-damp0.1", "rtn2g0", "Q4_K_M"]
-    bad = ["gptqx3", "q4_k_mm", "q8_0-imatrix", "nf4-imatrix", "fp8-sym", "awq9", "rtn4g-1", "q4_k-imatrixx"]
-    labels = good + bad
-
-    def parse(label):
-        try:
-            qc = parse_quantizer(label)
-            return [qc.name, to_dict(qc)]
-        except QuantdynError as e:
-            return str(e)
-
-    code = f"""
-import json, sys
+PARSE = """
 from quantdyn.config import to_dict
 from quantdyn.errors import QuantdynError
 from quantdyn.quantize.config import parse_quantizer
+
 def parse(label):
     try:
         qc = parse_quantizer(label)
         return [qc.name, to_dict(qc)]
     except QuantdynError as e:
         return str(e)
-print(json.dumps({{"parsed": [parse(x) for x in {labels!r}], "torch": "torch" in sys.modules}}))
 """
-    r = _python(code)
+
+
+def test_labels_parse_the_same_without_and_with_the_registry():
+    """Every format label, the methods and a few spellings (presets, flags, -imatrix, -head) and bad labels give the
+    same config, canonical label or error in a process without torch as with the quantizers imported."""
+    from quantdyn.quantize.config import QUANTIZERS, format_labels
+
+    good = sorted(format_labels()) + ["q4_k_m-head", "fp8-nohead", "q4_0-imatrix-head", "gptq3", "rtn4g64",
+                                      "awq4-sym", "gptq4-gptqmodel-v5", "gptq3-act-damp0.1", "rtn2g0", "Q4_K_M"]
+    bad = ["gptqx3", "q4_k_mm", "q8_0-imatrix", "nf4-imatrix", "fp8-sym", "awq9", "rtn4g-1", "q4_k-imatrixx"]
+    labels = good + bad
+    r = _python(PARSE + f"""
+import json, sys
+print(json.dumps({{"parsed": [parse(x) for x in {labels!r}], "torch": "torch" in sys.modules}}))
+""")
     assert r.returncode == 0, r.stderr[-3000:]
     without = json.loads(r.stdout)
     assert not without["torch"]
     assert QUANTIZERS.names()  # the registry's modules are imported here
-    with_registry = [parse(x) for x in labels]
+    here: dict = {}
+    exec(PARSE, here)
+    with_registry = [here["parse"](x) for x in labels]
     assert without["parsed"] == json.loads(json.dumps(with_registry))
     assert [isinstance(p, str) for p in with_registry] == [False] * len(good) + [True] * len(bad)
 
