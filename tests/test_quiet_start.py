@@ -65,6 +65,41 @@ print(json.dumps({{"runs": out, "torch": "torch" in sys.modules, "transformers":
     assert not got["torch"] and not got["transformers"]
 
 
+def test_a_lazy_registry_loads_once_on_first_use_and_other_threads_wait():
+    import threading
+    import time
+
+    from quantdyn.registry import LazyRegistry
+
+    calls = []
+
+    def load():
+        calls.append(1)
+        reg.add("a", 1)
+        time.sleep(0.2)  # another thread looks up meanwhile: it must see both entries, not half
+        reg.add("b", 2)
+
+    reg = LazyRegistry("thing", load=load)
+    assert not reg.loaded and calls == []
+    seen = []
+    other = threading.Thread(target=lambda: seen.append(reg.names()))
+    other.start()
+    time.sleep(0.05)
+    assert reg.names() == ["a", "b"] and "b" in reg
+    other.join()
+    assert seen == [["a", "b"]] and calls == [1] and reg.loaded
+
+    def broken():
+        calls.append(2)
+        raise ImportError("no module named torch")
+
+    failing = LazyRegistry("thing", load=broken)
+    for _ in range(2):  # a failed load is tried again on the next lookup, not taken for an empty registry
+        with pytest.raises(ImportError):
+            failing.names()
+    assert not failing.loaded and calls == [1, 2, 2]
+
+
 def _catalogue_tool():
     spec = importlib.util.spec_from_file_location("quantizer_catalogue", ROOT / "tools" / "quantizer_catalogue.py")
     module = importlib.util.module_from_spec(spec)
