@@ -265,7 +265,7 @@ def test_fsdp2_two_processes_under_srun_and_torchrun_match_one_process(slurm, tm
     from test_fsdp import EVERY, _assert_same_curve, _curve, _run_dict
 
     data_cfg, _ = kjv_small
-    steps = 200  # long enough that the warning lands mid-run also on an idle machine
+    steps = 120  # long enough that the warning lands mid-run also on an idle machine
     ref = train(from_dict(RunConfig, _run_dict(tmp_path, data_cfg, "ref", 4, "ddp", steps)), progress=False)
     base = _run_dict(tmp_path, data_cfg, "f", 2, "fsdp2", steps)  # 2 processes x 2 sequences = 1 x 4
     # checkpoints at step EVERY and the last one only: the step the warning stops at is one of its own
