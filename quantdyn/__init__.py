@@ -23,6 +23,8 @@ tests/test_layers.py checks that the two agree and that the code keeps to them.
     quantize | evaluate          pure quantization algorithms | loss, KL, agreement, lm-eval
     data | models                token sources and shards | the model file, HF I/O, lazy checkpoint weights
     results                      the row schema, the statistics of rows, the JSONL store and its tables
+    runs | schedules             the run-directory layout and every name in it (checkpoints, branches,
+                                 averages) | LR schedules as pure functions of the step
     config | registry | files | runtime | progress    typed configs, one Registry, atomic writes,
                                  devices and provenance, progress lines
     errors                       QuantdynError: every user error as one line

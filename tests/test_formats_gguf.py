@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 from quantdyn.errors import QuantdynError
 from quantdyn.quantize import gguf as qg
+from quantdyn.quantize import gguf_mixes
 from quantdyn.quantize.config import TensorSite, config_for_tensor, parse_quantizer
 from quantdyn.quantize.formats import imatrix_from_stats
 from quantdyn.quantize.gptq import stats_update
@@ -101,7 +102,7 @@ def test_roundtrip_and_step_zero_layout():
 def test_mix_recipes_equal_llama_quantize():
     """Every tensor of 16-block GPT-NeoX and LLaMA models gets the type llama.cpp's quantizer gave it."""
     ref = json.loads((FIX / "gguf_llamacpp.json").read_text())
-    cat = {v: k for k, v in {**qg.TENSOR_CATEGORY}.items()}  # gguf name -> a block path of that category
+    cat = {v: k for k, v in {**gguf_mixes.TENSOR_CATEGORY}.items()}  # gguf name -> a block path of that category
     cat.update({"attn_qkv": "attention.query_key_value", "attn_output": "attention.dense", "ffn_up": "mlp.up_proj",
                 "ffn_down": "mlp.down_proj", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                 "attn_v": "self_attn.v_proj", "ffn_gate": "mlp.gate_proj"})
@@ -166,3 +167,25 @@ def test_weighted_error_is_lower_with_the_imatrix():
         plain, weighted = qg.quantize_gguf(W, t), qg.quantize_gguf(W, t, im)
         err = lambda q: float((((q.weight - W) ** 2) * im).sum())  # noqa: E731
         assert err(weighted) < err(plain), t
+
+
+def test_a_block_type_is_one_consistent_object():
+    """Everything the rest of quantdyn asks of a type comes from its object: the bytes pack() lays out fill
+    exactly type_size per block, the fallback is a 32-weight type, file types are distinct, and the GGUF
+    export and the quantizer catalogue list every registered type."""
+    from quantdyn.export.gguf import _file_type
+    from quantdyn.quantize.config import QUANTIZERS
+
+    W = torch.randn(2, 512, generator=torch.Generator().manual_seed(5)) * 0.03
+    file_types = set()
+    for t in qg.GGML_TYPES:
+        g = qg.GGML_TYPES.get(t)
+        assert g.name.lower() == t and g.bits_per_weight == g.type_size * 8 / g.block
+        assert qg.pack_gguf(qg.quantize_gguf(W, t)).shape == (2, 512 // g.block * g.type_size), t
+        assert g.fallback is None or qg.GGML_TYPES.get(g.fallback).block == qg.QK, t
+        assert t in QUANTIZERS and (f"{t}-imatrix" in QUANTIZERS) == g.takes_imatrix and _file_type(t) == g.file_type
+        file_types.add(g.file_type)
+    for m in gguf_mixes.MIXES:
+        assert m in QUANTIZERS and gguf_mixes.MIXES.get(m).default in qg.GGML_TYPES
+        file_types.add(_file_type(m))
+    assert len(file_types) == len(qg.GGML_TYPES) + len(gguf_mixes.MIXES)

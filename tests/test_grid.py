@@ -20,7 +20,7 @@ from quantdyn.launch.grid import (
     write_launch_scripts,
 )
 from quantdyn.launch.slurm import SlurmConfig
-from quantdyn.train.checkpoint import checkpoint_dir, list_checkpoints
+from quantdyn.runs import checkpoint_dir, list_checkpoints
 from quantdyn.train.config import RunConfig
 
 VARY = ["optim.lr=1e-4,1e-3,3e-3", "optim.weight_decay=0.1,0.05"]

@@ -42,6 +42,7 @@ from quantdyn.errors import QuantdynError
 from quantdyn.export.formats import EXPORT_FORMATS, ExportFormat
 from quantdyn.files import atomic_file
 from quantdyn.quantize import gguf as qg
+from quantdyn.quantize import gguf_mixes
 from quantdyn.quantize.config import QUANTIZERS, QuantConfig, parse_quantizer
 from quantdyn.quantize.primitives import QuantResult
 
@@ -51,9 +52,16 @@ ALIGNMENT = 32
 F32_TYPE, F16_TYPE = 0, 1
 """ggml type ids of the float tensors."""
 
-_FILE_TYPE = {"q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9, "q2_k": 10, "q3_k": 11, "q3_k_m": 12,
-              "q4_k": 14, "q4_k_m": 15, "q5_k": 16, "q5_k_m": 17, "q6_k": 18}
-"""llama.cpp's ``llama_ftype`` of each label (a pure k-type is written as its _S mix, whose default it is)."""
+
+
+def _file_type(label: str) -> int | None:
+    """llama.cpp's ``llama_ftype`` of a GGUF label (a block type's or a mix's), None for any other label."""
+    if label in qg.GGML_TYPES:
+        return qg.GGML_TYPES.get(label).file_type
+    if label in gguf_mixes.MIXES:
+        return gguf_mixes.MIXES.get(label).file_type
+    return None
+
 
 _ARCH = {"gpt_neox": "gptneox", "quantdyn-gpt": "gptneox", "llama": "llama"}
 """quantdyn/HF model_type -> GGUF architecture."""
@@ -66,8 +74,8 @@ def gguf_quantizer(qcfg: QuantConfig) -> str:
     """The GGUF label of ``qcfg`` (``q4_k_m``) or a one-line refusal."""
     spec = QUANTIZERS.get(qcfg.method).format
     base = qcfg.method.removesuffix("-imatrix")
-    if spec is None or base not in _FILE_TYPE:
-        gguf_labels = ", ".join(sorted(_FILE_TYPE))
+    if spec is None or _file_type(base) is None:
+        gguf_labels = ", ".join(sorted([*qg.GGML_TYPES, *gguf_mixes.MIXES]))
         raise QuantdynError(f"GGUF export holds llama.cpp's block types ({gguf_labels}, each also -imatrix); "
                             f"quantizer {qcfg.name} has no ggml type: quantize with one of those, or export "
                             f"{qcfg.name} as gptq or compressed-tensors")
@@ -235,7 +243,7 @@ class GGUFExportWriter:
         if order is not None:
             data = data[order]
         rows, cols = result.codes.shape
-        self._write(name, [cols, rows], qg.GGML_TYPES[t].type_id, data.contiguous().numpy().tobytes())
+        self._write(name, [cols, rows], qg.GGML_TYPES.get(t).type_id, data.contiguous().numpy().tobytes())
         self._layers.append(layer_name)
         if bias is not None:
             self.add_tensor(f"{layer_name}.bias", bias)
@@ -300,7 +308,7 @@ class GGUFExportWriter:
         meta = _Meta()
         meta.add("general.architecture", _STR, a)
         meta.add("general.name", _STR, self.name)
-        meta.add("general.file_type", _U32, _FILE_TYPE[self.label])
+        meta.add("general.file_type", _U32, _file_type(self.label))
         meta.add("general.quantization_version", _U32, 2)
         meta.add("general.alignment", _U32, ALIGNMENT)
         meta.add("quantdyn.quantizer", _STR, self.qcfg.name)

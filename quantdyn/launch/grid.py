@@ -47,7 +47,7 @@ from quantdyn.files import read_json, write_json_atomic, write_text_atomic
 from quantdyn.launch.slurm import SlurmConfig, array_script, quantdyn_command
 from quantdyn.monitor import hooks_for
 from quantdyn.runtime import git_sha
-from quantdyn.train.checkpoint import RunDir, latest_resumable, step_name
+from quantdyn.runs import RunDir, latest_resumable, step_name
 from quantdyn.train.config import RunConfig
 from quantdyn.train.trainer import train
 

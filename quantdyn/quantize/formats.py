@@ -12,8 +12,8 @@ result also carries the layer loss ½ tr(ΔW H ΔWᵀ) like RTN's.
   mean x_j² = diag(H)_j · n / (2 · tokens), H = 2/n Σ x xᵀ. Like llama-imatrix, the statistics come from
   the full-precision model's activations (``QuantMethod.fp_calibration``), not from the quantized blocks.
 * A mix resolves per tensor (``QuantMethod.for_tensor``) to the block type llama.cpp's recipe gives it
-  (``gguf.mix_type``); every GGUF type falls back as llama.cpp does when a row does not fit its block
-  (``gguf.fallback_type``); the layer row records ``gguf_type`` and ``gguf_fallback_from``.
+  (``gguf_mixes.mix_type``); every GGUF type falls back as llama.cpp does when a row does not fit its block
+  (``gguf_mixes.fallback_type``); the layer row records ``gguf_type`` and ``gguf_fallback_from``.
 * ``w8a8-fp8`` is ``fp8-channel`` weights plus FP8 per-token activations (``QuantMethod.act_quant``),
   applied by the engine to the input of every quantized layer.
 """
@@ -26,7 +26,7 @@ import torch
 
 from quantdyn.errors import QuantdynError
 from quantdyn.quantize import float_formats as ff
-from quantdyn.quantize import gguf
+from quantdyn.quantize import gguf, gguf_mixes
 from quantdyn.quantize.config import QUANTIZERS, FormatSpec, QuantConfig, QuantMethod, TensorSite
 from quantdyn.quantize.gptq import ActStats
 from quantdyn.quantize.primitives import QuantResult, layer_loss
@@ -79,23 +79,23 @@ def _gguf_for_tensor(cfg: QuantConfig, site: TensorSite) -> tuple[str, dict]:
     cols = site.shape[1]
     where = "the head" if site.block < 0 else f"layer {site.name} of block {site.block}"
     t = base
-    if base in gguf.MIXES:
-        category = "output" if site.block < 0 else gguf.tensor_category(site.name)
-        t = gguf.mix_type(base, category, max(site.block, 0), site.n_blocks, cols)
+    if base in gguf_mixes.MIXES:
+        category = "output" if site.block < 0 else gguf_mixes.tensor_category(site.name)
+        t = gguf_mixes.mix_type(base, category, max(site.block, 0), site.n_blocks, cols)
     try:
-        fb = gguf.fallback_type(t, cols)
+        fb = gguf_mixes.fallback_type(t, cols)
     except QuantdynError as e:
         raise QuantdynError(f"{where}: {e}") from None
     notes: dict = {}
     if fb is not None:
-        notes["gguf_fallback_from"] = gguf.GGML_TYPES[t].name
+        notes["gguf_fallback_from"] = gguf.GGML_TYPES.get(t).name
         t = fb
-    return (f"{t}-imatrix" if imatrix and t != "q8_0" else t), notes
+    return (f"{t}-imatrix" if imatrix and gguf.GGML_TYPES.get(t).takes_imatrix else t), notes
 
 
 def _mix_fn(mix: str, imatrix: bool) -> Callable[..., QuantResult]:
     """Called without a tensor site (a direct call, not through the engine): the mix's default type."""
-    return _gguf_fn(gguf.MIXES[mix], imatrix)
+    return _gguf_fn(gguf_mixes.MIXES.get(mix).default, imatrix)
 
 
 # ----------------------------------------------------------------------------- float formats
@@ -129,15 +129,16 @@ def _rows_of(block: int, label: str) -> Callable[[QuantConfig, TensorSite], tupl
 
 
 def _register() -> None:
-    for name, t in gguf.GGML_TYPES.items():
+    for name in gguf.GGML_TYPES:
+        t = gguf.GGML_TYPES.get(name)
         QUANTIZERS.add(name, QuantMethod(_gguf_fn(name, False), False, FormatSpec(name, t.bits, t.group),
                                          _gguf_for_tensor))
-        if name != "q8_0":  # ggml's Q8_0 ignores an importance matrix
+        if t.takes_imatrix:  # ggml's Q8_0 ignores an importance matrix
             label = f"{name}-imatrix"
             QUANTIZERS.add(label, QuantMethod(_gguf_fn(name, True), True, FormatSpec(label, t.bits, t.group),
                                               _gguf_for_tensor, fp_calibration=True))
-    for mix, default in gguf.MIXES.items():
-        t = gguf.GGML_TYPES[default]
+    for mix in gguf_mixes.MIXES:
+        t = gguf.GGML_TYPES.get(gguf_mixes.MIXES.get(mix).default)
         QUANTIZERS.add(mix, QuantMethod(_mix_fn(mix, False), False, FormatSpec(mix, t.bits, t.group), _gguf_for_tensor))
         QUANTIZERS.add(f"{mix}-imatrix", QuantMethod(_mix_fn(mix, True), True, FormatSpec(f"{mix}-imatrix", t.bits, t.group),
                                                      _gguf_for_tensor, fp_calibration=True))

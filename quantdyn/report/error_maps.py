@@ -27,7 +27,8 @@ from matplotlib.ticker import FuncFormatter
 
 from quantdyn.report.output import panel_grid, save_figure, tokens_label
 from quantdyn.report.palette import Palette
-from quantdyn.results.schema import MAIN, control_of, number
+from quantdyn.results.schema import number
+from quantdyn.runs import MAIN, control_of
 
 FLOOR_COLOR = "0.55"
 FLOOR_LABEL = "bf16 noise floor (± 2 SE)"
