@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 
 from quantdyn.config import from_dict
 from quantdyn.launch.grid import read_grid, run_grid, write_grid
-from quantdyn.train.checkpoint import list_checkpoints
+from quantdyn.runs import list_checkpoints
 from quantdyn.train.config import RunConfig
 from quantdyn.train.trainer import train
 

@@ -9,7 +9,7 @@ from conftest import tiny_run_dict
 from safetensors.torch import load_file
 
 from quantdyn.config import from_dict
-from quantdyn.train.checkpoint import latest_resumable, list_checkpoints
+from quantdyn.runs import latest_resumable, list_checkpoints
 from quantdyn.train.config import RunConfig
 from quantdyn.train.stop_signal import StoppedOnSignal
 from quantdyn.train.trainer import train

@@ -47,7 +47,7 @@ from quantdyn.files import read_json, write_json_atomic, write_text_atomic
 from quantdyn.launch.slurm import SlurmConfig, array_script, quantdyn_command
 from quantdyn.monitor import hooks_for
 from quantdyn.runtime import git_sha
-from quantdyn.runs import RunDir, latest_resumable, step_name
+from quantdyn.runs import CHECKPOINTS, METRICS, STATE, WEIGHTS, RunDir, latest_resumable, step_name
 from quantdyn.train.config import RunConfig
 from quantdyn.train.trainer import train
 
@@ -357,14 +357,14 @@ FINAL=(
 )
 RUN="${{RUNS[$SLURM_ARRAY_TASK_ID]}}"
 RUN_DIR="$GRID_DIR/runs/$RUN"
-if [ -f "$RUN_DIR/checkpoints/${{FINAL[$SLURM_ARRAY_TASK_ID]}}/model.safetensors" ]; then
+if [ -f "$RUN_DIR/{CHECKPOINTS}/${{FINAL[$SLURM_ARRAY_TASK_ID]}}/{WEIGHTS}" ]; then
   echo "quantdyn: run $RUN already finished"; exit 0
 fi
 {_launcher(slurm.nproc_per_node, python)}
-if compgen -G "$RUN_DIR/checkpoints/step-*/training_state.pt" > /dev/null; then
+if compgen -G "$RUN_DIR/{CHECKPOINTS}/step-*/{STATE}" > /dev/null; then
   TASK=("${{LAUNCH[@]}}" train --resume "$RUN_DIR")
 else
-  rm -f "$RUN_DIR/metrics.jsonl"
+  rm -f "$RUN_DIR/{METRICS}"
   TASK=("${{LAUNCH[@]}}" train "$GRID_DIR/configs/$RUN.yaml")
 fi
 """
