@@ -211,6 +211,8 @@ def test_slurm_without_sbatch_is_one_line_and_writes_nothing(tmp_path, cli, monk
         assert not written.exists()
         r = cli(*args, "--submit")  # the old spelling: the same, with a note once it has run
         assert r.returncode == 2 and "sbatch, which is not on PATH" in r.stderr
+        r = cli(*args, "--write-only")
+        assert r.returncode == 2 and "--write-only goes with --slurm" in r.stderr and not written.exists()
         r = cli(*args, "--slurm", "--write-only")
         assert r.returncode == 0 and "submit with: sbatch " in r.stdout, r.stderr
 

@@ -111,6 +111,10 @@ class SlurmOptions:
             from quantdyn.cli.app import deprecated
 
             deprecated("--submit", "use --slurm, which now submits the array with sbatch")
+        if self.write_only and not (slurm_flag or self.submit):
+            from quantdyn.errors import QuantdynError
+
+            raise QuantdynError("--write-only goes with --slurm: add --slurm to write the sbatch script")
         return slurm_flag or self.submit
 
     def config(self, nproc_per_node: int = 1):

@@ -109,12 +109,12 @@ def sweep(
     if not spec and not traj:
         raise QuantdynError("give a sweep spec YAML or a trajectory (--run, --checkpoint, --hub or --preset)")
     cfg = from_dict(SweepConfig, data)
-    if slurm.wanted(on_slurm):
-        return _sweep_on_slurm(cfg, shard, shards, slurm)
-    if dry_run:
+    if dry_run:  # before --slurm: a dry run submits nothing either
         for line in dry_run_report(cfg):
             typer.echo(line)
         return
+    if slurm.wanted(on_slurm):
+        return _sweep_on_slurm(cfg, shard, shards, slurm)
     from quantdyn.train.loggers import console_mode
 
     mode = console_mode(quiet, verbose)
