@@ -237,6 +237,9 @@ def test_slurm_config_and_time_limits():
     for bad in ["TERM@60", "USR1", "USR1@0", "USR1@-5", "KILL@10"]:
         with pytest.raises(QuantdynError, match="SIG@SECONDS"):
             parse_signal(bad)
+    with pytest.raises(QuantdynError, match="not shorter than --time 2"):
+        SlurmConfig(time="2", signal="USR1@120")  # warned at once, requeued for ever
+    assert SlurmConfig(time="2", signal="USR1@90").signal == "USR1@90"
 
 
 def test_sweep_array_script_runs_each_shard(tmp_path):

@@ -113,7 +113,10 @@ class SlurmConfig:
             v = getattr(self, name)
             if v and not re.fullmatch(r"[A-Za-z0-9_.,:+\-|&]+", v):
                 raise QuantdynError(f"slurm {name} '{v}' has characters SLURM does not accept in names")
-        parse_signal(self.signal)
+        warn = parse_signal(self.signal)
+        if warn and self.time and warn[1] >= 60 * parse_slurm_time(self.time):
+            raise QuantdynError(f"--signal {self.signal} comes before the task starts: its {warn[1]} s are not shorter "
+                                f"than --time {self.time}; give fewer seconds or more time")
 
 
 
