@@ -9,7 +9,9 @@
 #   tools/slurm_cluster.sh stop      stop the daemons this script started (by their pid files)
 #
 # Everything lives under $QUANTDYN_SLURM_DIR (default /tmp/quantdyn-slurm): slurm.conf, the munge key and
-# socket, state, spool, logs and pid files; nothing under /etc is written. Clients find the cluster through
+# socket, state, spool, logs and pid files; nothing under /etc is written. slurmctld listens on
+# $QUANTDYN_SLURM_PORT (default 6817), slurmd on the next port: two clusters on one machine (two test
+# sessions) need two directories and two ports. Clients find the cluster through
 # SLURM_CONF=$QUANTDYN_SLURM_DIR/slurm.conf. The node is this machine ("localhost") with its CPUs as slots,
 # a short MinJobAge and cred_expire (a requeued job starts again within seconds, not two minutes),
 # JobRequeue=1, no cgroups (proctrack/linuxproc, task/none: containers rarely delegate cgroups). The daemons
