@@ -14,6 +14,7 @@ family's package imports its entry modules in its ``__init__`` so that
 """
 from __future__ import annotations
 
+import threading
 from typing import Callable, Generic, Iterator, TypeVar
 
 from quantdyn.errors import unknown_name
@@ -64,3 +65,37 @@ class Registry(Generic[T]):
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+class LazyRegistry(Registry[T]):
+    """A registry whose built-in entries are registered by modules imported on first use: ``load()`` imports
+    them before the first lookup or addition, so that the family's package imports without them (the quantizers'
+    catalogue without torch: a mistyped label is refused in a second).  ``loaded`` says whether that happened.
+    Another thread that looks up while one loads waits for it."""
+
+    def __init__(self, kind: str, load: Callable[[], object]):
+        self._load: Callable[[], object] | None = load
+        self._loading = False
+        self._lock = threading.RLock()
+        super().__init__(kind)
+
+    @property
+    def loaded(self) -> bool:
+        return self._load is None
+
+    @property
+    def _entries(self) -> dict[str, T]:
+        if self._load is not None:
+            with self._lock:  # reentrant: the modules being loaded add their entries through here
+                if self._load is not None and not self._loading:
+                    self._loading = True
+                    try:
+                        self._load()
+                        self._load = None
+                    finally:
+                        self._loading = False
+        return self.__dict__["_entries"]
+
+    @_entries.setter
+    def _entries(self, value: dict[str, T]) -> None:
+        self.__dict__["_entries"] = value

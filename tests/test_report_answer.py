@@ -29,6 +29,7 @@ def page_parts(page: str) -> tuple[str, list[str]]:
     return html.unescape(re.sub(r"<[^>]+>", "", first)), re.findall(r"<section id='([^']+)'", page)
 
 
+@pytest.mark.e2e  # a whole report of a decay study: 5.8 s on an idle 2-core CPU (the fast tier's rule: ~5 s)
 def test_report_of_a_store_opens_with_the_verdicts_and_prints_the_demo_summary(tmp_path, cli):
     rows = decay_rows(tmp_path / "runs")
     ResultStore(tmp_path / "st").append(rows)

@@ -192,6 +192,7 @@ def every_figure_rows(tmp_path) -> list[dict]:
     return rows + [{**r, "key": f"hub-{k}", "ce_q": r["ce_fp"] + r["delta_ce"]} for k, r in enumerate(hub)]
 
 
+@pytest.mark.e2e  # every figure of the report laid out and checked: 11.6 s on an idle 2-core CPU
 def test_no_figure_clips_its_text_and_every_lr_line_has_its_axis(tmp_path, laid_out):
     """(b) and (c) over every figure function: the report's own (trajectory, monitored panels, rainbow, seeds,
     loss vs Δ CE, averages, predictors, accuracy, optimizers, scaling, public trajectories) and the findings'

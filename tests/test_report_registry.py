@@ -9,7 +9,7 @@ import pytest
 from test_report_figures import study_rows
 
 from quantdyn.report import sections as report_sections
-from quantdyn.report.output import save_figure
+from quantdyn.report.output import save_figure, subplots
 from quantdyn.report.sections import REPORT_SECTIONS, Page, ReportSection, Section
 from quantdyn.results.schema import ACCURACY, PTQ
 from quantdyn.results.stats import REPRODUCED, Effect
@@ -22,9 +22,7 @@ CAPTION = "Toy caption: one bar per quantizer."
 
 
 def _draw(found, detail, out) -> bool:
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(3, 2))
+    fig, ax = subplots(figsize=(3, 2))
     ax.bar(range(len(detail)), [d["delta_ce"] for d in detail])
     save_figure(fig, out)
     return True

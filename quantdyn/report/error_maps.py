@@ -17,9 +17,6 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
 import numpy as np
 from matplotlib.colors import LogNorm
 from matplotlib.patches import Patch

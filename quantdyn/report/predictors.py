@@ -11,13 +11,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-
 from quantdyn.analysis.correlate import CorrelateConfig, correlate
-from quantdyn.report.output import PAGE_WIDTH, save_figure
+from quantdyn.report.output import PAGE_WIDTH, save_figure, subplots
 from quantdyn.report.palette import quantizer_color
 from quantdyn.results.schema import ANALYSIS, PTQ
 
@@ -69,7 +64,7 @@ def predictor_figure(rows: list[dict], corr: list[dict], out: Path, top: int = 4
     qs = sorted({c["quantizer"] for c in corr})[:4]
     if not qs:
         return False
-    fig, axes = plt.subplots(len(qs), top, figsize=(PAGE_WIDTH, 2.1 * len(qs)), squeeze=False)
+    fig, axes = subplots(len(qs), top, figsize=(PAGE_WIDTH, 2.1 * len(qs)), squeeze=False)
     for i, q in enumerate(qs):
         table = joined_table(rows, q)
         best = [c for c in corr if c["quantizer"] == q and not math.isnan(c["spearman"])][:top]

@@ -16,13 +16,10 @@ import textwrap
 from pathlib import Path
 from typing import Callable, Mapping
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+from matplotlib import colormaps
 from matplotlib.lines import Line2D
 
-from quantdyn.report.output import PAGE_WIDTH, save_figure
+from quantdyn.report.output import PAGE_WIDTH, save_figure, subplots
 from quantdyn.results.stats import NOT_RESOLVED, VERDICTS, format_estimate, format_interval, verdict_of
 from quantdyn.runs import MAIN, is_cooldown, parse_branch
 
@@ -40,8 +37,8 @@ def peak_lr(detail: list[dict], out: Path) -> bool:
     if not qs:
         return False
     lrs = sorted({d["peak_lr"] for d in detail})
-    cmap = plt.get_cmap("viridis")
-    fig, axes = plt.subplots(1, len(qs), figsize=(3.8 * len(qs), 3.4), squeeze=False)
+    cmap = colormaps["viridis"]
+    fig, axes = subplots(1, len(qs), figsize=(3.8 * len(qs), 3.4), squeeze=False)
     for ax, q in zip(axes[0], qs):
         for k, lr in enumerate(lrs):
             col = cmap(k / max(1, len(lrs) - 1))
@@ -77,7 +74,7 @@ def averaging(detail: list[dict], out: Path) -> bool:
     qs = _quantizers(rows)
     if not qs:
         return False
-    fig, axes = plt.subplots(len(qs), 2, figsize=(8.5, 2.2 * len(qs) + 0.8), squeeze=False)
+    fig, axes = subplots(len(qs), 2, figsize=(8.5, 2.2 * len(qs) + 0.8), squeeze=False)
     for i, q in enumerate(qs):
         mine = [d for d in rows if d["quantizer"] == q]
         names = sorted({d["checkpoint"] for d in mine})
@@ -110,7 +107,7 @@ def sharpness(detail: list[dict], out: Path) -> bool:
     q = qs[0]
     mine = [d for d in detail if d["quantizer"] == q]
     runs = sorted({d["run"] for d in mine})[:4]
-    fig, axes = plt.subplots(3, len(runs), figsize=(3.3 * len(runs) + 0.6, 6.4), squeeze=False, sharex="col")
+    fig, axes = subplots(3, len(runs), figsize=(3.3 * len(runs) + 0.6, 6.4), squeeze=False, sharex="col")
     for c, run in enumerate(runs):
         pts = [d for d in mine if d["run"] == run]
         branches = sorted({d["branch"] for d in pts})
@@ -151,7 +148,7 @@ def predictors(findings: list[dict], out: Path) -> bool:
         return False
     labels = list(dict.fromkeys(f["comparison"].split(" over ")[0] for f in rows))
     qs = list(dict.fromkeys(f["quantizer"] for f in rows))
-    fig, ax = plt.subplots(figsize=(7.0, 0.45 * len(labels) * max(1, len(qs) / 2) + 1.2))
+    fig, ax = subplots(figsize=(7.0, 0.45 * len(labels) * max(1, len(qs) / 2) + 1.2))
     for k, q in enumerate(qs):
         for i, lab in enumerate(labels):
             f = next((x for x in rows if x["quantizer"] == q and x["comparison"].startswith(lab)), None)
@@ -264,11 +261,8 @@ def overview(findings: list[dict], out: Path,
     fams = {f.get("seed_family") for f in drawable if f.get("seed_family")}
     labels = {id(f): label(f, len(fams) > 1) for f in drawable}
     heights = [sum(0.2 + 0.12 * labels[id(f)].count("\n") for f in rows) + 0.8 for rows in panels.values()]
-    shown = [v for v in VERDICTS.values() if any(f["verdict"] == v.word for f in drawable)]
-    seeds = any(len(f.get("per_seed") or []) > 1 for f in drawable if _mode(f) != "rho")
-    modes = {mode for _, mode in panels}
-    leg_h = 0.17 * math.ceil((len(shown) + bool(modes & {"rel", "rho"}) + seeds) / 2) + 0.15
-    fig, axes = plt.subplots(len(panels), 1, figsize=(PAGE_WIDTH, sum(heights) + leg_h + 0.1), squeeze=False,
+from quantdyn.report.output import PAGE_WIDTH, save_figure, subplots
+from quantdyn.results.stats import NOT_RESOLVED, VERDICTS, format_estimate, format_interval, verdict_of
                              gridspec_kw={"height_ratios": heights})
     for ax, ((claim, mode), rows) in zip(axes[:, 0], panels.items()):
         lo, hi = _span(rows, mode, zt) if mode != "rho" else (-1.05, 1.05)
