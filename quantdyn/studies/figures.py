@@ -261,9 +261,12 @@ def overview(findings: list[dict], out: Path,
     fams = {f.get("seed_family") for f in drawable if f.get("seed_family")}
     labels = {id(f): label(f, len(fams) > 1) for f in drawable}
     heights = [sum(0.2 + 0.12 * labels[id(f)].count("\n") for f in rows) + 0.8 for rows in panels.values()]
-from quantdyn.report.output import PAGE_WIDTH, save_figure, subplots
-from quantdyn.results.stats import NOT_RESOLVED, VERDICTS, format_estimate, format_interval, verdict_of
-                             gridspec_kw={"height_ratios": heights})
+    shown = [v for v in VERDICTS.values() if any(f["verdict"] == v.word for f in drawable)]
+    seeds = any(len(f.get("per_seed") or []) > 1 for f in drawable if _mode(f) != "rho")
+    modes = {mode for _, mode in panels}
+    leg_h = 0.17 * math.ceil((len(shown) + bool(modes & {"rel", "rho"}) + seeds) / 2) + 0.15
+    fig, axes = subplots(len(panels), 1, figsize=(PAGE_WIDTH, sum(heights) + leg_h + 0.1), squeeze=False,
+                         gridspec_kw={"height_ratios": heights})
     for ax, ((claim, mode), rows) in zip(axes[:, 0], panels.items()):
         lo, hi = _span(rows, mode, zt) if mode != "rho" else (-1.05, 1.05)
         if mode == "z":
