@@ -14,7 +14,7 @@ tests/test_layers.py checks that the two agree and that the code keeps to them.
     cli                          the command line (typer): one module per command family, named for it
     api                          the public Python API
     studies                      a study spec -> runs, cooldowns, averages, sweep, findings with verdicts
-    report | launch              figures and the HTML page from rows | grids, torchrun, SLURM and submitit
+    report | launch              figures and the HTML page from rows | grids, torchrun, SLURM arrays
     sweep | monitor              checkpoints x quantizers -> rows | the same inside any training loop
     engine                       block walk, activation streams, measure(), one writer of quantized files
     sources                      where checkpoints come from: runs, directories, hub revisions, presets

@@ -14,6 +14,7 @@ family's package imports its entry modules in its ``__init__`` so that
 """
 from __future__ import annotations
 
+import threading
 from typing import Callable, Generic, Iterator, TypeVar
 
 from quantdyn.errors import unknown_name
@@ -35,10 +36,12 @@ class Registry(Generic[T]):
 
         return deco
 
-    def add(self, name: str, obj: T) -> None:
+    def add(self, name: str, obj: T) -> T:
+        """Register ``obj`` as ``name`` and return it (``PTQ = ROW_KINDS.add("ptq", RowKind(...))``)."""
         if name in self._entries:
             raise ValueError(f"{self.kind} '{name}' is registered twice")
         self._entries[name] = obj
+        return obj
 
     def get(self, name: str) -> T:
         try:
@@ -49,6 +52,11 @@ class Registry(Generic[T]):
     def names(self) -> list[str]:
         return sorted(self._entries)
 
+    def values(self) -> list[T]:
+        """The registered objects in the order they were registered (where the order is shown: the report's
+        sections, the findings' families)."""
+        return list(self._entries.values())
+
     def __contains__(self, name: object) -> bool:
         return name in self._entries
 
@@ -57,3 +65,37 @@ class Registry(Generic[T]):
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+class LazyRegistry(Registry[T]):
+    """A registry whose built-in entries are registered by modules imported on first use: ``load()`` imports
+    them before the first lookup or addition, so that the family's package imports without them (the quantizers'
+    catalogue without torch: a mistyped label is refused in a second).  ``loaded`` says whether that happened.
+    Another thread that looks up while one loads waits for it."""
+
+    def __init__(self, kind: str, load: Callable[[], object]):
+        self._load: Callable[[], object] | None = load
+        self._loading = False
+        self._lock = threading.RLock()
+        super().__init__(kind)
+
+    @property
+    def loaded(self) -> bool:
+        return self._load is None
+
+    @property
+    def _entries(self) -> dict[str, T]:
+        if self._load is not None:
+            with self._lock:  # reentrant: the modules being loaded add their entries through here
+                if self._load is not None and not self._loading:
+                    self._loading = True
+                    try:
+                        self._load()
+                        self._load = None
+                    finally:
+                        self._loading = False
+        return self.__dict__["_entries"]
+
+    @_entries.setter
+    def _entries(self, value: dict[str, T]) -> None:
+        self.__dict__["_entries"] = value

@@ -345,16 +345,29 @@ def test_repeats_vary_the_calibration_and_combine_the_uncertainty(tmp_path, kjv_
     assert again["gptq3"]["delta_ce_repeats"] == gptq["delta_ce_repeats"]
 
 
-def _live_stats() -> set[int]:
+@pytest.fixture
+def _live_stats(monkeypatch):
+    """A function: the ActStats objects alive now (every one made since the fixture started is tracked by a weak
+    reference; a scan of gc.get_objects() per layer took seconds in a long test session)."""
     import gc
+    import weakref
 
     from quantdyn.quantize.gptq import ActStats
 
-    return {id(o) for o in gc.get_objects() if isinstance(o, ActStats)}
+    made = weakref.WeakSet()
+    init = ActStats.__init__
+
+    def tracked(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.add(self)
+
+    assert not any(isinstance(o, ActStats) for o in gc.get_objects())  # none older than the fixture
+    monkeypatch.setattr(ActStats, "__init__", tracked)
+    return lambda: set(map(id, made))
 
 
 @pytest.mark.parametrize("true_sequential", [False, True])
-def test_hessians_of_one_block_freed_layer_by_layer(true_sequential):
+def test_hessians_of_one_block_freed_layer_by_layer(true_sequential, _live_stats):
     """Calibration statistics (GPTQ's Hessians) live for one block only and each is dropped once its layers are
     quantized; layers fed the same tensor (q/k/v, gate/up) share one. Counted when each layer is done: all at once
     the block has 4 distinct inputs (q/k/v, o, gate/up, down), released in order; true-sequential keeps only

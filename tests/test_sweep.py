@@ -66,9 +66,9 @@ def test_sweep_rows_idempotent_and_report(small_run, tmp_path):
     assert more["written"] == 5
     rtn2 = [r for r in ResultStore(store).rows() if r.get("quantizer") == "rtn2"]
     assert len(rtn2) == 5 and all(isinstance(r["within_noise_floor"], bool) for r in rtn2)
-    from quantdyn.report.html import write_report
+    from quantdyn.report.html import write_page
 
-    page = write_report(small_run, tmp_path / "rep", store=store)
+    page = write_page(small_run, tmp_path / "rep", store=store)
     names = {p.name for p in page.parent.iterdir()}
     assert {"index.html", "trajectory_sw.png", "rainbow_sw.png", "loss_vs_dce.png", "block_errors_sw.png",
             "kl_by_confidence_sw.png"} <= names
@@ -176,9 +176,9 @@ def test_sweep_eval_tasks_and_accuracy_panel(tmp_path, kjv_small):
     assert len([r for r in rows if r["kind"] == "accuracy"]) == 2
     assert len([r for r in rows if r["kind"] == "ptq"]) == n_ptq
     assert run_sweep(cfg, progress=False)["written"] == 0
-    from quantdyn.report.html import write_report
+    from quantdyn.report.html import write_page
 
-    write_report(store, tmp_path / "rep")
+    write_page(store, tmp_path / "rep")
     assert (tmp_path / "rep" / "accuracy_vs_dce.png").is_file()
 
 
@@ -189,8 +189,8 @@ def test_sweep_slurm_writes_an_array_over_shards_of_one_resolved_spec(small_run,
     base = tmp_path / "base.yaml"
     base.write_text(yaml.safe_dump({"data": {"calib_samples": 4, "calib_seq_len": 32, "eval_windows": 8,
                                              "eval_seq_len": 32}}))
-    r = cli("sweep", base, "--run", small_run, "--quantizers", "rtn4", "--store", store, "--slurm", "--shards", "2",
-            "--partition", "gpu", "--time", "01:00:00", "--max-parallel", "1", "--cpus-per-task", "4")
+    r = cli("sweep", base, "--run", small_run, "--quantizers", "rtn4", "--store", store, "--slurm", "--write-only",
+            "--shards", "2", "--partition", "gpu", "--time", "01:00:00", "--max-parallel", "1", "--cpus-per-task", "4")
     assert r.returncode == 0, r.stderr
     script = (store / "slurm" / "sweep.sbatch").read_text()
     assert "#SBATCH --array=0-1%1" in script and "#SBATCH --partition=gpu" in script

@@ -70,9 +70,7 @@ def quantize(
     The quantizer is a label (--quantizers gptq3, several in one pass: --quantizers gptq3,rtn4) or the long
     flags --method/--bits/--group-size (one of the two, not both).
     """
-    from quantdyn.engine.measure import MeasureConfig
-    from quantdyn.quantize.config import parse_quantizer, quant_preset
-    from quantdyn.sweep.quantize_one import check_request, quantize_one
+    from quantdyn.quantize.config import parse_quantizer, quant_preset  # no torch: a bad quantizer is one quick line
 
     if save is not None:
         if out is not None and out != save:
@@ -94,6 +92,9 @@ def quantize(
         if preset:
             deprecated("quantize --preset", f"write the preset into the label: --quantizers {qcs[0].name}")
     options = _export_options(export_option)
+    from quantdyn.engine.measure import MeasureConfig
+    from quantdyn.sweep.quantize_one import check_request, quantize_one
+
     check_request(qcs, out=out, export=export, export_options=options, push_to_hub=push_to_hub, repeats=repeats,
                   n_eval_tokens=eval_tokens, eval_seq_len=eval_seq_len, n_calib_samples=calib_samples, names=FLAGS)
     result = quantize_one(model, qcs, calib_data=calib_data, n_calib_samples=calib_samples,

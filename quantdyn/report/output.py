@@ -11,10 +11,6 @@ import io
 import math
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from quantdyn.files import atomic_file
@@ -42,6 +38,18 @@ def figure_paths(out: str | Path) -> list[Path]:
     return [stem.parent / f"{stem.name}{s}" for s in FIGURE_SUFFIXES]
 
 
+def subplots(nrows: int = 1, ncols: int = 1, *, figsize: tuple[float, float], **kw):
+    """``plt.subplots`` without pyplot: (fig, axes) on an Agg canvas of the figure's own, so that drawing a report
+    neither picks nor switches the backend of the process (a notebook keeps its own) and a figure is freed with
+    its last reference. ``kw``: Figure.subplots' (sharex, squeeze, gridspec_kw, ...)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=figsize)
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(nrows, ncols, **kw)
+
+
 def panel_grid(n: int, max_cols: int = 3, panel_height: float = 2.4, width: float = PAGE_WIDTH,
                extra_height: float = 0.5, **kw):
     """A figure of ``n`` panels wrapped into rows of at most ``max_cols``, page-wide; panels left over in the
@@ -50,7 +58,7 @@ def panel_grid(n: int, max_cols: int = 3, panel_height: float = 2.4, width: floa
     cols = min(n, max_cols)
     rows = math.ceil(n / cols)
     height = min(MAX_HEIGHT, panel_height * rows + extra_height)
-    fig, axes = plt.subplots(rows, cols, figsize=(width, height), squeeze=False, **kw)
+    fig, axes = subplots(rows, cols, figsize=(width, height), squeeze=False, **kw)
     flat = list(axes.flat)
     for k, ax in enumerate(flat[n:], start=n):
         ax.set_visible(False)
@@ -135,7 +143,10 @@ def save_figure(fig, out: str | Path, top: float = 0.0, bottom: float = 0.0) -> 
             fig.savefig(buf, format=p.suffix[1:], **kw)
             _write_bytes_atomic(p, buf.getvalue())
     finally:
-        plt.close(fig)
+        if fig.canvas.manager is not None:  # a figure made with pyplot (subplots' are not pyplot's)
+            import matplotlib.pyplot as plt
+
+            plt.close(fig)
     return paths
 
 

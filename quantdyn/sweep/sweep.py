@@ -34,6 +34,7 @@ from quantdyn.errors import QuantdynError, unknown_name
 from quantdyn.models.hf_io import checkpoint_hash, load_causal_lm
 from quantdyn.progress import progress as counted
 from quantdyn.quantize.config import parse_quantizer
+from quantdyn.results.schema import ANALYSIS, FP, PTQ, QAT
 from quantdyn.results.schema import calib_hash as calib_identity
 from quantdyn.results.schema import row_key
 from quantdyn.results.stats import mean_se
@@ -317,7 +318,7 @@ def _stored_floor(ctx: _SweepContext, fp_key: str) -> dict:
     """The noise floor an fp row already stored carries ({} when it has none: written before the floor)."""
     if ctx.stored_floors is None:
         ctx.stored_floors = {r["key"]: {k: v for k, v in r.items() if k.startswith("floor_")}
-                             for r in ctx.store.rows() if r.get("kind") == "fp"}
+                             for r in ctx.store.rows() if FP.matches(r)}
     return ctx.stored_floors.get(fp_key, {})
 
 
@@ -394,19 +395,19 @@ def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
         rows = []
         if g == 0 and fp_pending:
             fp_ce = m.fp_window_ce
-            rows.append({"key": fp_key, "kind": "fp", **base, "ce_fp": float(fp_ce.mean()),
+            rows.append({"key": fp_key, "kind": FP.name, **base, "ce_fp": float(fp_ce.mean()),
                          "ce_fp_se": mean_se(fp_ce)[1],
                          "n_windows": len(fp_ce), "compute_dtype": m.dtype, **floor, **provenance()})
         if "__qat__" in variants:
             tr = variants["__qat__"]
             qc = tr.cfg
-            rows.append({"key": qat_key, "kind": "qat", **base, "quantizer": tr.name, "method": f"qat-{qc.method}",
+            rows.append({"key": qat_key, "kind": QAT.name, **base, "quantizer": tr.name, "method": f"qat-{qc.method}",
                          "bits": qc.w_bits, "a_bits": qc.a_bits or 0, "quant_config": to_dict(qc),
                          **m.metrics["__qat__"], "t_load": t_load, "compute_dtype": m.dtype, **provenance()})
         threads = cfg.quantize_threads if ctx.device.type == "cpu" else 0
         for label in group:
             if q_keys[label] not in ctx.done:
-                rows.append({"key": q_keys[label], "kind": "ptq", **base,
+                rows.append({"key": q_keys[label], "kind": PTQ.name, **base,
                              **ptq_fields(label, ctx.qcfgs[label], m, ctx.mcfg, threads, cfg.quant_repeats,
                                           cfg.repeat_vary, floor), "t_load": t_load,
                              **provenance()})
@@ -421,7 +422,7 @@ def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
             continue
         vals = analysis_rows(name, weights, ctx.data, ctx.calib_draws[0], ctx.eval_ids, ctx.prop_q, cfg.analysis_budget,
                              device=ctx.device, mcfg=ctx.mcfg)
-        written += len(ctx.store.append_new([{"key": key, "kind": "analysis", "analysis": name, **base, **vals,
+        written += len(ctx.store.append_new([{"key": key, "kind": ANALYSIS.name, "analysis": name, **base, **vals,
                                                **provenance()}]))
     return written, skipped
 

@@ -78,6 +78,7 @@ from quantdyn.train.distributed import (
     rank0_first,
 )
 from quantdyn.train.from_weights import check_hf_run, estimate_optimizer_state, optimizer_start_note
+from quantdyn.train.stop_signal import StoppedOnSignal, StopRequest
 from quantdyn.train.loggers import (
     TRAIN_GRAD_NORM,
     TRAIN_LOSS,
@@ -230,6 +231,7 @@ def train(
     loggers = write_run_files(run, state.step, clear=overwrite and source is None, resuming=resume is not None)
     _warn_if_unmonitored(run, hooks)
     console = open_console(run, state.step, progress)
+    stop = StopRequest().install()  # SIGUSR1: checkpoint this step and stop (train/stop_signal.py)
     try:
         if source is None and run.model.from_checkpoint:  # model.hf: its weights are the run's step 0
             start_from_weights(run, state, console)
@@ -238,6 +240,9 @@ def train(
         for step in range(state.step, cfg.train.steps):
             due = due_after(run, step + 1, stop_after)
             lr, loss, grad_norm = optimizer_step(run, state, step, sync_loss=due.sync_loss)
+            stopping = due.sync_loss and stop.agreed(runtime.device)
+            if stopping:
+                due = replace(due, checkpoint=True)
             row = train_row(run, state.step, lr, loss, grad_norm, throughput) if due.log else None
             due_hooks = [h for h in hooks if h.due(state.step)]  # asked on every process: all take part in gathering
             with averaged_point(state.optimizer, due.evaluate or due.checkpoint or bool(due_hooks)):
@@ -251,9 +256,12 @@ def train(
                 console.update()  # after the row: a plain line shows this step's loss
                 if due.checkpoint:
                     save_step(run, state, lr, row)
+            if stopping and state.step < cfg.train.steps:
+                raise StoppedOnSignal(state.step)
             if stop_after is not None and state.step >= stop_after:
                 break
     finally:
+        stop.restore()
         close_all(loggers)
         console.close(summary=sys.exc_info()[0] is None)  # no summary line for a run that ends in an error
     return run_dir
