@@ -174,9 +174,22 @@ def test_cooldown_and_control_from_an_hf_checkpoint(tmp_path, models, cli):
 
     # the same command again continues the experiment (nothing to do); another experiment is refused
     assert cli(*_cooldown_argv(src, out, "--peak-lr", "1e-3")).returncode == 0
+    before = {f: f.read_bytes() for f in (out / "config.yaml", out / "run.json")}
     r = cli(*_cooldown_argv(src, out, "--peak-lr", "2e-3"))
     assert r.returncode == 2 and "already holds a different experiment (optim" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+    assert {f: f.read_bytes() for f in before} == before and sorted(p.name for p in (out / "branches").iterdir()) \
+        == names  # nothing written
+    # a training run in --out is another experiment too, and so is a directory of other files
+    run = train(from_dict(RunConfig, _train(tmp_path, src, "plain")), progress=False)
+    r = cli(*_cooldown_argv(src, run, "--peak-lr", "1e-3"))
+    assert r.returncode == 2 and "already holds a different experiment (a training run)" in r.stderr
+    assert not (run / "branches").exists()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    r = cli(*_cooldown_argv(src, tmp_path / "other", "--peak-lr", "1e-3"))
+    assert r.returncode == 2 and "is not empty and holds no cooldown experiment" in r.stderr
+    assert [p.name for p in (tmp_path / "other").iterdir()] == ["notes.txt"]
 
 
 @pytest.mark.e2e
@@ -218,6 +231,18 @@ def test_average_soups_hf_branches_into_the_same_architecture(tmp_path, models, 
     got = load_file(str(tmp_path / "soup" / "model.safetensors"))
     for k in a:
         want = (a[k].double() * 0.5 + b[k].double() * 0.5).float()
+        assert torch.equal(got[k], want), k
+
+    # offline LAWA over a branch of the HF model: HF checkpoints of the same class, the window's mean
+    branch = out / "branches" / "control-s0-d2"
+    r = cli("average", "lawa", str(branch), "--window", "2", "--every", "1", "--out", str(tmp_path / "lawa"))
+    assert r.returncode == 0, r.stderr
+    lawa = tmp_path / "lawa" / "step-0000002"
+    assert type(AutoModelForCausalLM.from_pretrained(lawa)).__name__ == "Qwen2ForCausalLM"
+    s1, s2 = (load_file(str(branch / "checkpoints" / f"step-000000{s}" / "model.safetensors")) for s in (1, 2))
+    got = load_file(str(lawa / "model.safetensors"))
+    for k in s1:
+        want = (s1[k].double() * 0.5 + s2[k].double() * 0.5).float()
         assert torch.equal(got[k], want), k
 
 
@@ -271,6 +296,13 @@ def test_two_models_with_one_tokenizer_share_one_token_cache(tmp_path, models):
     a = train(from_dict(RunConfig, _train(tmp_path, models["llama"], "a")), progress=False)
     b = train(from_dict(RunConfig, _train(tmp_path, models["gpt2"], "b")), progress=False)
     assert RunDir(a).read_info()["data_cache"] == RunDir(b).read_info()["data_cache"]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(models["llama"])
+    tok.add_tokens(["<extra>"])  # another tokenizer (its content, not its path, keys the cache)
+    other = train(from_dict(RunConfig, _train(tmp_path, save_tiny("llama", tmp_path / "other", tok), "o")),
+                  progress=False)
+    assert RunDir(other).read_info()["data_cache"] != RunDir(a).read_info()["data_cache"]
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i in range(400):

@@ -215,7 +215,7 @@ def average_lawa(run_dir: str | Path, window: int, every: int, out: str | Path |
                  cache_bytes: int = 4 << 30) -> list[Path]:
     """Offline LAWA over a run's stored checkpoints; returns the written checkpoint dirs.
 
-    For every stored checkpoint step s with s % every == 0, writes the uniform
+    For every stored checkpoint step s > 0 with s % every == 0, writes the uniform
     average of the checkpoints at ``lawa_steps(s, window, every)`` to
     ``OUT/step-NNNNNNN`` (OUT defaults to RUN_DIR/averages/lawa-kK-pP-offline).
     Metadata: kind "lawa", the ingredients (paths, steps, weights), and the
@@ -233,7 +233,7 @@ def average_lawa(run_dir: str | Path, window: int, every: int, out: str | Path |
         raise QuantdynError(
             f"'{run_dir}' has no stored checkpoints (RUN_DIR/checkpoints/step-N); pass a training run directory"
         )
-    targets = [s for s in sorted(stored) if s % every == 0]
+    targets = [s for s in sorted(stored) if s > 0 and s % every == 0]  # step 0 (a run from model.hf) averages nothing
     have = sorted(stored)
     if not targets:
         raise QuantdynError(
