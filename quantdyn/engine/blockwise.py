@@ -27,7 +27,7 @@ from quantdyn.models.adapters import get_weight, set_weight
 from quantdyn.models.gpt import GPT
 from quantdyn.quantize.config import QUANTIZERS, QuantConfig, TensorSite, config_for_tensor, grid_bits_per_weight
 from quantdyn.quantize.gptq import ActStats, gptq_batch, stats_update
-from quantdyn.quantize.primitives import QuantResult, num_threads
+from quantdyn.quantize.primitives import QuantResult, all_finite, num_threads
 
 BlockArgs = tuple[tuple, dict]
 """The arguments of one block call besides the hidden states: (positional rest, keyword)."""
@@ -192,7 +192,7 @@ def capture_inputs(model: nn.Module, blocks: nn.ModuleList, ids: torch.Tensor, d
 def check_finite_weights(groups: list[list[tuple[str, nn.Module]]], prefix: str) -> None:
     for grp in groups:
         for name, m in grp:
-            if not torch.isfinite(m.weight).all():
+            if not all_finite(m.weight):
                 raise QuantdynError(f"weight '{prefix}.{name}' contains NaN or Inf; fix the checkpoint before quantizing")
 
 
@@ -219,7 +219,7 @@ def _layer_weight(module: nn.Module, cfg: QuantConfig, site: TensorSite) -> tupl
 
 def _apply_result(name: str, module: nn.Module, res: QuantResult, cfg: QuantConfig, notes: dict) -> None:
     """Put a quantizer's result into the layer (and its activation hook, for formats that quantize inputs)."""
-    if not torch.isfinite(res.weight).all():
+    if not all_finite(res.weight):
         raise QuantdynError(f"quantizing '{name}' produced NaN/Inf; raise damp_percent or check the calibration data")
     res.diagnostics.update(notes)
     set_weight(module, res.weight)
@@ -229,20 +229,23 @@ def _apply_result(name: str, module: nn.Module, res: QuantResult, cfg: QuantConf
 
 
 def layer_row(block_idx: int, name: str, full: str, W: torch.Tensor, res: QuantResult, stats: ActStats | None,
-              cfg: QuantConfig) -> dict:
-    """The per-layer diagnostics row: shapes, quantizer loss, output error ½ tr(ΔW H ΔWᵀ) and its relative size."""
+              cfg: QuantConfig, output_error: bool = True) -> dict:
+    """The per-layer diagnostics row: shapes, quantizer loss, output error ½ tr(ΔW H ΔWᵀ) and its relative size
+    (``output_error``: computed where statistics exist; else None: two out x in x in products saved)."""
     row = dict(block=block_idx, layer=full, name=name, out_features=W.shape[0], in_features=W.shape[1],
                method=cfg.method, bits=res.bits, group_size=cfg.group_size, loss=res.loss,
                seconds=res.seconds, n_samples=None, tokens=None, output_error=None, rel_error=None,
                bits_per_weight=(res.bits_per_weight if res.bits_per_weight is not None
                                 else grid_bits_per_weight(cfg, W.shape[0], W.shape[1])))
-    if stats is not None:  # two out x in temporaries at a time (dW and dW H), multiplied in place
+    if stats is not None:
+        row.update(n_samples=stats.n, tokens=stats.tokens)
+    if stats is not None and output_error:  # two out x in temporaries at a time (dW and dW H), multiplied in place
         H = stats.H.to(W)
         dW = W - res.weight.to(W)
         err = 0.5 * float((dW @ H).mul_(dW).sum())
         del dW
         ref = 0.5 * float((W @ H).mul_(W).sum())
-        row.update(n_samples=stats.n, tokens=stats.tokens, output_error=err, rel_error=err / ref if ref > 0 else None)
+        row.update(output_error=err, rel_error=err / ref if ref > 0 else None)
     for k, v in res.diagnostics.items():
         row[k] = v
     return row
@@ -273,8 +276,9 @@ class BlockJob:
 def quantize_block(block: nn.Module, groups: list[list[tuple[str, nn.Module]]], block_idx: int, prefix: str,
                    inputs: Sequence[torch.Tensor] | None, args_of: Callable[[int], BlockArgs], cfg: QuantConfig,
                    layer_threads: int | None = None, on_layer: LayerCallback | None = None,
-                   n_blocks: int = 0, timer: PhaseTimer | None = None) -> list[dict]:
-    """Quantize the linear layers of one block in place; returns one diagnostics row per layer.
+                   n_blocks: int = 0, timer: PhaseTimer | None = None, diagnostics: bool = True) -> list[dict]:
+    """Quantize the linear layers of one block in place; returns one diagnostics row per layer (``diagnostics``:
+    with each layer's output error where statistics exist, see layer_row).
 
     ``inputs`` are the block's calibration hidden states per batch (None: no statistics, only for
     calibration-free quantizers); ``args_of(i)`` the other arguments of batch ``i``.
@@ -288,7 +292,7 @@ def quantize_block(block: nn.Module, groups: list[list[tuple[str, nn.Module]]], 
     object: it is accumulated once (the same values: the same tensor folded in the same order), and with GPTQ
     they are quantized in one column loop (``gptq_batch``: the same bits as one at a time)."""
     return quantize_blocks([BlockJob(block, groups, inputs, args_of, cfg, on_layer)], block_idx, prefix,
-                           layer_threads, n_blocks, timer)[0]
+                           layer_threads, n_blocks, timer, diagnostics)[0]
 
 
 def gptq_batchable(cfg: QuantConfig) -> bool:
@@ -297,7 +301,7 @@ def gptq_batchable(cfg: QuantConfig) -> bool:
 
 
 def quantize_blocks(jobs: Sequence[BlockJob], block_idx: int, prefix: str, layer_threads: int | None = None,
-                    n_blocks: int = 0, timer: PhaseTimer | None = None) -> list[list[dict]]:
+                    n_blocks: int = 0, timer: PhaseTimer | None = None, diagnostics: bool = True) -> list[list[dict]]:
     """:func:`quantize_block` for several quantizers of the same block at once (one row list per job).
 
     Per true-sequential group, every job's statistics are collected first; then the group's layers are quantized
@@ -331,13 +335,13 @@ def quantize_blocks(jobs: Sequence[BlockJob], block_idx: int, prefix: str, layer
                               and all(st[n] is st[name] for st in stats_of)]
             done.update(layer_set)
             _quantize_set(jobs, [dict(p[gi]) for p in plans], stats_of, layer_set, block_idx, prefix, layer_threads,
-                          n_blocks, timer, rows)
+                          n_blocks, timer, rows, diagnostics)
     return [[r[name] for grp in plans[0] for name, _ in grp] for r in rows]
 
 
 def _quantize_set(jobs: Sequence[BlockJob], modules: list[dict[str, nn.Module]], stats_of: list[dict],
                   layer_set: list[str], block_idx: int, prefix: str, layer_threads: int | None, n_blocks: int,
-                  timer: PhaseTimer | None, rows: list[dict[str, dict]]) -> None:
+                  timer: PhaseTimer | None, rows: list[dict[str, dict]], diagnostics: bool) -> None:
     """Quantize ``layer_set`` of every job (one gptq_batch call when the set holds GPTQ layers that may share a
     column loop, else layer by layer), then their rows, callbacks and freed statistics."""
     items = []  # (job index, layer name, module, site)
@@ -368,7 +372,7 @@ def _quantize_set(jobs: Sequence[BlockJob], modules: list[dict[str, nn.Module]],
             res, W = results[k]
             results[k] = None
         with time_phase(timer, "diagnostics"):
-            rows[j][name] = layer_row(block_idx, name, full, W, res, stats_of[j][name], cfg)
+            rows[j][name] = layer_row(block_idx, name, full, W, res, stats_of[j][name], cfg, diagnostics)
         del W
         if jobs[j].on_layer is not None:
             jobs[j].on_layer(full, res, m)

@@ -62,9 +62,11 @@ class MeasureConfig:
     quantize_threads: int = 1
     """torch threads while calibrating and quantizing on CPU: 1 makes the codes independent of the machine's
     core count (BLAS rounds differently with more threads); 0 = torch's setting (faster)."""
-    layer_diagnostics: bool = True
-    """Calibration-free quantizers (RTN) also run the calibration set for per-layer loss/output error;
-    false skips those passes (their rows then lack layer_loss_sum)."""
+    layer_diagnostics: bool = False
+    """Per-layer output errors 1/2 tr(dW H dW^T) (``output_error``, ``rel_error`` in the layer rows) for every
+    quantizer, and for that calibration passes of the calibration-free ones (RTN: their rows' layer_loss_sum).
+    Off by default: they cost a calibration forward per RTN variant and two out x in x in products per layer
+    (BENCHMARKS.md, "The floor"); GPTQ's own loss is in its rows either way."""
     dtype: str = "auto"
     """Compute dtype: auto | float32 | bfloat16 | float16. auto: the checkpoint's own (bf16 stays bf16), except
     bf16/fp16 on a CPU without native units for it, which computes in float32 (faster there:
@@ -230,6 +232,7 @@ def measure(
     threads = cfg.quantize_threads if device.type == "cpu" else None
     wcfg = WalkConfig(calib_batch_size=cfg.calib_batch_size, probe_batch_size=cfg.batch_size,
                       calib_threads=threads if threads else None, calibrate_all=cfg.layer_diagnostics,
+                      layer_diagnostics=cfg.layer_diagnostics,
                       max_memory=stream_budget, spill_dir=cfg.spill_dir or None, streams=cfg.streams,
                       block_errors="eval" if eval_windows is not None and cfg.detailed_metrics else None)
     t0 = time.perf_counter()

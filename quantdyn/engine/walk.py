@@ -84,6 +84,9 @@ class WalkConfig:
     calibrate_all: bool = True
     """Collect calibration statistics for calibration-free quantizers too (RTN), for their per-layer
     loss and output-error diagnostics; False skips their calibration passes."""
+    layer_diagnostics: bool = True
+    """Each layer row's output error 1/2 tr(dW H dW^T) and its reference where statistics exist (two out x in x in
+    products per layer); False leaves them None."""
     max_memory: int = 0
     """Bytes the activation streams may take in memory (0 = half the free RAM / GPU memory); above it
     they spill to disk."""
@@ -311,7 +314,7 @@ def walk(
                                            qcal.get(label), cal_args, qcfgs[label], hook)
                 with num_threads(cfg.calib_threads or None):
                     rows_of = quantize_blocks(list(jobs.values()), b, prefix, cfg.layer_threads,
-                                              n_blocks=len(blocks), timer=timer)
+                                              n_blocks=len(blocks), timer=timer, diagnostics=cfg.layer_diagnostics)
                     for label, job in jobs.items():
                         if label in qcal:  # statistics of the FP model's activations where the method asks (imatrix)
                             fp_stats = QUANTIZERS.get(job.cfg.method).fp_calibration and not cfg.in_place
@@ -375,7 +378,8 @@ def walk(
                     site = TensorSite(adapter.head, -1, len(blocks), tuple(qhead.weight.shape))
                     res, W = quantize_layer(adapter.head, qhead, stats, qc, cfg.layer_threads, site)
                 with timer("diagnostics"):
-                    v.rows.append(layer_row(-1, adapter.head, adapter.head, W, res, stats, qc))
+                    v.rows.append(layer_row(-1, adapter.head, adapter.head, W, res, stats, qc,
+                                            output_error=cfg.layer_diagnostics))
             if on_layer is not None:
                 on_layer(label, adapter.head, res, qhead)
             v.head = None if cfg.in_place else qhead

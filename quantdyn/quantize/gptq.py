@@ -41,6 +41,7 @@ from quantdyn.errors import QuantdynError
 from quantdyn.quantize.config import QUANTIZERS, QuantConfig, QuantMethod, compute_dtype
 from quantdyn.quantize.primitives import (
     QuantResult,
+    all_finite,
     check_bits,
     check_group_size,
     check_weight,
@@ -98,7 +99,7 @@ def hessian_update(H: torch.Tensor | None, n: int, X: torch.Tensor) -> tuple[tor
 
 def stats_update(stats: ActStats | None, X: torch.Tensor, need_abs: bool = True) -> ActStats:
     """Fold one batch of layer inputs into ActStats (H as :func:`hessian_update`, plus sum |x|)."""
-    if not torch.isfinite(X).all():
+    if not all_finite(X):
         raise QuantdynError("calibration activations contain NaN or Inf; check the model weights "
                             "and the calibration data (or run in float32)")
     H, n = hessian_update(None if stats is None else stats.H, 0 if stats is None else stats.n, X)
@@ -382,7 +383,7 @@ def gptq_batch(problems: Sequence[tuple[torch.Tensor, torch.Tensor | ActStats, Q
         if H.shape != (C, C):
             raise QuantdynError(f"GPTQ: Hessian of shape {tuple(H.shape)} does not match weight in_features={C}")
         if id(H) not in checked:
-            if not torch.isfinite(H).all():
+            if not all_finite(H):
                 raise QuantdynError("GPTQ: the Hessian contains NaN or Inf; check the calibration activations")
             checked.add(id(H))
         g = check_group_size(cfg.group_size, C)

@@ -115,8 +115,9 @@ class SweepConfig:
     directory is on tmpfs) | memory | disk."""
     logits_budget_mb: int = 16
     """Largest logits tensor of one variant (MiB): the evaluation head works in slices of windows that fit it."""
-    layer_diagnostics: bool = True
-    """RTN also runs the calibration set, for per-layer loss diagnostics; false skips those passes."""
+    layer_diagnostics: bool = False
+    """Per-layer output errors for every quantizer, and for that calibration passes of RTN (its layer_loss_sum);
+    off by default: they cost a calibration forward per RTN variant and the products (MeasureConfig)."""
     analysis: tuple[str, ...] = ()
     """Extra per-checkpoint metrics: hessian, outliers, propagation."""
     analysis_budget: AnalysisConfig = field(default_factory=AnalysisConfig)
