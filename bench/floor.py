@@ -225,10 +225,20 @@ PHASES = ("load", "capture", "calib_forward", "quantize_layers", "diagnostics", 
 ``other``: the rest of the command's wall time (interpreter start, imports, data, checkpoint hash, rows)."""
 
 
-def _run(cmd: list[str], env: dict | None = None) -> tuple[float, str]:
+_CPU: list[float] = []  # CPU seconds (user + system) of the last child, read by the callers below
+
+
+def _run(cmd: list[str], code: str = "") -> tuple[float, str]:
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+    # another source tree (--before) runs from its own directory: `python -m` puts the working directory first on
+    # sys.path, ahead of this tree's editable install
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=code or ROOT)
     wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    _CPU[:] = [after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime]
     if r.returncode != 0:
         raise SystemExit(f"floor: {' '.join(cmd[:4])} ... failed ({r.returncode}):\n{(r.stdout + r.stderr)[-3000:]}")
     return wall, r.stdout
@@ -255,16 +265,11 @@ def _quantdyn_phases(wall: float, row: dict) -> dict:
     return p
 
 
-def _env(code: str) -> dict | None:
-    """The environment that runs quantdyn from another source tree (``--before``), else None (this one)."""
-    return dict(os.environ, PYTHONPATH=code) if code else None
-
-
 def run_quantize(ckpt: Path, qs: tuple[str, ...], a, extra: list[str], code: str = "") -> dict:
     wall, stdout = _run([sys.executable, "-m", "quantdyn.cli", "quantize", str(ckpt), "--quantizers", ",".join(qs),
                          "--tokenizer", a.tokenizer, "--eval-tokens", str(a.eval_windows * a.seq), "--eval-seq-len",
                          str(a.seq), "--calib-samples", str(a.calib), "--calib-seq-len", str(a.seq), "--device", "cpu",
-                         "--json", *extra], _env(code))
+                         "--json", *extra], code)
     rows = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     return {"wall": wall, "phases": _quantdyn_phases(wall, rows[0]), "ce_fp": rows[0]["ce_fp"],
             "delta_ce": {r["quantizer"]: r["delta_ce"] for r in rows}}
@@ -281,7 +286,7 @@ def run_sweep(ckpt: Path, qs: tuple[str, ...], a, work: Path, overrides: dict, c
                      "calib_seq_len": a.seq, "eval_windows": a.eval_windows, "eval_seq_len": a.seq}, **overrides}
     path = store.with_suffix(".yaml")
     path.write_text(yaml.safe_dump(spec))
-    wall, _ = _run([sys.executable, "-m", "quantdyn.cli", "sweep", str(path)], _env(code))
+    wall, _ = _run([sys.executable, "-m", "quantdyn.cli", "sweep", str(path)], code)
     rows = [r for r in ResultStore(store).rows() if r.get("kind") == "ptq"]
     return {"wall": wall, "phases": _quantdyn_phases(wall, rows[0]), "ce_fp": rows[0]["ce_fp"],
             "delta_ce": {r["quantizer"]: r["delta_ce"] for r in rows}}
@@ -326,14 +331,15 @@ def measure_set(shape: str, ckpt: Path, tokens: Path, qs: tuple[str, ...], a, wo
         for name, fn in sides.items():
             load0 = loadavg()
             r = fn()
-            r["load"] = [load0, loadavg()]
+            r["load"], r["cpu"] = [load0, loadavg()], _CPU[0]
             runs[name].append(r)
             print(f"  {shape} {'+'.join(qs)} rep {rep + 1} {name:>10}: {r['wall']:7.1f} s  (load {load0:.1f})",
                   flush=True)
     best = {k: min(v, key=lambda r: r["wall"]) for k, v in runs.items()}
-    floor = best["floor"]["wall"]
+    cpu = {k: min(r["cpu"] for r in v) for k, v in runs.items()}
     return {"shape": shape, "quantizers": list(qs), "dtype": dtype, "runs": runs, "best": best,
-            "ratio": {k: b["wall"] / floor for k, b in best.items()}}
+            "ratio": {k: b["wall"] / best["floor"]["wall"] for k, b in best.items()}, "cpu": cpu,
+            "cpu_ratio": {k: c / cpu["floor"] for k, c in cpu.items()}}
 
 
 def table(res: dict) -> list[str]:
@@ -345,6 +351,8 @@ def table(res: dict) -> list[str]:
         lines.append(f"{ph:<16}" + "".join(f"{res['best'][s]['phases'][ph]:12.1f}" for s in sides))
     lines.append(f"{'wall':<16}" + "".join(f"{res['best'][s]['wall']:12.1f}" for s in sides))
     lines.append(f"{'x floor':<16}" + "".join(f"{res['ratio'][s]:12.2f}" for s in sides))
+    lines.append(f"{'CPU s':<16}" + "".join(f"{res['cpu'][s]:12.1f}" for s in sides))
+    lines.append(f"{'CPU x floor':<16}" + "".join(f"{res['cpu_ratio'][s]:12.2f}" for s in sides))
     lines.append(f"{'CE fp':<16}" + "".join(f"{res['best'][s]['ce_fp']:12.4f}" for s in sides))
     for q in res["quantizers"]:
         lines.append(f"{'dCE ' + q:<16}" + "".join(f"{res['best'][s]['delta_ce'][q]:12.4f}" for s in sides))
@@ -414,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     if path is not None:
         path = write_results("floor", results, path)
         print(f"written: {path}")
-    record("floor", {f"{c['shape']}:{'+'.join(c['quantizers'])}": c["ratio"] for c in results["cases"]}, a)
+    record("floor", {f"{c['shape']}:{'+'.join(c['quantizers'])}": {"wall": c["ratio"], "cpu": c["cpu_ratio"]}
+                     for c in results["cases"]}, a)
     return 0
 
 

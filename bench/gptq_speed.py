@@ -219,17 +219,26 @@ def bench_batched(args, device: torch.device) -> list[dict]:
             _sync(device)
             return out
         with num_threads(1) if device.type == "cpu" else contextlib.nullcontext():
-            t_each, ref = timed(lambda: each(False), args.repeat)
-            t_batch, got = timed(lambda: batched(False), args.repeat)
+            t_each = t_batch = cpu_each = cpu_batch = float("inf")
+            for _ in range(args.repeat):  # interleaved; on a CPU also the thread's CPU seconds (steadier when shared)
+                c0 = time.thread_time()
+                t, ref = timed(lambda: each(False))
+                c1 = time.thread_time()
+                t_each, cpu_each = min(t_each, t), min(cpu_each, c1 - c0)
+                t, got = timed(lambda: batched(False))
+                t_batch, cpu_batch = min(t_batch, t), min(cpu_batch, time.thread_time() - c1)
             row = {"case": name, "weights": len(problems), "device": str(device), "each_s": t_each, "batch_s": t_batch,
                    "batch_over_each": t_batch / t_each,
                    "same_codes": all(torch.equal(a.codes, b.codes) for a, b in zip(got, ref))}
+            if device.type == "cpu":
+                row |= {"each_cpu_s": cpu_each, "batch_cpu_s": cpu_batch, "batch_over_each_cpu": cpu_batch / cpu_each}
             if graphs:
                 t_each_g, _ = timed(lambda: each(True), args.repeat)
                 t_batch_g, got_g = timed(lambda: batched(True), args.repeat)
                 row |= {"each_graph_s": t_each_g, "batch_graph_s": t_batch_g, "each_over_batch_graph": t_each / t_batch_g,
                         "same_codes_graph": all(torch.equal(a.codes, b.codes) for a, b in zip(got_g, ref))}
         print(f"{name:>18} {len(problems):>2} weights  {t_each:8.3f} | {t_batch:8.3f} ({t_batch / t_each:.2f}x)"
+              + (f", CPU {cpu_each:.3f} | {cpu_batch:.3f} ({cpu_batch / cpu_each:.2f}x)" if device.type == "cpu" else "")
               + (f" | {row['each_graph_s']:8.3f} | {row['batch_graph_s']:8.3f} (eager each / batched graph "
                  f"{row['each_over_batch_graph']:.1f}x)" if graphs else "") + f"  same codes: {row['same_codes']}",
               flush=True)

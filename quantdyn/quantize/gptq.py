@@ -201,8 +201,9 @@ def _column_steps(W1T: torch.Tensor, CTb: torch.Tensor, QTb: torch.Tensor, ETb: 
     per_entry = isinstance(maxq, torch.Tensor)
     if B == 1:  # views made once per block (indexing per column costs as much as a kernel)
         hs = Hinv1.unbind(0)
-    else:
+    else:  # the update's product goes to a contiguous buffer: a broadcast product would get a strided layout
         W3 = W1T.view(count, B, -1)
+        prod = torch.empty_like(W3)
     for i in range(count):
         s, z = params_at(i)
         w, c, q, e = ws[i], cs[i], qs[i], es[i]
@@ -218,7 +219,8 @@ def _column_steps(W1T: torch.Tensor, CTb: torch.Tensor, QTb: torch.Tensor, ETb: 
             if B == 1:
                 W1T[i + 1:].sub_(torch.outer(hs[i][i + 1:], e))
             else:
-                W3[i + 1:].sub_(Hinv1[i, i + 1:, :, None] * e.view(1, B, -1))
+                n = count - i - 1
+                W3[i + 1:].sub_(torch.mul(Hinv1[i, i + 1:, :, None], e.view(1, B, -1), out=prod[:n]))
 
 
 def _block_views(W_blocks: list[torch.Tensor], H_blocks: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -227,7 +229,8 @@ def _block_views(W_blocks: list[torch.Tensor], H_blocks: list[torch.Tensor]) -> 
     if len(W_blocks) == 1:
         return W_blocks[0].t().contiguous(), H_blocks[0], H_blocks[0].diagonal()
     count, B, R = W_blocks[0].shape[1], len(W_blocks), W_blocks[0].shape[0]
-    W1T = torch.stack(W_blocks, 0).permute(2, 0, 1).reshape(count, B * R)
+    # contiguous rows: a reshape would keep the permuted strides and every per-column kernel would be strided
+    W1T = torch.stack(W_blocks, 0).permute(2, 0, 1).contiguous().view(count, B * R)
     D = torch.stack([h.diagonal() for h in H_blocks], 1)[:, :, None].expand(count, B, R).reshape(count, B * R)
     return W1T, torch.stack(H_blocks, -1), D
 
