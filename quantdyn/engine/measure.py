@@ -195,7 +195,7 @@ def measure(
     propagation_ids: torch.Tensor | None = None,
     on_layer: Callable[[str, str, QuantResult, nn.Module], None] | None = None,
     on_block: Callable[[str], None] | None = None,
-    noise_floor: bool = False,
+    noise_floor: bool | None = False,
     **old,
 ) -> Measurement:
     """Quantize ``model`` with each of ``quantizers`` and measure every one against full precision on
@@ -209,7 +209,9 @@ def measure(
     inside the same walk). The model is left untouched (an in-memory model included).
     ``on_layer(label, layer, result, module)`` sees every quantized layer (to pack or export codes);
     ``on_block(line)`` gets a line per block (``progress=`` before 0.2). ``noise_floor``: also measure the bf16
-    noise floor (``Measurement.noise_floor``; one extra block pass per block)."""
+    noise floor (``Measurement.noise_floor``; one extra block pass per block, in float32 when the blocks compute in
+    bf16/fp16); None: only where the blocks compute in float32 (there it costs one block pass; in bf16 an fp32 pass,
+    2.3x a whole bf16 measurement of one quantizer on a CPU with bf16 units: BENCHMARKS.md, "The floor")."""
     if "progress" in old:
         warnings.warn("measure(progress=callable) is now measure(on_block=callable)", DeprecationWarning, stacklevel=3)
         on_block = on_block or old.pop("progress")
@@ -218,8 +220,6 @@ def measure(
     t_start = time.perf_counter()
     device = torch.device(device)
     variants = _variants(quantizers)
-    if noise_floor and eval_windows is not None:
-        variants[NOISE_FLOOR_LABEL] = BF16NoiseFloor()
     probes: dict[str, torch.Tensor] = {}
     if eval_windows is not None:
         if not isinstance(eval_windows, torch.Tensor) or eval_windows.dim() != 2 or eval_windows.shape[1] < 2:
@@ -228,6 +228,10 @@ def measure(
     if propagation_ids is not None:
         probes["prop"] = propagation_ids
     source = _source(model, compute_dtype_of(cfg.dtype), device)
+    if noise_floor is None:  # auto: where the floor costs one block pass (float32 blocks), not an fp32 pass more
+        noise_floor = source.dtype == torch.float32
+    if noise_floor and eval_windows is not None:
+        variants[NOISE_FLOOR_LABEL] = BF16NoiseFloor()
     stream_budget = check_budget(source, parse_bytes(cfg.max_memory))
     threads = cfg.quantize_threads if device.type == "cpu" else None
     wcfg = WalkConfig(calib_batch_size=cfg.calib_batch_size, probe_batch_size=cfg.batch_size,
