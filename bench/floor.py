@@ -57,6 +57,7 @@ SHAPES = {
 }
 SETS = {"rtn4": ("rtn4",), "five": ("gptq3", "gptq4", "rtn2", "rtn3", "rtn4")}
 """--sets: the quantizers measured together (five: what the GPU runbook's sweep step measures)."""
+SHAPES_DEFAULT, SETS_DEFAULT = "llama135m,pythia160m", "rtn4,five"
 
 
 def loadavg() -> float:
@@ -361,8 +362,8 @@ def table(res: dict) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default="llama135m,pythia160m", help=f"of {', '.join(SHAPES)}")
-    ap.add_argument("--sets", default="rtn4,five", help="quantizer sets: rtn4 (alone), five (gptq3,gptq4,rtn2,rtn3,"
+    ap.add_argument("--shapes", default=SHAPES_DEFAULT, help=f"of {', '.join(SHAPES)}")
+    ap.add_argument("--sets", default=SETS_DEFAULT, help="quantizer sets: rtn4 (alone), five (gptq3,gptq4,rtn2,rtn3,"
                     "rtn4), or labels joined by '+'")
     ap.add_argument("--eval-windows", type=int, default=32, help="evaluation windows (4,096 tokens at 128, as the "
                     "issue measured)")
@@ -392,8 +393,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(floor_child(a.ckpt, a.tokens, a.quantizers.split(","), a.dtype, a.batch, a.calib_batch,
                                      a.threads)))
         return 0
-    if a.quick:
-        a.shapes, a.sets, a.reps, a.eval_windows, a.calib = "llama-tiny,pythia-tiny", "rtn4", 1, 8, 8
+    if a.quick:  # tiny shapes (unless others are named), one repetition, 8 windows
+        if a.shapes == SHAPES_DEFAULT:
+            a.shapes = "llama-tiny,pythia-tiny"
+        if a.sets == SETS_DEFAULT:
+            a.sets = "rtn4"
+        a.reps, a.eval_windows, a.calib = 1, 8, 8
         a.tokenizer = "bpe:1024"  # the tiny shapes have 4,096 tokens
     shapes = [s for s in a.shapes.split(",") if s]
     unknown = [s for s in shapes if s not in SHAPES]

@@ -57,3 +57,18 @@ def test_stacked_layers_and_batched_quantizers_change_no_bit(monkeypatch):
         # each of the four sets for all three GPTQ quantizers at once
         per_block = [9, 3, 6, 3] if together else [3, 2] * 3
         assert calls == per_block * 2, calls
+
+
+def test_sets_too_large_for_one_loop_are_split(monkeypatch):
+    """Above GPTQ_BATCH_ENTRIES a set's layers go in one loop per quantizer, and above that one by one: the same
+    bits either way, fewer layers per gptq_batch call."""
+    model = _llama()
+    ref_codes, ref_finals, _, _ = _walk(model, True, monkeypatch)
+    # one quantizer's q/k/v: (64 + 32 + 32) x 64 = 8,192 entries, its o 4,096, gate/up 20,480, down 10,240: at a
+    # cap of 8,192 each quantizer's q/k/v share a loop and the rest goes one by one; below 4,096 everything does
+    for cap, per_block in ((128 * 64, [3, 3, 3]), (64 * 64 - 1, [])):
+        monkeypatch.setattr(blockwise, "GPTQ_BATCH_ENTRIES", cap)
+        codes, finals, _, calls = _walk(model, True, monkeypatch)
+        assert all(torch.equal(codes[k], ref_codes[k]) for k in ref_codes)
+        assert all(torch.equal(finals[k], ref_finals[k]) for k in ref_finals)
+        assert calls == per_block * 2, (cap, calls)

@@ -339,45 +339,67 @@ def quantize_blocks(jobs: Sequence[BlockJob], block_idx: int, prefix: str, layer
     return [[r[name] for grp in plans[0] for name, _ in grp] for r in rows]
 
 
+#: weight entries (rows x columns, all weights together) above which a set's GPTQ layers are not put in one loop: the
+#: loop holds four float32 buffers of that size besides the weights and results (1 GiB at 2^26), so a Llama-7B
+#: block's q/k/v (5.0e7) still share a loop but its gate/up (9.0e7) go one by one, and a block's transient memory
+#: stays near what its down projection's Hessian needs anyway (BENCHMARKS.md, "Real size")
+GPTQ_BATCH_ENTRIES = 1 << 26
+
+
+def _chunks(items: list, jobs: Sequence[BlockJob]) -> list[list]:
+    """The set's layers in loops: all together, else each job's together, else one by one (GPTQ_BATCH_ENTRIES)."""
+    def entries(chunk):
+        return sum(site.shape[0] * site.shape[1] for *_, site in chunk)
+    if not all(gptq_batchable(jobs[j].cfg) for j, *_ in items):
+        return [[it] for it in items]
+    if entries(items) <= GPTQ_BATCH_ENTRIES:
+        return [items]
+    per_job = [[it for it in items if it[0] == j] for j in range(len(jobs))]
+    return [c for c in per_job if c] if all(entries(c) <= GPTQ_BATCH_ENTRIES for c in per_job) \
+        else [[it] for it in items]
+
+
 def _quantize_set(jobs: Sequence[BlockJob], modules: list[dict[str, nn.Module]], stats_of: list[dict],
                   layer_set: list[str], block_idx: int, prefix: str, layer_threads: int | None, n_blocks: int,
                   timer: PhaseTimer | None, rows: list[dict[str, dict]], diagnostics: bool) -> None:
-    """Quantize ``layer_set`` of every job (one gptq_batch call when the set holds GPTQ layers that may share a
-    column loop, else layer by layer), then their rows, callbacks and freed statistics."""
+    """Quantize ``layer_set`` of every job (in one gptq_batch call where the set holds GPTQ layers that may share a
+    column loop and fit GPTQ_BATCH_ENTRIES, else in fewer-layer calls), then their rows, callbacks and freed
+    statistics."""
     items = []  # (job index, layer name, module, site)
     for j, job in enumerate(jobs):
         for name in layer_set:
             m = modules[j][name]
             items.append((j, name, m, TensorSite(name, block_idx, n_blocks or block_idx + 1, tuple(get_weight(m).shape))))
-    batch = len(items) > 1 and all(gptq_batchable(jobs[j].cfg) for j, *_ in items)
-    results = []
-    with time_phase(timer, "quantize_layers"):
-        if batch:
-            inputs = [_layer_weight(m, jobs[j].cfg, site) for j, name, m, site in items]
-            batch = all(gptq_batchable(cfg) for _, cfg, _ in inputs)  # a format may resolve to another method
-        if batch:
-            with num_threads(layer_threads):
-                out = gptq_batch([(W, stats_of[j][name], cfg) for (j, name, *_), (W, cfg, _) in zip(items, inputs)])
-            for (j, name, m, site), (W, cfg, notes), res in zip(items, inputs, out):
-                _apply_result(f"{prefix}.{block_idx}.{name}", m, res, cfg, notes)
-                results.append((res, W))
-            del inputs, out
-    for k, (j, name, m, site) in enumerate(items):
-        full = f"{prefix}.{block_idx}.{name}"
-        cfg = jobs[j].cfg
-        if not batch:
-            with time_phase(timer, "quantize_layers"):
-                res, W = quantize_layer(full, m, stats_of[j][name], cfg, layer_threads, site)
-        else:
-            res, W = results[k]
-            results[k] = None
-        with time_phase(timer, "diagnostics"):
-            rows[j][name] = layer_row(block_idx, name, full, W, res, stats_of[j][name], cfg, diagnostics)
-        del W
-        if jobs[j].on_layer is not None:
-            jobs[j].on_layer(full, res, m)
-        del res
-        stats_of[j][name] = None  # the last layer sharing a statistics object frees it
+    for chunk in _chunks(items, jobs):
+        batch = len(chunk) > 1
+        results = []
+        with time_phase(timer, "quantize_layers"):
+            if batch:
+                inputs = [_layer_weight(m, jobs[j].cfg, site) for j, name, m, site in chunk]
+                batch = all(gptq_batchable(cfg) for _, cfg, _ in inputs)  # a format may resolve to another method
+            if batch:
+                with num_threads(layer_threads):
+                    out = gptq_batch([(W, stats_of[j][name], cfg) for (j, name, *_), (W, cfg, _) in zip(chunk, inputs)])
+                for (j, name, m, site), (W, cfg, notes), res in zip(chunk, inputs, out):
+                    _apply_result(f"{prefix}.{block_idx}.{name}", m, res, cfg, notes)
+                    results.append((res, W))
+                del inputs, out
+        for k, (j, name, m, site) in enumerate(chunk):
+            full = f"{prefix}.{block_idx}.{name}"
+            cfg = jobs[j].cfg
+            if not batch:
+                with time_phase(timer, "quantize_layers"):
+                    res, W = quantize_layer(full, m, stats_of[j][name], cfg, layer_threads, site)
+            else:
+                res, W = results[k]
+                results[k] = None
+            with time_phase(timer, "diagnostics"):
+                rows[j][name] = layer_row(block_idx, name, full, W, res, stats_of[j][name], cfg, diagnostics)
+            del W
+            if jobs[j].on_layer is not None:
+                jobs[j].on_layer(full, res, m)
+            del res
+            stats_of[j][name] = None  # the last layer sharing a statistics object frees it
 
 
 def _collect_stats(block: nn.Module, grp: list[tuple[str, nn.Module]], inputs: Sequence[torch.Tensor],
