@@ -17,7 +17,7 @@ from quantdyn.config import from_dict
 from quantdyn.errors import QuantdynError
 from quantdyn.runs import RunDir, list_checkpoints, read_meta
 from quantdyn.train.checkpoint import read_metrics
-from quantdyn.train.config import RunConfig
+from quantdyn.train.config import RunConfig, load_run_config
 from quantdyn.train.trainer import train
 
 DATA = {"source": "builtin:kjv", "max_tokens": 200_000, "bpe_train_chars": 400_000}
@@ -274,6 +274,14 @@ def test_hub_revisions_and_preset_points_offline(tmp_path, models, cli, monkeypa
     assert [row["train/lr"] for row in read_metrics(b) if "train/lr" in row] == [1e-4, 0.0]
     assert _weights_equal(models["llama"], b / "checkpoints" / "step-0000000")
 
+    from quantdyn.launch.grid import run_grid, write_grid  # a grid's runs: the preset point's revision too
+
+    grid = tmp_path / "grid"
+    write_grid({**_train(tmp_path, "smollm3-3b@stage1-step-40000", "g"), "optimizer_start": {"mode": "fresh"}},
+               ["optim.lr=1e-3"], 0, grid)
+    [done] = run_grid(grid, progress=False)
+    assert _weights_equal(models["llama"], Path(done["dir"]) / "checkpoints" / "step-0000000")
+    assert load_run_config(Path(done["dir"])).model.hf == f"{pre.repos[0]}@stage1-step-40000"
     cfg = tmp_path / "preset.yaml"  # `quantdyn train` with a preset point: config.yaml records its hub revision
     cfg.write_text(json.dumps({**_train(tmp_path, "smollm3-3b@stage1-step-40000", "p"),
                                "optimizer_start": {"mode": "fresh"}}))

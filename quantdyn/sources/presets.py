@@ -469,6 +469,13 @@ class PresetPoint:
         return f"{self.repo}@{self.info.revision}"
 
 
+def as_hub_ref(ref: str) -> str:
+    """What transformers loads for ``ref``: a preset point's hub ``id@revision``; a directory, hub id or
+    id@revision unchanged (model.hf of a run config, before the trainer reads it)."""
+    point = preset_point(ref)
+    return ref if point is None else point.hub_ref
+
+
 def preset_point(ref: str) -> PresetPoint | None:
     """The preset point ``ref`` names, or None when ``ref`` does not start with a preset's name and '@' (a local
     directory, a hub id). A revision the preset does not place is one line saying why."""
