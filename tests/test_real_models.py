@@ -493,3 +493,17 @@ def test_a_cooldown_from_an_hf_checkpoint_killed_mid_branch_resumes_bit_exact(tm
         end = Path("branches") / b / "checkpoints" / "step-0000020"
         assert _weights_equal(ref / end, out / end), b
     assert not [p for p in out.rglob(".step-*")]  # no temporaries left
+
+
+def test_a_study_plans_a_preset_point_as_its_hub_revision():
+    """A study's runs (studies/pipeline.plan_runs) name a preset point in model.hf by the hub id@revision it
+    places, as `quantdyn train` and `quantdyn grid` do; a local directory stays as given."""
+    from quantdyn.sources.presets import get_preset
+    from quantdyn.studies.pipeline import plan_runs
+    from quantdyn.studies.spec import spec_from_dict
+
+    spec = spec_from_dict({"run": {"name": "s", "model": {"hf": "smollm3-3b@stage1-step-40000"}},
+                           "vary": ["optim.lr=1e-4,2e-4"]})
+    assert [c.model.hf for c in plan_runs(spec)] == [f"{get_preset('smollm3-3b').repos[0]}@stage1-step-40000"] * 2
+    spec = spec_from_dict({"run": {"name": "s", "model": {"hf": "some/dir"}}})
+    assert [c.model.hf for c in plan_runs(spec)] == ["some/dir"]
