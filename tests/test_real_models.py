@@ -304,13 +304,6 @@ def test_two_models_with_one_tokenizer_share_one_token_cache(tmp_path, models):
     a = train(from_dict(RunConfig, _train(tmp_path, models["llama"], "a")), progress=False)
     b = train(from_dict(RunConfig, _train(tmp_path, models["gpt2"], "b")), progress=False)
     assert RunDir(a).read_info()["data_cache"] == RunDir(b).read_info()["data_cache"]
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(models["llama"])
-    tok.add_tokens(["<extra>"])  # another tokenizer (its content, not its path, keys the cache)
-    other = train(from_dict(RunConfig, _train(tmp_path, save_tiny("llama", tmp_path / "other", tok), "o")),
-                  progress=False)
-    assert RunDir(other).read_info()["data_cache"] != RunDir(a).read_info()["data_cache"]
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i in range(400):
@@ -320,6 +313,14 @@ def test_two_models_with_one_tokenizer_share_one_token_cache(tmp_path, models):
     f = train(from_dict(RunConfig, d), progress=False)
     manifest = json.loads((Path(RunDir(f).read_info()["data_cache"]) / "manifest.json").read_text())
     assert manifest["tokenizer"] == str(models["olmo"]) and manifest["vocab_size"] == 512
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(models["llama"])
+    tok.add_tokens(["<extra>"])  # another tokenizer (its content, not its path, keys the cache): another cache
+    d["model"] = {"hf": str(save_tiny("llama", tmp_path / "other", tok))}
+    other = train(from_dict(RunConfig, {**d, "name": "o"}), progress=False)
+    assert RunDir(other).read_info()["data_cache"] != RunDir(f).read_info()["data_cache"]
 
 
 def test_the_example_config_trains_a_checkpoint(models):
