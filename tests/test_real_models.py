@@ -508,3 +508,23 @@ def test_a_study_plans_a_preset_point_as_its_hub_revision():
     assert [c.model.hf for c in plan_runs(spec)] == [f"{get_preset('smollm3-3b').repos[0]}@stage1-step-40000"] * 2
     spec = spec_from_dict({"run": {"name": "s", "model": {"hf": "some/dir"}}})
     assert [c.model.hf for c in plan_runs(spec)] == ["some/dir"]
+
+
+def test_a_run_of_an_hf_model_branches_with_from_step(tmp_path, models, cli):
+    """`quantdyn cooldown RUN_DIR --from-step S` on a run of model.hf (today's behaviour for quantdyn runs):
+    branches under RUN_DIR/branches that continue the run's own optimizer state from step S, in the model's own
+    format; the control at the peak LR, the cooldown ending at lr_end."""
+    from transformers import AutoModelForCausalLM
+
+    run = train(from_dict(RunConfig, _train(tmp_path, models["gpt_neox"], "run", steps=4, checkpoint_every=2)),
+                progress=False)
+    r = cli("cooldown", str(run), "--from-step", "2", "--decay-steps", "2", "--control", "--quiet")
+    assert r.returncode == 0, r.stderr
+    for name, lrs in (("cooldown-s2-d2-linear", [5e-4, 0.0]), ("control-s2-d2", [1e-3, 1e-3])):
+        b = run / "branches" / name
+        assert [row["train/lr"] for row in read_metrics(b) if "train/lr" in row] == lrs
+        assert type(AutoModelForCausalLM.from_pretrained(b / "checkpoints" / "step-0000004")).__name__ == \
+            "GPTNeoXForCausalLM"
+    # the control continues the run exactly: the run's own step-4 weights
+    assert _weights_equal(run / "checkpoints" / "step-0000004",
+                          run / "branches" / "control-s2-d2" / "checkpoints" / "step-0000004")
