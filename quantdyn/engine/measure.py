@@ -6,7 +6,7 @@ with full precision, streamed one decoder block at a time.
 
 This is the only place where "quantize, then compare with FP" happens: sweeps, `quantize`,
 `interpolate`, the monitor and `analyze` call it. The work is a block walk
-(``quantize/apply.py``: every quantizer's blocks and the shared full-precision blocks
+(``engine/walk.py``: every quantizer's blocks and the shared full-precision blocks
 carry the evaluation windows through the model) followed by the head: the final norm and
 head turn each variant's last hidden states into logits one slice of windows at a time, with
 the full-precision logits shared by all quantizers, and give the CE, KL both ways, top-K

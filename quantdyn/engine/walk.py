@@ -21,7 +21,7 @@ reference's ``llama_sequential``, generalised to several quantizers at once):
    quantize a copy of the head from their calibration stream.
 
 The streams (lists of activation batches) live on the device, in host RAM or spilled to
-disk, as a memory budget decides (``quantize/streams.py``). Each quantizer's work equals
+disk, as a memory budget decides (``engine/streams.py``). Each quantizer's work equals
 what quantizing its own copy of the whole model would do, operation for operation, so codes
 and outputs are the same as with the in-memory pipeline; memory is one block plus the
 streams instead of one model copy per quantizer.
