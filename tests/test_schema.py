@@ -29,7 +29,8 @@ from quantdyn.train.schedules import DECAY_SHAPES
 def test_every_kind_lists_documented_fields_and_no_name_means_two_things():
     names = [f.name for g in schema.GROUPS for f in g]
     assert len(names) == len(set(names)) == len(schema.FIELDS)
-    assert set(schema.ROW_KINDS) == {"ptq", "fp", "qat", "analysis", "accuracy", "interpolation", "scaling"}
+    assert set(schema.ROW_KINDS) == {"ptq", "fp", "qat", "analysis", "accuracy", "interpolation", "scaling",
+                                     "sensitivity"}
     for kind in schema.ROW_KINDS.values():
         assert {"key", "kind"} <= set(kind.fields) and kind.meaning and kind.written_by and kind.key
         for name in kind.fields:

@@ -84,7 +84,7 @@ def quantize(
     if quantizers is not None and long_flags:
         raise QuantdynError(f"give the quantizer once: --quantizers LABELS or {'/'.join(long_flags)}, not both")
     if quantizers is not None:
-        qcs = [parse_quantizer(q) for q in opt.split_list(quantizers)]
+        qcs = [parse_quantizer(q) for q in opt.split_quantizers(quantizers)]
         if not qcs:
             raise QuantdynError("--quantizers is empty; give labels such as gptq3 or gptq3,rtn4")
     else:

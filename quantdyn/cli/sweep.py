@@ -100,7 +100,7 @@ def sweep(
     if repeat_vary:
         data["repeat_vary"] = repeat_vary
     if quantizers is not None:
-        data["quantizers"] = opt.split_list(quantizers)
+        data["quantizers"] = opt.split_quantizers(quantizers)
     for key, value in (("store", store), ("device", device), ("dtype", dtype), ("max_memory", max_memory),
                        ("spill_dir", spill_dir), ("streams", streams)):
         if value:

@@ -15,6 +15,7 @@ whole model with them.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import torch
@@ -211,6 +212,8 @@ def quantize_layer(name: str, module: nn.Module, stats: ActStats | None, cfg: Qu
     if not torch.isfinite(res.weight).all():
         raise QuantdynError(f"quantizing '{name}' produced NaN/Inf; raise damp_percent or check the calibration data")
     res.diagnostics.update(notes)
+    if res.bits_per_weight is None:  # the tensor's own configuration (a plan's entry), not the variant's
+        res = dataclasses.replace(res, bits_per_weight=grid_bits_per_weight(cfg, *W.shape))
     set_weight(module, res.weight)
     if act_quant is not None:
         module.register_forward_pre_hook(lambda m, args: (act_quant(args[0]).to(args[0].dtype), *args[1:]))

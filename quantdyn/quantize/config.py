@@ -108,6 +108,9 @@ class QuantConfig:
     """Also quantize the output head (lm_head); embeddings always stay full precision."""
 
     def __post_init__(self):
+        canonical = QUANTIZERS.canonical(self.method) if isinstance(self.method, str) else None
+        if canonical is not None:  # plan:FILE and auto@BUDGET:TYPES (quantize.plan): one spelling per plan
+            object.__setattr__(self, "method", canonical)
         if not isinstance(self.method, str) or self.method not in QUANTIZERS:
             raise unknown_name("quantizer", str(self.method), QUANTIZERS.names())
         spec = QUANTIZERS.get(self.method).format
@@ -210,9 +213,10 @@ class QuantMethod(NamedTuple):
     """Whether apply must collect activation statistics (H, mean |x|)."""
     format: FormatSpec | None = None
     """Set for deployment formats: their label, bits and group size (fixed, not configurable)."""
-    for_tensor: Callable[[Any, TensorSite], tuple[str, dict]] | None = None
+    for_tensor: Callable[[Any, TensorSite], tuple[Any, dict]] | None = None
     """``for_tensor(cfg, site) -> (method, notes)``: the registered method that quantizes this tensor (a mix's
-    type for it, or llama.cpp's fallback) and what to record in its layer row; None = ``cfg.method`` itself."""
+    type for it, or llama.cpp's fallback) and what to record in its layer row; None = ``cfg.method`` itself.
+    A per-tensor plan returns the tensor's whole QuantConfig instead of a method."""
     act_quant: Callable[[torch.Tensor], torch.Tensor] | None = None
     """Activation fake quantization applied to the input of every quantized layer (W8A8); None = weights only."""
     fp_calibration: bool = False
@@ -360,6 +364,8 @@ def quant_preset(name: str, **overrides: Any) -> QuantConfig:
 
 def _parse_short(spec: str) -> dict[str, Any]:
     """'gptq4g64-gptqmodel-mse' -> field dict (preset first, then flags, then method/bits/group)."""
+    if QUANTIZERS.canonical(spec.strip()) is not None:  # plan:FILE, auto@BUDGET:TYPES (paths keep their case)
+        return {"method": spec.strip()}
     text = spec.strip().lower()
     fmt = _format_head(text)
     if fmt is not None:
@@ -463,6 +469,8 @@ def config_for_tensor(cfg: QuantConfig, site: TensorSite) -> tuple[QuantConfig, 
     if method.for_tensor is None:
         return cfg, {}
     resolved, notes = method.for_tensor(cfg, site)
+    if isinstance(resolved, QuantConfig):  # a per-tensor plan gives the tensor's whole configuration
+        return resolved, {**notes, "quantizer_method": resolved.method}
     if resolved == cfg.method:
         return cfg, notes
     spec = QUANTIZERS.get(resolved).format

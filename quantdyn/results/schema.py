@@ -67,7 +67,8 @@ def _table(text: str) -> tuple[Field, ...]:
 
 IDENTITY = _table("""
     key   str  Idempotency key (row_key for measured rows): a rerun skips every key already stored.
-    kind  str  The row kind (ROW_KINDS): ptq, fp, qat, analysis, accuracy, interpolation or scaling.
+    kind  str  The row kind (ROW_KINDS): ptq, fp, qat, analysis, accuracy, interpolation, scaling or
+               sensitivity.
 """)
 PROVENANCE = _table("""
     git_sha   str | None  git commit of quantdyn that wrote the row.
@@ -302,8 +303,46 @@ SCALING = _table("""
     points                     list[dict]  The (N, D, loss) points fitted.
 """)
 
+PLAN = _table("""
+    plan_types                  dict | None   A per-tensor plan's type of every quantized layer ({layer: type}).
+    plan_label                  str | None    auto@ quantizers: the plan they allocated on this checkpoint (plan:auto#<digest>).
+    plan_digest                 str | None    Digest of that plan's assignment.
+    plan_bits_per_weight        float | None  Its bits per weight as planned (the row's bits_per_weight is the measured).
+    plan_predicted_kl           float | None  The allocator's additive prediction of the mean KL per token.
+    plan_predicted_kl_joint     float | None  The sensitivity pass's prediction of the plan with the tensors'
+                                              interactions.
+    plan_predicted_kl_joint_se  float | None  Its SE over the sensitivity windows.
+    plan_allocator              str | None    knapsack-dp (exact) or lagrangian+greedy (quantize/allocate.py).
+    t_sensitivity               float | None  Seconds of the sensitivity pass the allocation used.
+""")
+SENSITIVITY = _table("""
+    scope                 str           What one sensitivity row quantizes: tensor (one linear), group (a block's
+                                        attn or mlp linears together) or model (every linear at one type).
+    tensor                str           The linear's full name, the group (<block>.attn / <block>.mlp) or all.
+    block                 int | None    Its decoder block (None for the whole model).
+    tensor_group          str           attn, mlp, other or all.
+    layer_path            str           The linear's path inside its block.
+    type                  str           The candidate type (a quantizer label, or f16).
+    n_weights             int           Weights quantized.
+    kl_pred               float         Predicted mean KL(FP ‖ Q) per sensitivity token when only these weights are
+                                        quantized at this type (engine/sensitivity.py: sampled Fisher).
+    kl_pred_se            float         Its SE over the sensitivity windows.
+    kl_pred_additive      float | None  Group and model rows: the sum of their tensors' own kl_pred (no interactions).
+    layer_loss            float | None  ½ tr(ΔW H ΔWᵀ) with the FP input statistics (the cheap proxy).
+    fisher_diag           float | None  ½ Σ F_ii ΔW_i² per token with the diagonal Fisher (the other proxy).
+    rho_layer_loss        float | None  Model rows: Spearman of layer_loss with kl_pred over every tensor and type.
+    rho_fisher_diag       float | None  Model rows: Spearman of fisher_diag with kl_pred over every tensor and type.
+    rho_layer_loss_type   float | None  Model rows: Spearman of layer_loss with kl_pred across tensors at this type.
+    rho_fisher_diag_type  float | None  Model rows: Spearman of fisher_diag with kl_pred across tensors at this type.
+    sens_tokens           int           Tokens of the sensitivity windows (the calibration windows).
+    sens_draws            int           Labels drawn per sequence.
+    sens_seconds          float         Seconds of the whole sensitivity pass of this checkpoint.
+    sens_types            list[str]     The candidate types of the pass.
+""")
+
 GROUPS: tuple[tuple[Field, ...], ...] = (IDENTITY, PROVENANCE, CHECKPOINT, DATA, QUANTIZER, ERRORS, FLOOR,
-                                         QUANTIZE_COMMAND, QAT, ANALYSIS, ACCURACY, INTERPOLATION, SCALING)
+                                         QUANTIZE_COMMAND, QAT, ANALYSIS, ACCURACY, INTERPOLATION, SCALING, PLAN,
+                                         SENSITIVITY)
 FIELDS: dict[str, Field] = {f.name: f for group in GROUPS for f in group}
 """Every field of every row kind, by name."""
 
@@ -334,7 +373,7 @@ ROW_KINDS: dict[str, RowKind] = {k.name: k for k in (
                    "windows (R repeats of the quantization averaged when quant_repeats > 1).",
             "sweep/sweep.py, sweep/quantize_one.py (engine/rows.py ptq_fields)",
             "row_key(checkpoint, ptq_what = 'ptq:<config hash>:<calib hash>[:R<R>:<vary>]', eval_hash)",
-            _names(*_MEASURED, QUANTIZER, ERRORS, QUANTIZE_COMMAND)),
+            _names(*_MEASURED, QUANTIZER, ERRORS, QUANTIZE_COMMAND, PLAN)),
     RowKind("fp", "The full-precision CE of one checkpoint on the evaluation windows, and its bf16 noise floor "
                   "(floor_<field>, when measured).", "sweep/sweep.py (engine/rows.py floor_fields)",
             "row_key(checkpoint, 'fp', eval_hash)", _names(*_MEASURED, FLOOR, only=("ce_fp", "ce_fp_se"))),
@@ -356,6 +395,11 @@ ROW_KINDS: dict[str, RowKind] = {k.name: k for k in (
     RowKind("scaling", "A scaling-law fit of FP or QAT losses over model sizes and token budgets.",
             "studies/scaling.py", "sha256 of (group, precision, the fitted points)",
             _names(IDENTITY, PROVENANCE, SCALING, only=("alpha",))),
+    RowKind("sensitivity", "One checkpoint's predicted KL when one linear (scope tensor), one tensor group (group) "
+                           "or every linear (model) is quantized at one candidate type, with the cheap proxies.",
+            "sweep/sweep.py, sweep/allocate_one.py (engine/sensitivity.py Sensitivity.rows)",
+            "row_key(checkpoint, 'sens:<types>:<calib hash>:<draws>:<scope>:<tensor>:<type>', '')",
+            _names(*_MEASURED, SENSITIVITY)),
 )}
 """The row kinds the store holds."""
 
