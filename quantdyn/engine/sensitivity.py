@@ -351,6 +351,7 @@ def measure_sensitivity(model, types: list[str] | tuple[str, ...], ids: torch.Te
     timer = PhaseTimer()  # reading and converting weights
     secs: dict[str, float] = {}
     was_training = mdl.training
+    grad_flags = [(p, p.requires_grad) for p in mdl.parameters()]  # a model in training keeps its own flags
     mdl.eval()
     M = cfg.draws
     N, T = ids.shape
@@ -429,6 +430,8 @@ def measure_sensitivity(model, types: list[str] | tuple[str, ...], ids: torch.Te
                 on_block(f"sensitivity: block {b} done ({time.perf_counter() - t_start:.0f}s)")
     finally:
         mdl.train(was_training)
+        for p, flag in grad_flags:
+            p.requires_grad_(flag)
     phase = {**{k: v for k, v in timer.seconds.items() if v}, **secs}
     return Sensitivity(tensors, types, model_type_of_source(source), n_blocks, N * T, s, layer_loss, fisher, bpw,
                        time.perf_counter() - t_start, phase, cfg)
@@ -614,7 +617,7 @@ def allocate_auto(model, autos: dict[str, QuantConfig], calib_ids, device: torch
             done[key] = measure_sensitivity(source, types, ids, device=device, cfg=cfg)
         sens = done[key]
         plan, alloc = sens.plan(budget, types, checkpoint)
-        name = register_plan(plan, "auto")
+        name = register_plan(plan)
         est, est_se = sens.plan_estimate(plan)
         out[label] = (QuantConfig(method=name), {
             "plan_label": name, "plan_digest": plan.digest, "plan_bits_per_weight": plan.bits_per_weight(),

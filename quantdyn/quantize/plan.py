@@ -280,7 +280,9 @@ _PLANS: dict[str, Plan] = {}
 
 
 def _canonical_plan(label: str) -> str:
-    if label in _PLANS:
+    """``plan:PATH`` -> ``plan:PATH#<digest>``, the file read again every time (a plan rewritten under the same
+    path is another quantizer); in-memory plans (``register_plan``) by their label."""
+    if label in _PLANS and label.startswith(f"{PLAN_PREFIX}{_IN_MEMORY}#"):
         return label
     path, digest = _split_plan_label(label)
     plan = read_plan(path)
@@ -288,13 +290,17 @@ def _canonical_plan(label: str) -> str:
         raise QuantdynError(f"plan file '{path}' has changed since the label '{label}' was written (its digest is "
                             f"now {plan.digest}); use plan:{path} for the plan as it is now")
     name = f"{PLAN_PREFIX}{path}#{plan.digest}"
-    _PLANS.setdefault(name, plan)
+    _PLANS[name] = plan
     return name
 
 
-def register_plan(plan: Plan, path: str = "auto") -> str:
-    """A plan made in memory (by ``auto@``) as a quantizer: its canonical label ``plan:<path>#<digest>``."""
-    name = f"{PLAN_PREFIX}{path}#{plan.digest}"
+_IN_MEMORY = "auto"
+"""The path part of the labels of plans made in memory (``plan:auto#<digest>``)."""
+
+
+def register_plan(plan: Plan) -> str:
+    """A plan made in memory (by ``auto@``) as a quantizer: its canonical label ``plan:auto#<digest>``."""
+    name = f"{PLAN_PREFIX}{_IN_MEMORY}#{plan.digest}"
     _PLANS.setdefault(name, plan)
     QUANTIZERS.get(name)  # made now: the walk looks it up by name
     return name
@@ -354,7 +360,7 @@ def _make_auto_method(label: str) -> QuantMethod:
     name = _canonical_auto(label)
     _, types = parse_auto(name)
     qcs = [parse_quantizer(t) for t in types if t != KEEP]
-    needs_calibration, fp_calibration = calibration_kind(qcs)
+    _, fp_calibration = calibration_kind(qcs)  # calibration windows always: the sensitivity pass runs on them
 
     def not_allocated(*args, **kwargs):
         raise QuantdynError(f"{name} allocates per checkpoint while it is measured (measure, sweep, quantize, the "
@@ -363,7 +369,7 @@ def _make_auto_method(label: str) -> QuantMethod:
     def for_tensor(cfg, site):
         not_allocated()
 
-    return QuantMethod(not_allocated, needs_calibration, FormatSpec(name, _dominant_bits(qcs), 0), for_tensor,
+    return QuantMethod(not_allocated, True, FormatSpec(name, _dominant_bits(qcs), 0), for_tensor,
                        fp_calibration=fp_calibration)
 
 
