@@ -63,11 +63,12 @@ def check_types(types: Sequence[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def sensitivity_rows(sens: Sensitivity, ckpt_hash: str, calib: str, base: dict) -> list[dict]:
-    """The pass's rows with their keys (one per scope x tensor x type)."""
+def sensitivity_rows(sens: Sensitivity, point: str, calib: str, base: dict) -> list[dict]:
+    """The pass's rows with their keys (one per scope x tensor x type); ``point`` identifies the checkpoint (its
+    weights' hash, in a sweep qualified by run, branch and step)."""
     what = f"sens:{','.join(sens.types)}:{calib}:{sens.config.draws}"
-    return [{"key": row_key(ckpt_hash, f"{what}:{r['scope']}:{r['tensor']}:{r['type']}", ""), **r}
-            for r in sens.rows({**base, "checkpoint_hash": ckpt_hash, "calib_hash": calib})]
+    return [{"key": row_key(point, f"{what}:{r['scope']}:{r['tensor']}:{r['type']}", ""), **r}
+            for r in sens.rows({**base, "calib_hash": calib})]
 
 
 def allocate_plan(model_ref: str, budget: float, types: Sequence[str], *, out: str | Path,
@@ -107,7 +108,8 @@ def allocate_plan(model_ref: str, budget: float, types: Sequence[str], *, out: s
     ckpt_hash = checkpoint_hash(str(weights.path)) if Path(model_ref).is_dir() else checkpoint_hash(model_ref)
     calib = calib_identity(data.data_hash, n_calib_samples, calib_seq_len, calib_seed)
     if st is not None:
-        base = {"checkpoint": model_ref, "data_key": data.data_hash, "n_params": source.n_params(),
+        base = {"checkpoint": model_ref, "checkpoint_hash": ckpt_hash, "data_key": data.data_hash,
+                "n_params": source.n_params(),
                 "compute_dtype": "float32", **provenance()}
         st.append_new(sensitivity_rows(sens, ckpt_hash, calib, base))
     write_plan(plan, out)
