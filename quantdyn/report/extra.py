@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from quantdyn.report import error_maps
+from quantdyn.report import error_maps, sensitivity_maps
 from quantdyn.report.accuracy import accuracy_vs_dce
 from quantdyn.report.optimizers import optimizer_figure, optimizer_table, scaling_figure
 from quantdyn.report.predictors import predictor_figure, predictor_rows
@@ -44,4 +44,5 @@ def sections(rows: list[dict], out: Path) -> list[tuple[str, str, list[dict], st
                           ("L(N, D) = A(ρN)^-α + B·D^-β + E fitted to FP points, then ρ alone to QAT points; ρ < 1 is "
                           "the parameter efficiency lost under quantization (paper B).")))
     found += error_maps.sections(rows, out)
+    found += sensitivity_maps.sections(rows, out)
     return found
