@@ -104,7 +104,7 @@ def quantize(
                           repeats=repeats, repeat_vary=repeat_vary, progress=not (as_json or quiet))
     if as_json:
         for row in result.rows:
-            echo_json({k: v for k, v in row.items() if k != "window_delta"})
+            echo_json({k: v for k, v in row.items() if k not in ("window_delta", "window_kl")})
         return
     for row in result.rows:
         _print_row(model, row, eval_seq_len)

@@ -187,6 +187,7 @@ ERRORS = _table("""
                                         within_noise_floor); None when no floor was measured.
     delta_ce_floor_z      float | None  z of Δ CE − floor_delta_ce, paired over windows (None: no floor).
     window_delta          list[float]   Per-window Δ CE (7 decimals), in window order: what paired differences pair.
+    window_kl             list[float]   Per-window mean KL(FP ‖ Q) (7 significant digits), in window order: pairs KLs.
     quant_repeats         int           R, how many times the quantization was repeated (1 when absent).
     repeat_vary           str | None    What changed between repeats: draw (calibration windows), order, both.
     delta_ce_repeats      list[float]   Δ CE of each repeat (R > 1 only).
@@ -213,7 +214,8 @@ FLOOR_METRICS = ("ce_q", "delta_ce", "delta_ce_se", "rel_delta_ce", "delta_ppl",
                  "top1_agree", *(f"top{k}_agree" for k in range(2, 6)), *(f"top{k}_agree_se" for k in range(1, 6)),
                  "delta_p", "delta_p_se",
                  "delta_p_rms", "delta_p_rms_se", "delta_p_p1", "delta_p_p99", "logprob_corr", "kl_by_confidence",
-                 "confidence_fraction", "n_windows", "n_tokens", "window_delta", "block_rel_fro", "block_cos_err",
+                 "confidence_fraction", "n_windows", "n_tokens", "window_delta", "window_kl", "block_rel_fro",
+                 "block_cos_err",
                  "block_sqnr")
 """The error fields a noise floor carries (as ``floor_<field>`` in the fp row)."""
 FLOOR = (
