@@ -171,6 +171,7 @@ def _tensors(path: Path) -> dict:
             for t in gguf.GGUFReader(str(path)).tensors}
 
 
+@pytest.mark.e2e
 @pytest.mark.numerics
 @pytest.mark.parametrize("name", ["neox", "llama"])
 def test_gguf_plan_is_byte_identical_to_llama_quantize_with_its_tensor_types(tmp_path, name):
@@ -208,3 +209,36 @@ def test_gguf_plan_loads_in_llama_cpp(tmp_path):
         got.append(lp.gather(-1, torch.tensor(w[1:])[:, None])[:, 0])
     want = torch.tensor(json.loads((FIX / "gguf_llamacpp.json").read_text())["plans"]["neox"]["logprobs"])
     assert (torch.stack(got) - want).abs().max() < 1e-4
+
+
+@pytest.mark.e2e
+@pytest.mark.numerics
+def test_gguf_plan_holds_each_tensor_in_its_type_and_the_arguments_name_each_tensor_once(tmp_path):
+    """Without llama.cpp: every block tensor of the plan's GGUF has the plan's type (f16 entries as F16, equal to the
+    float16 weights), and each ``--tensor-type`` pattern matches exactly its own tensor among the file's tensors
+    (llama.cpp matches them with regex_search, first match wins)."""
+    from formats_models import LLAMA, build_model
+
+    gguf = pytest.importorskip("gguf")
+    plan = gguf_plan(LLAMA)
+    path = export_gguf_plan(LLAMA, tmp_path)
+    reader = gguf.GGUFReader(str(path))
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    from quantdyn.export.gguf import gguf_tensor_name
+
+    model = build_model(LLAMA)
+    w = dict(model.named_parameters())
+    for t in plan.tensors:
+        name = gguf_tensor_name("llama", f"{t.name}.weight")
+        assert types[name] == ("F16" if t.type == "f16" else t.type.upper()), (name, t.type)
+        if t.type == "f16" and ".attn_q." not in name and ".attn_k." not in name:  # q/k rows are permuted for rope
+            data = next(np.asarray(x.data) for x in reader.tensors if x.name == name)
+            assert np.array_equal(data, w[f"{t.name}.weight"].detach().half().numpy()), name
+    lines = tensor_type_lines(plan)
+    for line in lines:
+        pattern, ggml = line.rsplit("=", 1)
+        hits = [n for n in types if re.search(pattern, n.lower())]
+        assert len(hits) == 1 and hits[0].startswith("blk."), (pattern, hits)
+    args = llama_quantize_args(plan)
+    assert args[:4] == ["--token-embedding-type", "f32", "--output-tensor-type", "f32"]
+    assert args[4::2][:len(lines)] == ["--tensor-type"] * len(lines) and args[5:5 + 2 * len(lines):2] == lines
