@@ -141,3 +141,13 @@ def test_monitor_takes_an_auto_label():
     assert out["ptq/auto@5:q4_0,q5_1/kl"] > 0
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and model.training
     assert [p.requires_grad for p in model.parameters()] == flags
+
+
+def test_a_study_spec_takes_plan_auto_and_sensitivity():
+    from quantdyn.errors import QuantdynError
+    from quantdyn.studies.spec import demo_spec
+
+    s = demo_spec(['sweep.quantizers=[q4_k_m,"auto@4.5:q6_k,q3_k,q4_k,q5_k"]', "sweep.sensitivity=[q3_k,q4_k]"])
+    assert s.sweep.quantizers == ("q4_k_m", "auto@4.5:q6_k,q3_k,q4_k,q5_k") and s.sweep.sensitivity == ("q3_k", "q4_k")
+    with pytest.raises(QuantdynError, match="at least two candidate types"):
+        demo_spec(["sweep.sensitivity=[q3_k]"])
