@@ -132,7 +132,7 @@ def build_llama_perplexity(work: Path, src: Path | None) -> tuple[Path, str]:
 def trained_checkpoint(work: Path, steps: int) -> Path:
     """A small GPT-NeoX trained on the built-in KJV text (cached in ``work``)."""
     from quantdyn.config import from_dict
-    from quantdyn.train.checkpoint import list_checkpoints
+    from quantdyn.runs import list_checkpoints
     from quantdyn.train.config import RunConfig
     from quantdyn.train.trainer import train
 

@@ -93,7 +93,7 @@ def trained_checkpoint(size: str, steps: int, work: Path, device: str = "cpu") -
     its tokenizer (cached: a second call returns the directory)."""
     from quantdyn.config import from_dict
     from quantdyn.models.hf_io import load_gpt, save_hf
-    from quantdyn.train.checkpoint import list_checkpoints
+    from quantdyn.runs import list_checkpoints
     from quantdyn.train.config import RunConfig
     from quantdyn.train.trainer import train
 

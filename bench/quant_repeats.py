@@ -32,7 +32,7 @@ QUANTIZERS = ["rtn3", "gptq3", "gptq4", "awq4"]
 
 def train_gpt(work: Path, steps: int) -> tuple[Path, object]:
     from quantdyn.config import from_dict
-    from quantdyn.train.checkpoint import list_checkpoints
+    from quantdyn.runs import list_checkpoints
     from quantdyn.train.config import RunConfig
     from quantdyn.train.trainer import train
 

@@ -24,8 +24,8 @@ import torch
 
 from quantdyn.config import from_dict
 from quantdyn.results.store import ResultStore
+from quantdyn.runs import list_checkpoints
 from quantdyn.sweep.sweep import SweepConfig, run_sweep
-from quantdyn.train.checkpoint import list_checkpoints
 from quantdyn.train.config import RunConfig
 from quantdyn.train.trainer import train
 

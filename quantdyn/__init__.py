@@ -14,7 +14,7 @@ tests/test_layers.py checks that the two agree and that the code keeps to them.
     cli                          the command line (typer): one module per command family, named for it
     api                          the public Python API
     studies                      a study spec -> runs, cooldowns, averages, sweep, findings with verdicts
-    report | launch              figures and the HTML page from rows | grids, torchrun, SLURM and submitit
+    report | launch              figures and the HTML page from rows | grids, torchrun, SLURM arrays
     sweep | monitor              checkpoints x quantizers -> rows | the same inside any training loop
     engine                       block walk, activation streams, measure(), one writer of quantized files
     sources                      where checkpoints come from: runs, directories, hub revisions, presets
@@ -23,6 +23,8 @@ tests/test_layers.py checks that the two agree and that the code keeps to them.
     quantize | evaluate          pure quantization algorithms | loss, KL, agreement, lm-eval
     data | models                token sources and shards | the model file, HF I/O, lazy checkpoint weights
     results                      the row schema, the statistics of rows, the JSONL store and its tables
+    runs | schedules             the run-directory layout and every name in it (checkpoints, branches,
+                                 averages) | LR schedules as pure functions of the step
     config | registry | files | runtime | progress    typed configs, one Registry, atomic writes,
                                  devices and provenance, progress lines
     errors                       QuantdynError: every user error as one line

@@ -54,7 +54,8 @@ from quantdyn.studies.spec import StudySpec, load_study_spec
 from quantdyn.sweep.quantize_one import QuantizeResult
 from quantdyn.sweep.quantize_one import quantize_one as quantize_checkpoint
 from quantdyn.sweep.sweep import SweepConfig, run_sweep
-from quantdyn.train.branches import cooldown, load_run_config
+from quantdyn.train.branches import cooldown
+from quantdyn.train.config import load_run_config
 from quantdyn.train.config import RunConfig
 from quantdyn.train.trainer import train
 

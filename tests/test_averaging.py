@@ -9,10 +9,11 @@ from quantdyn.errors import QuantdynError
 from quantdyn.evaluate.loss import mean_loss
 from quantdyn.models.gpt import GPT, ModelConfig
 from quantdyn.models.hf_io import load_gpt
+from quantdyn.runs import checkpoint_dir, read_meta
 from quantdyn.sources.trajectory import points_of_run
 from quantdyn.sweep.interpolation import interpolate_checkpoints
 from quantdyn.train.averaging import OnlineEMA
-from quantdyn.train.checkpoint import checkpoint_dir, read_meta, save_checkpoint
+from quantdyn.train.checkpoint import save_checkpoint
 from quantdyn.train.config import RunConfig
 from quantdyn.train.offline_averaging import average_lawa, make_soup
 from quantdyn.train.trainer import train

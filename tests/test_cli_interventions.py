@@ -22,7 +22,7 @@ def test_grid_dry_run_and_bad_key(tmp_path, kjv_small, cli):
     assert not (tmp_path / "t-grid").exists()  # a dry run writes nothing
     r = cli("grid", str(cfg), "--vary", "optim.lrr=1e-3", "--dry-run")
     assert r.returncode == 2 and "did you mean 'optim.lr'" in r.stderr
-    r = cli("grid", str(cfg), "--vary", "optim.lr=1e-3,3e-3", "--slurm", "--dir", str(tmp_path / "g"))
+    r = cli("grid", str(cfg), "--vary", "optim.lr=1e-3,3e-3", "--slurm", "--write-only", "--dir", str(tmp_path / "g"))
     assert r.returncode == 0 and "#SBATCH --array=0-1" in (tmp_path / "g" / "grid.sbatch").read_text()
 
 

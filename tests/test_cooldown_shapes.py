@@ -16,11 +16,11 @@ import pytest
 
 from quantdyn.report.figures import rainbow_table
 from quantdyn.report.palette import Palette
+from quantdyn.schedules import DECAY_SHAPES, ScheduleConfig
 from quantdyn.studies import findings as fd
 from quantdyn.studies.spec import CooldownSpec
 from quantdyn.train.branches import branch_configs
 from quantdyn.train.config import RunConfig
-from quantdyn.train.schedules import DECAY_SHAPES, ScheduleConfig
 
 FROM, DECAY, QS = 40, 20, ("rtn3", "gptq4")
 

@@ -273,7 +273,7 @@ def test_trained_model_beats_an_untrained_one_on_lastword(tmp_path, kjv_small):
 
     from quantdyn.config import from_dict
     from quantdyn.models.hf_io import load_gpt
-    from quantdyn.train.checkpoint import list_checkpoints
+    from quantdyn.runs import list_checkpoints
     from quantdyn.train.config import RunConfig
     from quantdyn.train.trainer import train
 

@@ -125,7 +125,7 @@ def _assert_same_curve(a, b):
 def test_fsdp2_two_processes_kill_resume_match_one_process(tmp_path, kjv_small):
     from quantdyn.config import apply_overrides, load_yaml
     from quantdyn.models.hf_io import load_gpt
-    from quantdyn.train.checkpoint import list_checkpoints
+    from quantdyn.runs import list_checkpoints
 
     data_cfg, data = kjv_small
     ref_cfg = apply_overrides(load_yaml(TINY), _tiny_overrides(tmp_path, data_cfg, "ref", 4, "ddp"))
@@ -200,7 +200,7 @@ def test_fsdp2_two_processes_kill_resume_match_one_process(tmp_path, kjv_small):
     # in one process (the layout does not depend on the world size or the strategy)
     import shutil
 
-    from quantdyn.train.checkpoint import latest_resumable
+    from quantdyn.runs import latest_resumable
 
     one = tmp_path / "one"
     shutil.copytree(run, one)
@@ -216,7 +216,7 @@ def test_fsdp2_two_processes_kill_resume_match_one_process(tmp_path, kjv_small):
 
 def test_fsdp2_resume_with_another_global_batch_is_refused_before_writing(tmp_path, kjv_small):
     """A world-size change that changes the global batch cannot resume exactly: one line, nothing written."""
-    from quantdyn.train.checkpoint import latest_resumable
+    from quantdyn.runs import latest_resumable
 
     data_cfg, _ = kjv_small
     d = _run_dict(tmp_path, data_cfg, "r", 4, "ddp", steps=4)

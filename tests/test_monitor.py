@@ -249,7 +249,7 @@ def test_resume_drops_rows_logged_after_the_checkpoint_in_every_logger(tmp_path,
         train(cfg, progress=False, hooks=[_CrashAt(7)])
     run = tmp_path / "r"
     assert [x["step"] for x in read_metrics(run)] == [2, 4, 6]  # step 6 was logged, not checkpointed (crash at 7)
-    from quantdyn.train.checkpoint import latest_resumable
+    from quantdyn.runs import latest_resumable
 
     train(cfg, run, resume=latest_resumable(run), progress=False)
     assert [x["step"] for x in read_metrics(run)] == [2, 4, 6, 8]

@@ -15,7 +15,7 @@ from PIL import Image
 from quantdyn.report import figures, output, uncertainty
 from quantdyn.report.accuracy import accuracy_vs_dce
 from quantdyn.report.palette import QUANTIZER_COLORS, Palette, hashed_color, quantizer_color
-from quantdyn.results.schema import control_of
+from quantdyn.runs import control_of
 
 QUANTIZERS = {"gptq3": (3, "gptq", 0.3), "rtn4": (4, "rtn", 0.1), "rtn2": (2, "rtn", 2.0)}
 

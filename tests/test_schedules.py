@@ -3,7 +3,7 @@ import math
 import pytest
 
 from quantdyn.errors import QuantdynError
-from quantdyn.train.schedules import (
+from quantdyn.schedules import (
     Phase,
     PhaseSchedule,
     ScheduleConfig,

@@ -1,6 +1,6 @@
 """results/schema.py: the field table covers what the writers write, keys and calibration identity are the
-ones stored rows already carry, one builder and one parser of branch names, the one rule for reading a
-stored number, rel_delta_ce and the combined SE — and old rows read without an error."""
+ones stored rows already carry, the one rule for reading a stored number, rel_delta_ce and the combined SE —
+and old rows read without an error."""
 from __future__ import annotations
 
 import math
@@ -11,18 +11,7 @@ import torch
 
 from quantdyn.errors import QuantdynError
 from quantdyn.results import schema
-from quantdyn.results.schema import (
-    cooldown_branch,
-    control_branch,
-    control_of,
-    describe,
-    is_control,
-    is_cooldown,
-    number,
-    parse_branch,
-    undocumented,
-)
-from quantdyn.train.schedules import DECAY_SHAPES
+from quantdyn.results.schema import describe, number, undocumented
 
 
 # ------------------------------------------------------------------ the field table
@@ -81,28 +70,6 @@ def test_keys_and_calibration_identity_are_those_stored_rows_carry():
     assert schema.row_key("abc123", "ptq:deadbeef:0123456789ab", "e0") == "96da8b3e91862d9934a7c192"
     assert schema.calib_hash("d4t4", 128, 2048, 0) == "95a2fbde708f"
     assert schema.row_key("a", "fp", "e") != schema.row_key("a", "fp", "f")
-
-
-# ------------------------------------------------------------------ branch names
-@pytest.mark.parametrize("shape", sorted(DECAY_SHAPES))
-def test_one_builder_and_one_parser_of_branch_names(shape):
-    for s, d in ((1, 1), (200, 100), (143000, 7)):
-        name, ctrl = cooldown_branch(s, d, shape), control_branch(s, d)
-        assert parse_branch(name) == schema.BranchName("cooldown", s, d, shape)
-        assert parse_branch(ctrl) == schema.BranchName("control", s, d, None)
-        assert control_of(name) == ctrl and control_of(ctrl) is None
-        assert is_cooldown(name) and not is_control(name) and is_control(ctrl) and not is_cooldown(ctrl)
-    assert cooldown_branch(8, 4, "1-sqrt") == "cooldown-s8-d4-1-sqrt"
-
-
-def test_names_that_are_not_cooldowns_or_controls_parse_to_none():
-    for name in ("main", "lawa-k4-p2-offline", "soup-cooldowns", "ema", "control-s8-d4-linear", "cooldown-sx-d4-a",
-                 "", None, "ingredient1"):
-        assert parse_branch(name) is None and control_of(name) is None
-        assert not is_control(name) and not is_cooldown(name)
-    assert parse_branch("cooldown-s8-d4") == schema.BranchName("cooldown", 8, 4, None)  # unshaped: still a cooldown
-    with pytest.raises(QuantdynError):
-        cooldown_branch(8, 4, "")
 
 
 # ------------------------------------------------------------------ reading numbers and derived quantities

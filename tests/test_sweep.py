@@ -189,8 +189,8 @@ def test_sweep_slurm_writes_an_array_over_shards_of_one_resolved_spec(small_run,
     base = tmp_path / "base.yaml"
     base.write_text(yaml.safe_dump({"data": {"calib_samples": 4, "calib_seq_len": 32, "eval_windows": 8,
                                              "eval_seq_len": 32}}))
-    r = cli("sweep", base, "--run", small_run, "--quantizers", "rtn4", "--store", store, "--slurm", "--shards", "2",
-            "--partition", "gpu", "--time", "01:00:00", "--max-parallel", "1", "--cpus-per-task", "4")
+    r = cli("sweep", base, "--run", small_run, "--quantizers", "rtn4", "--store", store, "--slurm", "--write-only",
+            "--shards", "2", "--partition", "gpu", "--time", "01:00:00", "--max-parallel", "1", "--cpus-per-task", "4")
     assert r.returncode == 0, r.stderr
     script = (store / "slurm" / "sweep.sbatch").read_text()
     assert "#SBATCH --array=0-1%1" in script and "#SBATCH --partition=gpu" in script

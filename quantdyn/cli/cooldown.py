@@ -27,7 +27,7 @@ def cooldown(
     Each branch decays the LR to lr_end over its decay length; --control adds a constant-LR twin of each."""
     from quantdyn.monitor import hooks_for
     from quantdyn.train.branches import cooldown as run_cooldown
-    from quantdyn.train.branches import load_run_config
+    from quantdyn.train.config import load_run_config
     from quantdyn.train.loggers import console_mode
 
     mode = console_mode(quiet, verbose)

@@ -61,7 +61,8 @@ PARTITION = typer.Option("", "--partition", help="SLURM partition.", rich_help_p
 TIME = typer.Option("", "--time", help="SLURM time limit per task, e.g. 04:00:00.", rich_help_panel=SLURM)
 ACCOUNT = typer.Option("", "--account", help="SLURM account to charge.", rich_help_panel=SLURM)
 QOS = typer.Option("", "--qos", help="SLURM QOS.", rich_help_panel=SLURM)
-GPUS = typer.Option(0, "--gpus-per-node", help="GPUs per task (grid: default --nproc-per-node).", rich_help_panel=SLURM)
+GPUS = typer.Option(0, "--gpus-per-node", help="GPUs per task (grid: default --nproc-per-node; none for runs on "
+                    "train.device=cpu).", rich_help_panel=SLURM)
 CPUS = typer.Option(0, "--cpus-per-task", help="CPUs per task.", rich_help_panel=SLURM)
 MEM_GB = typer.Option(0, "--mem-gb", help="Memory per task in GB.", rich_help_panel=SLURM)
 MAX_PARALLEL = typer.Option(0, "--max-parallel", help="Array throttle: at most this many tasks at once.",
@@ -70,16 +71,19 @@ CONSTRAINT = typer.Option("", "--constraint", help="SLURM node constraint, e.g. 
 SBATCH = typer.Option(None, "--sbatch", help="Extra #SBATCH option (repeatable), e.g. --sbatch=--exclusive",
                       rich_help_panel=SLURM)
 SETUP = typer.Option(None, "--setup", help="Shell line run first in each task (repeatable).", rich_help_panel=SLURM)
-SUBMIT = typer.Option(False, "--submit", help="Submit the array through submitit (pip install 'quantdyn[slurm]').",
-                      rich_help_panel=SLURM)
-CLUSTER = typer.Option("slurm", "--cluster", hidden=True, help="submitit cluster (local: run here, for tests).")
+SIGNAL = typer.Option("USR1@120", "--signal", help="SIG@SECONDS: SLURM warns a task SECONDS before its time limit "
+                      "(SIG: USR1 or USR2); the task stops cleanly (a training run checkpoints its step) and "
+                      "requeues itself. none: no warning.", rich_help_panel=SLURM)
+WRITE_ONLY = typer.Option(False, "--write-only", help="With --slurm: write the sbatch script and submit nothing "
+                          "(no SLURM needed here); it prints the sbatch command.", rich_help_panel=SLURM)
+SUBMIT = typer.Option(False, "--submit", hidden=True, help="Old spelling of --slurm (which submits with sbatch).")
 
 
 _SLURM_PARAMS: tuple[tuple[str, Any, Any], ...] = (
-    ("submit", bool, SUBMIT), ("partition", str, PARTITION), ("time_limit", str, TIME), ("account", str, ACCOUNT),
-    ("qos", str, QOS), ("gpus", int, GPUS), ("cpus", int, CPUS), ("mem_gb", int, MEM_GB),
-    ("max_parallel", int, MAX_PARALLEL), ("constraint", str, CONSTRAINT), ("sbatch_extra", Optional[List[str]], SBATCH),
-    ("setup", Optional[List[str]], SETUP), ("cluster", str, CLUSTER),
+    ("write_only", bool, WRITE_ONLY), ("partition", str, PARTITION), ("time_limit", str, TIME),
+    ("account", str, ACCOUNT), ("qos", str, QOS), ("gpus", int, GPUS), ("cpus", int, CPUS), ("mem_gb", int, MEM_GB),
+    ("max_parallel", int, MAX_PARALLEL), ("constraint", str, CONSTRAINT), ("signal", str, SIGNAL),
+    ("sbatch_extra", Optional[List[str]], SBATCH), ("setup", Optional[List[str]], SETUP), ("submit", bool, SUBMIT),
 )
 
 
@@ -87,7 +91,7 @@ _SLURM_PARAMS: tuple[tuple[str, Any, Any], ...] = (
 class SlurmOptions:
     """The SLURM options of one command line (what :func:`slurm_options` hands the command)."""
 
-    submit: bool
+    write_only: bool
     partition: str
     time_limit: str
     account: str
@@ -97,9 +101,22 @@ class SlurmOptions:
     mem_gb: int
     max_parallel: int
     constraint: str
+    signal: str
     sbatch_extra: Optional[List[str]]
     setup: Optional[List[str]]
-    cluster: str
+    submit: bool
+
+    def wanted(self, slurm_flag: bool) -> bool:
+        """Whether the command goes to SLURM: --slurm, or its old spelling --submit (with a note)."""
+        if self.submit:
+            from quantdyn.cli.app import deprecated
+
+            deprecated("--submit", "use --slurm, which now submits the array with sbatch")
+        if self.write_only and not (slurm_flag or self.submit):
+            from quantdyn.errors import QuantdynError
+
+            raise QuantdynError("--write-only goes with --slurm: add --slurm to write the sbatch script")
+        return slurm_flag or self.submit
 
     def config(self, nproc_per_node: int = 1):
         """The ``launch.slurm.SlurmConfig`` of these options (checked: a bad time limit is one line)."""
@@ -108,7 +125,8 @@ class SlurmOptions:
         return SlurmConfig(partition=self.partition, time=self.time_limit, account=self.account, qos=self.qos,
                            gpus_per_node=self.gpus, cpus_per_task=self.cpus, mem_gb=self.mem_gb,
                            nproc_per_node=nproc_per_node, max_parallel=self.max_parallel, constraint=self.constraint,
-                           extra_sbatch=tuple(self.sbatch_extra or ()), setup=tuple(self.setup or ()))
+                           extra_sbatch=tuple(self.sbatch_extra or ()), setup=tuple(self.setup or ()),
+                           signal=self.signal)
 
 
 def slurm_options(command: Callable) -> Callable:
@@ -129,17 +147,6 @@ def slurm_options(command: Callable) -> Callable:
 
     run.__signature__ = sig.replace(parameters=params[:at] + added + params[at + 1:])
     return run
-
-
-def require_sbatch(submit: bool, cluster: str) -> None:
-    """--submit on a machine without SLURM: one line before anything is written."""
-    import shutil
-
-    from quantdyn.errors import QuantdynError
-
-    if submit and cluster == "slurm" and not shutil.which("sbatch"):
-        raise QuantdynError("--submit needs SLURM here (no sbatch on PATH); run on the cluster's login node, "
-                            "or drop --submit and sbatch the written script there")
 
 
 def split_list(text: Optional[str]) -> list[str]:

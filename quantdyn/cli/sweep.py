@@ -65,8 +65,9 @@ def sweep(
                                         "(default: torchrun rank or SLURM array task).", rich_help_panel=OUTPUT),
     evict: bool = typer.Option(False, "--evict", help="Delete each hub revision from the HF cache once its rows are "
                                "stored.", rich_help_panel=OUTPUT),
-    script: bool = typer.Option(False, "--slurm", help="Write STORE/slurm/sweep.sbatch (one array task per shard) "
-                               "instead of running.", rich_help_panel=opt.SLURM),
+    on_slurm: bool = typer.Option(False, "--slurm", help="Submit the sweep to SLURM instead of running it here: "
+                                  "STORE/slurm/sweep.sbatch, one array task per shard, submitted with sbatch; prints "
+                                  "the job id and how to follow and resume it.", rich_help_panel=opt.SLURM),
     shards: int = typer.Option(1, "--shards", help="Array tasks, each sweeping every n-th checkpoint into the store.",
                                rich_help_panel=opt.SLURM),
     slurm: opt.SlurmOptions = None,
@@ -114,12 +115,12 @@ def sweep(
     if not spec and not traj:
         raise QuantdynError("give a sweep spec YAML or a trajectory (--run, --checkpoint, --hub or --preset)")
     cfg = from_dict(SweepConfig, data)
-    if script or slurm.submit:
-        return _sweep_on_slurm(cfg, shard, shards, slurm)
-    if dry_run:
+    if dry_run:  # before --slurm: a dry run submits nothing either
         for line in dry_run_report(cfg):
             typer.echo(line)
         return
+    if slurm.wanted(on_slurm):
+        return _sweep_on_slurm(cfg, shard, shards, slurm)
     from quantdyn.train.loggers import console_mode
 
     mode = console_mode(quiet, verbose)
@@ -166,27 +167,41 @@ def dry_run_report(cfg) -> list[str]:
 
 
 def _sweep_on_slurm(cfg, shard, shards: int, slurm: opt.SlurmOptions) -> None:
-    """Write the resolved sweep as STORE/slurm/sweep.yaml and an sbatch array over its shards, or submit it."""
+    """Submit the resolved sweep (STORE/slurm/sweep.yaml) as an sbatch array over its shards; with --write-only
+    write it only. Every refusal (no sbatch, a store the tasks cannot write, a job SLURM would not take) is one
+    line before anything is written or submitted."""
+    import dataclasses
+
     import yaml
 
     from quantdyn.config import to_dict
     from quantdyn.files import write_text_atomic
-    from quantdyn.launch.slurm import submit_sweep, sweep_script
+    from quantdyn.launch import slurm as launch
 
     if shard:
         raise QuantdynError("--slurm sets --shard itself (one shard per array task); drop --shard and give --shards")
     if shards < 1:
         raise QuantdynError(f"--shards {shards} must be >= 1")
-    opt.require_sbatch(slurm.submit, slurm.cluster)
-    folder = Path(cfg.store) / "slurm"
-    spec = folder / "sweep.yaml"
+    sl = slurm.config()
+    if not slurm.write_only:
+        launch.require_sbatch()
+    store = launch.check_writable(cfg.store, "store", "--store")
+    folder = store / "slurm"
+    spec, script, logs = folder / "sweep.yaml", folder / "sweep.sbatch", folder / "logs"
+    name = f"sweep-{store.name}"
+    text = launch.sweep_script([str(spec)], shards, sl, workdir=".", log_dir=logs, name=name)
+    if not slurm.write_only:
+        launch.check_submission(text)
+    cfg = dataclasses.replace(cfg, store=str(store))  # the tasks write where this command was told to
     write_text_atomic(spec, "# the sweep each array task runs (written by quantdyn sweep --slurm)\n"
                       + yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    args = [str(spec.resolve()), "--quiet"]
-    if slurm.submit:
-        jobs = submit_sweep(args, shards, slurm.config(), folder / "submitit", cluster=slurm.cluster)
-        typer.echo(f"submitted {len(jobs)} shards; rows go to {cfg.store}; logs in {folder / 'submitit'}")
+    write_text_atomic(script, text)
+    logs.mkdir(exist_ok=True)
+    if slurm.write_only:
+        typer.echo(f"wrote {script} ({plural(shards, 'array task')}) and {spec}; submit with: sbatch {script}")
         return
-    script = folder / "sweep.sbatch"
-    write_text_atomic(script, sweep_script(args, shards, slurm.config(), workdir="."))
-    typer.echo(f"wrote {script} ({shards} array tasks) and {spec}; submit with: sbatch {script}")
+    job = launch.submit(script)
+    for line in launch.submitted_lines(
+            job, shards, f"sweep into {store}", logs, name, watch=f"quantdyn results --store {store}",
+            resume=f"the same command again (rows already stored are skipped), or `sbatch {script}`"):
+        typer.echo(line)

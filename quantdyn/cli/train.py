@@ -32,10 +32,9 @@ def train(
 
     from quantdyn.config import apply_overrides, from_dict, load_yaml
     from quantdyn.monitor import hooks_for
+    from quantdyn.runs import RunDir, latest_resumable
     from quantdyn.sources.hub import open_checkpoint
-    from quantdyn.train.branches import load_run_config
-    from quantdyn.train.checkpoint import RunDir, latest_resumable
-    from quantdyn.train.config import RunConfig
+    from quantdyn.train.config import RunConfig, load_run_config
     from quantdyn.train.loggers import console_mode
     from quantdyn.train.trainer import train as run_train
 

@@ -32,7 +32,7 @@ def trajectories(
     or in a sweep spec: `trajectory: {preset: NAME, select: {log_spaced: 12}}`."""
     from quantdyn.sources.presets import get_preset, load_presets
     from quantdyn.sources.trajectory import format_count
-    from quantdyn.train.schedules import lr_text
+    from quantdyn.schedules import lr_text
 
     if name:
         p = get_preset(name)
@@ -63,7 +63,7 @@ def trajectories(
 
 def _detail(p) -> list[str]:
     from quantdyn.sources.trajectory import format_count
-    from quantdyn.train.schedules import describe_phase, describe_schedule
+    from quantdyn.schedules import describe_phase, describe_schedule
 
     out = [f"{p.name}: {p.description}", f"  repos: {', '.join(p.repos) or '(none: give --hub with the run id)'}",
            f"  tokens/step: {p.tokens_per_step if p.tokens_per_step is not None else 'unknown'}",

@@ -1,1 +1,1 @@
-"""Launching work: grids of training runs, torchrun commands, SLURM array scripts and submitit."""
+"""Launching work: grids of training runs, torchrun commands, SLURM arrays (sbatch)."""

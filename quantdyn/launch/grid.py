@@ -19,14 +19,14 @@ Layout of a grid directory::
     GRID_DIR/runs/NAME/          the run directories
     GRID_DIR/grid.sbatch         SLURM array script, one task per run (write_launch_scripts)
     GRID_DIR/commands.txt        the same runs as plain torchrun lines
-    GRID_DIR/logs/               the array tasks' output (sbatch) ; GRID_DIR/submitit/ (submit_grid)
+    GRID_DIR/logs/               the array tasks' output
 
 Every expanded config is validated by building its RunConfig before anything
 is written or run, so an unknown key in ``--vary`` fails at once with a
 did-you-mean.  :func:`run_grid` runs the grid locally, one run after another:
 finished runs are skipped, partial ones resumed from their last checkpoint.
-On a SLURM cluster, :func:`write_launch_scripts` writes the array script and
-:func:`submit_grid` submits the same tasks through submitit (quantdyn/launch/slurm.py).
+On a SLURM cluster, :func:`write_launch_scripts` writes the array script that
+``quantdyn grid --slurm`` submits (quantdyn/launch/slurm.py).
 """
 from __future__ import annotations
 
@@ -44,10 +44,10 @@ import yaml
 from quantdyn.config import check_config_key, from_dict, load_yaml, parse_override, set_dotted, to_dict
 from quantdyn.errors import QuantdynError, did_you_mean
 from quantdyn.files import read_json, write_json_atomic, write_text_atomic
-from quantdyn.launch.slurm import SlurmConfig, array_script, run_command, submit
+from quantdyn.launch.slurm import SlurmConfig, array_script, quantdyn_command
 from quantdyn.monitor import hooks_for
 from quantdyn.runtime import git_sha
-from quantdyn.train.checkpoint import RunDir, latest_resumable, step_name
+from quantdyn.runs import CHECKPOINTS, METRICS, STATE, WEIGHTS, RunDir, latest_resumable, step_name
 from quantdyn.train.config import RunConfig
 from quantdyn.train.trainer import train
 
@@ -316,13 +316,30 @@ def torchrun_command(config: str | Path, nproc_per_node: int = 1, torchrun: str 
             f"{shlex.quote(str(config))} --quiet")
 
 
-def slurm_script(manifest: dict, slurm: SlurmConfig = SlurmConfig(), torchrun: str = "torchrun") -> str:
+def _launcher(nproc_per_node: int, python: str) -> str:
+    """Shell lines that set the bash array LAUNCH: how the task starts ``quantdyn`` (launch.slurm.quantdyn_command)
+    -- with more than one process, torchrun with the rendezvous at the job's first node (from SLURM's
+    variables; the port from the job id, so two tasks on one node do not meet). torchrun itself ignores
+    SIGUSR1 (it would end it and leave its workers): the workers catch it and stop with a checkpoint."""
+    if nproc_per_node == 1:
+        return f"LAUNCH=({quantdyn_command(python)})"
+    torchrun = (f"{shlex.quote(python)} -m torch.distributed.run --nnodes=\"$SLURM_JOB_NUM_NODES\" "
+                f"--nproc_per_node={nproc_per_node} --rdzv_id=\"$SLURM_JOB_ID\" --rdzv_backend=c10d "
+                "--rdzv_endpoint=\"$MASTER_ADDR:$MASTER_PORT\" -m quantdyn.cli")
+    return ('MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)\n'
+            "MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))\n"
+            f"LAUNCH=(bash -c 'trap \"\" USR1; exec \"$@\"' quantdyn-torchrun {torchrun})")
+
+
+def slurm_script(manifest: dict, slurm: SlurmConfig = SlurmConfig(), python: str = sys.executable) -> str:
     """A SLURM array script with one task per run of ``manifest`` (launch.slurm.array_script).
 
-    Task i trains run i on one node with ``slurm.nproc_per_node`` processes (torchrun --standalone; GPUs per
-    node: ``slurm.gpus_per_node``, else one per process); a task whose run finished exits at once, one whose
-    run has a resumable checkpoint continues it (``train --resume``), so requeued or resubmitted arrays pick
-    up where they stopped.
+    Task i trains run i on one node with ``slurm.nproc_per_node`` processes (GPUs per node:
+    ``slurm.gpus_per_node``, else one per process, none when the base config trains on the CPU); a task
+    whose run finished exits at once, one whose run has a resumable checkpoint continues it (``train
+    --resume``), so requeued or resubmitted arrays pick up where they stopped. SLURM's warning before the
+    time limit (``slurm.signal``) reaches the trainer as SIGUSR1: it checkpoints the step in progress and
+    stops, and the task requeues itself.
     """
     runs = manifest["runs"]
     if not runs:
@@ -330,8 +347,8 @@ def slurm_script(manifest: dict, slurm: SlurmConfig = SlurmConfig(), torchrun: s
     grid_dir = Path(manifest["grid_dir"]).resolve()
     names = "\n".join(f"  {shlex.quote(r['name'])}" for r in runs)
     finals = "\n".join(f"  {step_name(int(r['steps']))}" for r in runs)
-    tr = f"{torchrun} --standalone --nproc_per_node {slurm.nproc_per_node} -m quantdyn.cli train"
-    body = f"""GRID_DIR={shlex.quote(str(grid_dir))}
+    on_cpu = from_dict(RunConfig, manifest["base"]).train.device == "cpu"
+    choose = f"""GRID_DIR={shlex.quote(str(grid_dir))}
 RUNS=(
 {names}
 )
@@ -340,82 +357,41 @@ FINAL=(
 )
 RUN="${{RUNS[$SLURM_ARRAY_TASK_ID]}}"
 RUN_DIR="$GRID_DIR/runs/$RUN"
-if [ -f "$RUN_DIR/checkpoints/${{FINAL[$SLURM_ARRAY_TASK_ID]}}/model.safetensors" ]; then
-  echo "run $RUN already finished"; exit 0
+if [ -f "$RUN_DIR/{CHECKPOINTS}/${{FINAL[$SLURM_ARRAY_TASK_ID]}}/{WEIGHTS}" ]; then
+  echo "quantdyn: run $RUN already finished"; exit 0
 fi
-if compgen -G "$RUN_DIR/checkpoints/step-*/training_state.pt" > /dev/null; then
-  exec {tr} --resume "$RUN_DIR" --quiet
+{_launcher(slurm.nproc_per_node, python)}
+if compgen -G "$RUN_DIR/{CHECKPOINTS}/step-*/{STATE}" > /dev/null; then
+  TASK=("${{LAUNCH[@]}}" train --resume "$RUN_DIR")
+else
+  rm -f "$RUN_DIR/{METRICS}"
+  TASK=("${{LAUNCH[@]}}" train "$GRID_DIR/configs/$RUN.yaml")
 fi
-rm -f "$RUN_DIR/metrics.jsonl"
-exec {tr} "$GRID_DIR/configs/$RUN.yaml" --quiet
 """
+    gpus = slurm.gpus_per_node or (0 if on_cpu else slurm.nproc_per_node)
     return array_script(slurm, name=Path(manifest["grid_dir"]).name or "grid", n_tasks=len(runs),
-                        log_dir=grid_dir / "logs", body=body, gpus=slurm.gpus_per_node or slurm.nproc_per_node,
+                        log_dir=grid_dir / "logs", choose=choose, stop_signal="USR1", gpus=gpus,
                         about=f"Grid {grid_dir}: {len(runs)} runs, one array task each",
                         script=shlex.quote(str(grid_dir / "grid.sbatch")))
 
 
 def write_launch_scripts(grid_dir: str | Path, slurm: SlurmConfig = SlurmConfig(),
-                         torchrun: str = "torchrun") -> tuple[Path, Path]:
-    """Write GRID_DIR/grid.sbatch (see :func:`slurm_script`) and GRID_DIR/commands.txt
-    (one torchrun line per run); return both paths."""
+                         python: str = sys.executable) -> tuple[Path, Path]:
+    """Write GRID_DIR/grid.sbatch (see :func:`slurm_script`), GRID_DIR/logs/ and GRID_DIR/commands.txt
+    (one torchrun line per run, to run by hand); return the script's and the command list's paths."""
     grid_dir = Path(grid_dir)
     manifest = read_grid(grid_dir)
     sbatch = grid_dir / "grid.sbatch"
-    write_text_atomic(sbatch, slurm_script(manifest, slurm, torchrun))
+    write_text_atomic(sbatch, slurm_script(manifest, slurm, python))
     sbatch.chmod(0o755)
     (grid_dir / "logs").mkdir(exist_ok=True)
     cmds = grid_dir / "commands.txt"
     write_text_atomic(cmds, "".join(
-        torchrun_command(Path(r["config"]).resolve(), slurm.nproc_per_node, torchrun) + "\n" for r in manifest["runs"]
+        torchrun_command(Path(r["config"]).resolve(), slurm.nproc_per_node) + "\n" for r in manifest["runs"]
     ))
     return sbatch, cmds
 
 
-def grid_task_command(grid_dir: str | Path, name: str, nproc_per_node: int = 1,
-                      python: str = sys.executable) -> list[str] | None:
-    """What array task ``name`` runs now: None if the run finished, ``train --resume RUN_DIR`` if it
-    has a resumable checkpoint, else ``train CONFIG`` (the same choice as grid.sbatch)."""
-    manifest = read_grid(grid_dir)
-    runs = {r["name"]: r for r in manifest["runs"]}
-    if name not in runs:
-        raise QuantdynError(f"grid has no run '{name}'{did_you_mean(name, runs)}")
-    run = runs[name]
-    status = run_status(run)
-    if status == "finished":
-        return None
-    launcher = [python, "-m", "quantdyn.cli"] if nproc_per_node == 1 else [
-        python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc_per_node),
-        "-m", "quantdyn.cli"]
-    if status == "partial":
-        return [*launcher, "train", "--resume", str(Path(run["dir"]).resolve()), "--quiet"]
-    RunDir(run["dir"]).metrics.unlink(missing_ok=True)
-    return [*launcher, "train", str(Path(run["config"]).resolve()), "--quiet"]
-
-
-def run_grid_task(grid_dir: str, name: str, nproc_per_node: int = 1) -> str:
-    """One array task of a submitted grid (what a submitit job runs): skip, resume or train run ``name``."""
-    cmd = grid_task_command(grid_dir, name, nproc_per_node)
-    if cmd is None:
-        return "skipped"
-    run_command(cmd)
-    return "resumed" if "--resume" in cmd else "trained"
-
-
-def submit_grid(grid_dir: str | Path, slurm: SlurmConfig, only: Sequence[str] | None = None,
-                cluster: str | None = None, folder: str | Path | None = None) -> list:
-    """Submit the grid's runs through submitit, one array task each (cluster 'local' runs them on
-    this machine); runs that already finished are not submitted. Returns the submitit jobs."""
-    manifest = read_grid(grid_dir)
-    names = [r["name"] for r in manifest["runs"] if run_status(r) != "finished"]
-    if only:
-        unknown = [n for n in only if n not in {r["name"] for r in manifest["runs"]}]
-        if unknown:
-            raise QuantdynError(f"grid has no run '{unknown[0]}'{did_you_mean(unknown[0], [r['name'] for r in manifest['runs']])}")
-        names = [n for n in names if n in set(only)]
-    if not names:
-        return []
-    gdir = str(Path(grid_dir).resolve())
-    gpus = slurm.gpus_per_node or (slurm.nproc_per_node if cluster != "local" else 0)
-    return submit(run_grid_task, [(gdir, n, slurm.nproc_per_node) for n in names], slurm,
-                  folder or Path(grid_dir) / "submitit", cluster=cluster, name=Path(grid_dir).name, gpus=gpus)
+def unfinished_runs(manifest: dict) -> list[str]:
+    """Names of the grid's runs that have not reached their last step."""
+    return [r["name"] for r in manifest["runs"] if run_status(r) != "finished"]

@@ -28,7 +28,8 @@ from matplotlib.ticker import FuncFormatter
 from quantdyn.report.output import layout_figure, panel_grid, save_figure
 from quantdyn.report.palette import Palette
 from quantdyn.report.sensitivity_maps import checkpoint_label, checkpoint_ticks
-from quantdyn.results.schema import MAIN, control_of, number
+from quantdyn.results.schema import number
+from quantdyn.runs import MAIN, control_of
 
 FLOOR_COLOR = "0.55"
 FLOOR_LABEL = "bf16 noise floor (± 2 SE)"

@@ -35,8 +35,9 @@ from quantdyn.report import uncertainty
 from quantdyn.report.error_maps import noise_floor_band, noise_floor_handle, noise_floor_rows
 from quantdyn.report.output import LR_STYLE, PAGE_WIDTH, overlay_lr, panel_grid, save_figure, tokens_axis
 from quantdyn.report.palette import FP_COLOR, Palette, ordered_colors
-from quantdyn.results.schema import MAIN, control_of, is_control, rel_delta_ce, rel_delta_ce_se, total_se
+from quantdyn.results.schema import rel_delta_ce, rel_delta_ce_se, total_se
 from quantdyn.results.stats import decay_table
+from quantdyn.runs import MAIN, control_of, is_control
 
 MARKERS = "osD^v<>pP*hX"
 

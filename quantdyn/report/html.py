@@ -33,7 +33,8 @@ from quantdyn.report.output import figure_paths, figure_stem, table_columns, wri
 from quantdyn.report.palette import Palette
 from quantdyn.results.stats import Z, format_estimate
 from quantdyn.results.store import ResultStore
-from quantdyn.train.checkpoint import RunDir, read_metrics
+from quantdyn.runs import RunDir
+from quantdyn.train.checkpoint import read_metrics
 
 
 @dataclass
@@ -97,7 +98,7 @@ def resolve_input(store_or_run: str | Path, store: str | Path | None) -> tuple[R
     from ``store`` (default ``results``), or none when that store does not exist and the run was monitored;
     any other directory is a store."""
     p = Path(store_or_run)
-    if (p / "config.yaml").is_file():
+    if RunDir(p).is_run:
         st = Path(store or "results")
         if not st.is_dir() and monitored_points(read_metrics(p))[1]:
             return None, p

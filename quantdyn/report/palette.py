@@ -21,7 +21,7 @@ import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from quantdyn.results.schema import MAIN, control_of, is_cooldown, parse_branch
+from quantdyn.runs import MAIN, control_of, is_cooldown, parse_branch
 
 QUANTIZER_COLORS: dict[str, str] = {
     # GPTQ: warm colours

@@ -25,8 +25,8 @@ from quantdyn.report.figures import y_layout
 from quantdyn.report.output import overlay_lr, panel_grid, save_figure, tokens_axis
 from quantdyn.report.palette import Palette, quantizer_color
 from quantdyn.results.schema import rel_delta_ce, rel_delta_ce_se, total_se
+from quantdyn.schedules import PhaseSchedule, schedule_curve
 from quantdyn.sources.presets import Preset, get_preset, preset_for_repo
-from quantdyn.train.schedules import PhaseSchedule, schedule_curve
 
 PUBLIC_KINDS = ("hub", "soup")
 

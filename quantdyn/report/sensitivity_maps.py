@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from quantdyn.report.output import LR_STYLE, LR_TEXT, PAGE_WIDTH, save_figure
-from quantdyn.results.schema import MAIN, control_of, number
+from quantdyn.results.schema import number
+from quantdyn.runs import MAIN, control_of
 from quantdyn.results.stats import Difference, decay_verdict, format_estimate, stable_jitter, verdict_sign
 
 TICK_FONT = 6

@@ -1,5 +1,5 @@
-"""The result rows: which kinds the store holds, what every field means, how a row is keyed, how cooldown
-branches are named, and the quantities every reader derives from a row the same way.
+"""The result rows: which kinds the store holds, what every field means, how a row is keyed, and the
+quantities every reader derives from a row the same way.
 
 A row is one JSON object in the store (``results/store.py`` owns the files). This module is the one place
 to look a field up: :data:`ROW_KINDS` lists the kinds (``ptq``, ``fp``, ``qat``, ``analysis``,
@@ -20,9 +20,8 @@ Keys: :func:`row_key` is the idempotency key of a measured row, a hash of (check
 measured, evaluation windows); :func:`calib_hash` names a calibration set. A rerun skips every key
 already stored.
 
-Branch names (:func:`cooldown_branch`, :func:`control_branch`, :func:`parse_branch`, :func:`control_of`):
-a cooldown branch from step S decaying over D steps with shape X is ``cooldown-sS-dD-X`` and its
-constant-LR control twin ``control-sS-dD`` (X may itself hold dashes: ``1-sqrt``).
+Branch names (the ``branch`` field) are run-directory names: ``quantdyn.runs`` owns them
+(``cooldown_branch``, ``control_branch``, ``parse_branch``, ``control_of``).
 
 Derived quantities: :func:`rel_delta_ce` (Δ CE / CE(FP)) and the combined uncertainty of a Δ CE
 (:func:`uncertainty`, :func:`total_se`): SE_total = sqrt(SE_eval² + SD_run² / R), see :class:`Uncertainty`.
@@ -77,7 +76,7 @@ PROVENANCE = _table("""
 """)
 CHECKPOINT = _table("""
     run              str           Training run (its directory name, or the hub repo of a public trajectory).
-    branch           str           Branch of the run: main, a cooldown or control branch (see cooldown_branch), an
+    branch           str           Branch of the run: main, a cooldown or control branch (runs.cooldown_branch), an
                                    average (lawa-..., ema, soup-...), an ingredient or an interpolation.
     ckpt_kind        str           What the checkpoint is: checkpoint (main run), cooldown, control, lawa, ema,
                                    soup, hub ...
@@ -460,71 +459,6 @@ def row_key(ckpt_hash: str, what: str, eval_hash: str) -> str:
 def calib_hash(data_hash: str, samples: int, seq_len: int, seed: int) -> str:
     """Identity of a calibration set drawn from a token cache (``TokenData.calib_windows``): sha1, 12 hex digits."""
     return hashlib.sha1(f"{data_hash}:{samples}:{seq_len}:{seed}".encode()).hexdigest()[:12]
-
-
-# ------------------------------------------------------------------ branch names
-
-MAIN = "main"
-COOLDOWN = "cooldown"
-CONTROL = "control"
-_BRANCH = re.compile(r"^(cooldown|control)-s(\d+)-d(\d+)(?:-(.+))?$")
-
-
-@dataclass(frozen=True)
-class BranchName:
-    """A cooldown or control branch name, parsed."""
-
-    kind: str
-    """'cooldown' or 'control'."""
-    from_step: int
-    """The main-run step it starts from."""
-    decay_steps: int
-    """Its length in steps (the decay's, for a control its twin's)."""
-    shape: str | None
-    """The decay shape of a cooldown (linear, cosine, 1-sqrt; None on a control or an old unshaped name)."""
-
-
-def cooldown_branch(from_step: int, decay_steps: int, shape: str) -> str:
-    """The name of a cooldown branch: ``cooldown-s<from_step>-d<decay_steps>-<shape>``."""
-    if not shape:
-        raise QuantdynError("a cooldown branch needs a decay shape (linear, cosine, 1-sqrt)")
-    return f"{COOLDOWN}-s{int(from_step)}-d{int(decay_steps)}-{shape}"
-
-
-def control_branch(from_step: int, decay_steps: int) -> str:
-    """The name of the constant-LR control twin of the cooldowns from ``from_step`` over ``decay_steps``:
-    ``control-s<from_step>-d<decay_steps>`` (one control serves every shape of that start and length)."""
-    return f"{CONTROL}-s{int(from_step)}-d{int(decay_steps)}"
-
-
-def parse_branch(name: str | None) -> BranchName | None:
-    """The parts of a cooldown or control branch name; None for any other branch (main, averages ...)."""
-    m = _BRANCH.match(str(name or ""))
-    if m is None:
-        return None
-    kind, s, d, shape = m.groups()
-    if kind == CONTROL and shape is not None:
-        return None
-    return BranchName(kind, int(s), int(d), shape)
-
-
-def control_of(branch: str | None) -> str | None:
-    """The control twin of a cooldown branch (``cooldown-s8-d4-1-sqrt`` -> ``control-s8-d4``); None when
-    ``branch`` is not a cooldown branch."""
-    b = parse_branch(branch)
-    return control_branch(b.from_step, b.decay_steps) if b is not None and b.kind == COOLDOWN else None
-
-
-def is_cooldown(branch: str | None) -> bool:
-    """Whether ``branch`` is named as a cooldown branch."""
-    b = parse_branch(branch)
-    return b is not None and b.kind == COOLDOWN
-
-
-def is_control(branch: str | None) -> bool:
-    """Whether ``branch`` is named as a constant-LR control twin."""
-    b = parse_branch(branch)
-    return b is not None and b.kind == CONTROL
 
 
 # ------------------------------------------------------------------ reading numbers

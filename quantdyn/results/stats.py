@@ -62,7 +62,8 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from quantdyn.results.schema import control_of, dominant, number, uncertainty
+from quantdyn.results.schema import dominant, number, uncertainty
+from quantdyn.runs import control_of
 
 Z = 2.0
 """The default verdict threshold: resolved when |z| > Z."""

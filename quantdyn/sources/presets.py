@@ -5,7 +5,7 @@ One YAML file per family and size lives in ``quantdyn/sources/presets/`` (packag
 data), with the source of every number in a comment.  This module reads them
 into typed, frozen :class:`Preset` objects and answers, for one revision name,
 its :class:`RevisionInfo`, computed by the same schedule functions quantdyn
-trains with (``quantdyn.train.schedules``)::
+trains with (``quantdyn.schedules``)::
 
     pre = get_preset("olmo2-7b")
     info = pre.locate("stage2-ingredient2-step5000-tokens21B")   # RevisionInfo, or the reason it was skipped
@@ -32,7 +32,7 @@ import yaml
 
 from quantdyn.config import from_dict
 from quantdyn.errors import QuantdynError, unknown_name
-from quantdyn.train.schedules import PhaseSchedule, describe_schedule, schedule_state
+from quantdyn.schedules import PhaseSchedule, describe_schedule, schedule_state
 
 GROUPS = ("step", "tokens", "stage", "ingredient", "index")
 """Named groups a revision pattern may use."""

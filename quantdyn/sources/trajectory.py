@@ -33,10 +33,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from quantdyn.errors import QuantdynError
+from quantdyn.runs import MAIN, RunDir, averaged_checkpoints, branch_runs, list_checkpoints, read_meta, run_root_of
+from quantdyn.schedules import ScheduleConfig, is_decaying, lr_at
 from quantdyn.sources.hub import cached_snapshot, hub_offline, hub_refs, list_revisions
 from quantdyn.sources.presets import Preset, get_preset, parse_count
-from quantdyn.train.checkpoint import RunDir, list_checkpoints, read_meta
-from quantdyn.train.schedules import ScheduleConfig, is_decaying, lr_at
 
 log = logging.getLogger(__name__)
 
@@ -98,32 +98,21 @@ def _points_of_run_dir(run_dir: Path, run: str, branch: str, kind: str) -> list[
 
 
 def points_of_run(run_dir: Path) -> list[Point]:
+    """The points of a quantdyn run directory: its checkpoints, those of its branches, its averages."""
     run_dir = Path(run_dir)
     rd = RunDir(run_dir)
-    if not rd.config.is_file():
+    if not rd.is_run:
         raise QuantdynError(f"'{run_dir}' is not a quantdyn run directory (no config.yaml)")
     info = rd.read_info()
     run = info.get("name", run_dir.name)
-    pts = _points_of_run_dir(run_dir, run, "main", "checkpoint")
-    bdir = rd.branches
-    if bdir.is_dir():
-        for b in sorted(bdir.iterdir()):
-            if RunDir(b).config.is_file():
-                binfo = RunDir(b).read_info()
-                kind = binfo.get("parent", {}).get("kind", "branch")
-                pts += _points_of_run_dir(b, run, b.name, kind)
-    adir = run_dir / "averages"
-    if adir.is_dir():
-        for a in sorted(adir.iterdir()):
-            for c in sorted(a.iterdir()) if a.is_dir() else []:
-                if (c / "model.safetensors").is_file():
-                    m = read_meta(c)
-                    pts.append(Point(str(c), run, a.name, m.get("kind", "average"), m.get("step"), m.get("tokens"),
-                                     m.get("lr"), None, m))
-            if a.is_dir() and (a / "model.safetensors").is_file():  # a single averaged checkpoint
-                m = read_meta(a)
-                pts.append(Point(str(a), run, a.name, m.get("kind", "average"), m.get("step"), m.get("tokens"),
-                                 m.get("lr"), None, m))
+    pts = _points_of_run_dir(run_dir, run, MAIN, "checkpoint")
+    for b in branch_runs(run_dir):
+        kind = b.read_info().get("parent", {}).get("kind", "branch")
+        pts += _points_of_run_dir(b.path, run, b.path.name, kind)
+    for name, c in averaged_checkpoints(run_dir):
+        m = read_meta(c)
+        pts.append(Point(str(c), run, name, m.get("kind", "average"), m.get("step"), m.get("tokens"), m.get("lr"),
+                         None, m))
     return pts
 
 
@@ -141,16 +130,6 @@ def _with_schedule(ref: str, name: str, run: str, kind: str, spec: ScheduleSpec,
         lr = lr_at(max(0, step - 1), spec.peak_lr, spec.schedule, spec.total_steps)
         decaying = is_decaying(max(0, step - 1), spec.schedule, spec.total_steps)
     return Point(ref, run, "main", kind, step, tokens, lr, decaying, meta)
-
-
-def run_root_of(path: Path) -> Path | None:
-    """The quantdyn run directory a checkpoint directory belongs to (its main run, also for a checkpoint of a
-    cooldown/control branch or an averaged model), or None for a checkpoint outside any run."""
-    path = Path(path).resolve()
-    for parent in path.parents:
-        if RunDir(parent).config.is_file() and parent.parent.name != "branches":
-            return parent
-    return None
 
 
 def run_point_of(path: Path) -> Point | None:

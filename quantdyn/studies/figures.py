@@ -22,8 +22,8 @@ import matplotlib.pyplot as plt
 from matplotlib.lines import Line2D
 
 from quantdyn.report.output import PAGE_WIDTH, save_figure
-from quantdyn.results.schema import MAIN, is_cooldown, parse_branch
 from quantdyn.results.stats import NOT_RESOLVED, OPPOSITE, REPRODUCED, format_estimate, format_interval
+from quantdyn.runs import MAIN, is_cooldown, parse_branch
 
 _MARKERS = "osD^v<>pP*hX"
 

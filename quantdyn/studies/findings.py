@@ -35,7 +35,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from quantdyn.analysis.correlate import CorrelateConfig, correlate, spearman
-from quantdyn.results.schema import control_of, is_cooldown, number, total_se, uncertainty
+from quantdyn.results.schema import number, total_se, uncertainty
 from quantdyn.results.stats import (  # the verdict words are the findings' too: fd.REPRODUCED ...
     NOT_RESOLVED,
     OPPOSITE,
@@ -56,6 +56,7 @@ from quantdyn.results.stats import (  # the verdict words are the findings' too:
     same_windows,
     verdict_sign,
 )
+from quantdyn.runs import control_of, is_cooldown
 
 _SEED_SUFFIX = re.compile(r"-s(\d+)$")
 

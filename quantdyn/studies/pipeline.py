@@ -26,6 +26,7 @@ from quantdyn.files import write_json_atomic
 from quantdyn.launch.grid import expand_grid
 from quantdyn.models.hf_io import checkpoint_hash, load_causal_lm
 from quantdyn.results.store import ResultStore
+from quantdyn.runs import SOUP_OF_COOLDOWNS, RunDir, has_weights, lawa_name, latest_resumable
 from quantdyn.runtime import git_sha, hardware, resolve_device
 from quantdyn.sources.trajectory import TrajectoryConfig
 from quantdyn.studies import findings as fd
@@ -33,9 +34,9 @@ from quantdyn.studies import section
 from quantdyn.studies.spec import StudySpec, demo_spec, spec_from_dict
 from quantdyn.sweep.sweep import run_sweep, sweep_data
 from quantdyn.train.branches import cooldown
-from quantdyn.train.checkpoint import RunDir, checkpoint_dir, latest_resumable, read_metrics
+from quantdyn.train.checkpoint import read_metrics
 from quantdyn.train.config import RunConfig
-from quantdyn.train.offline_averaging import average_lawa, lawa_dir_name, make_soup
+from quantdyn.train.offline_averaging import average_lawa, make_soup
 from quantdyn.train.trainer import train
 
 Echo = Callable[[str], None]
@@ -103,8 +104,8 @@ def lawa_at_step(run_dir: Path, window: int, every: int, step: int) -> Path:
 
     average_lawa writes every step of its grid; they are written to a temporary directory beside the run's
     averages and only ``step`` is moved into place (a sweep visits every stored average)."""
-    final = RunDir(run_dir).average(lawa_dir_name(window, every), step)
-    if (final / "model.safetensors").is_file():
+    final = RunDir(run_dir).average(lawa_name(window, every, offline=True), step)
+    if has_weights(final):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".lawa-", dir=final.parent.parent) as tmp:
@@ -122,10 +123,10 @@ def soup_of_cooldowns(spec: StudySpec, run_dir: Path) -> Path:
     RUN/averages/soup-cooldowns/step-N; an existing one is kept."""
     cd = spec.cooldowns
     end = cd.end_step
-    out = RunDir(run_dir).average("soup-cooldowns", end)
-    if (out / "model.safetensors").is_file():
+    out = RunDir(run_dir).average(SOUP_OF_COOLDOWNS, end)
+    if has_weights(out):
         return out
-    ingredients = [checkpoint_dir(run_dir / "branches" / cd.branch_name(s), end) for s in cd.from_steps]
+    ingredients = [RunDir(run_dir).branch(cd.branch_name(s)).checkpoint(end) for s in cd.from_steps]
     return make_soup(ingredients, out=out)
 
 

@@ -27,8 +27,9 @@ from quantdyn.analysis.correlate import CorrelateConfig
 from quantdyn.config import to_dict
 from quantdyn.files import write_json_atomic, write_text_atomic
 from quantdyn.report.html import Section, write_report
-from quantdyn.results.schema import control_of, is_cooldown, number, parse_branch, uncertainty
+from quantdyn.results.schema import number, uncertainty
 from quantdyn.results.stats import NOT_RESOLVED, OPPOSITE, REPRODUCED, decay_verdict, format_estimate, verdict_sign
+from quantdyn.runs import control_of, is_cooldown, parse_branch
 from quantdyn.studies import figures
 from quantdyn.studies import findings as fd
 from quantdyn.studies.spec import FindingsSpec

@@ -36,12 +36,12 @@ from quantdyn.config import apply_overrides, from_dict, load_yaml, parse_overrid
 from quantdyn.errors import QuantdynError, unknown_name
 from quantdyn.launch.grid import parse_vary
 from quantdyn.quantize.config import parse_quantizer
-from quantdyn.results.schema import control_branch, cooldown_branch
+from quantdyn.runs import control_branch, cooldown_branch, lawa_name
+from quantdyn.schedules import DECAY_SHAPES
 from quantdyn.sources.trajectory import TrajectoryConfig
 from quantdyn.studies.scales import SCALES, apply_scale
 from quantdyn.sweep.sweep import SweepConfig
 from quantdyn.train.config import RunConfig
-from quantdyn.train.schedules import DECAY_SHAPES
 
 FINDING_FAMILIES = ("decay", "peak_lr", "averaging", "sharpness", "predictors")
 """Findings a study can compute (see quantdyn/studies/findings.py):
@@ -97,11 +97,11 @@ class CooldownSpec:
         return self.decay_steps or self.end_step - from_step
 
     def branch_name(self, from_step: int) -> str:
-        """Directory name of that branch (results.schema.cooldown_branch, as train/branches.py names it)."""
+        """Directory name of that branch (quantdyn.runs.cooldown_branch, as train/branches.py names it)."""
         return cooldown_branch(from_step, self.decay_of(from_step), self.shape)
 
     def control_name(self, from_step: int) -> str:
-        """Directory name of its constant-LR control twin (results.schema.control_branch)."""
+        """Directory name of its constant-LR control twin (quantdyn.runs.control_branch)."""
         return control_branch(from_step, self.decay_of(from_step))
 
 
@@ -120,7 +120,7 @@ class LawaSpec:
 
     @property
     def name(self) -> str:
-        return f"lawa-k{self.window}-p{self.every}"
+        return lawa_name(self.window, self.every)
 
 
 @dataclass(frozen=True)

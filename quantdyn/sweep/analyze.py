@@ -6,6 +6,7 @@ from pathlib import Path
 
 from quantdyn.config import from_dict
 from quantdyn.results.store import ResultStore
+from quantdyn.runs import RunDir
 from quantdyn.sweep.sweep import SweepConfig, run_sweep
 
 
@@ -16,7 +17,7 @@ def analyze(
     """Compute ``metrics`` for each checkpoint (a run directory expands to its checkpoints); return the rows."""
     rows: list[dict] = []
     for ck in checkpoints:
-        traj = {"run": ck} if (Path(ck) / "config.yaml").is_file() else {"checkpoints": [ck]}
+        traj = {"run": ck} if RunDir(ck).is_run else {"checkpoints": [ck]}
         cfg = from_dict(SweepConfig, {"trajectory": traj, "quantizers": [], "analysis": list(metrics),
                                       "propagation_quantizers": list(quantizers), "store": store,
                                       "data": data or {}, "analysis_budget": budget or {}, "device": device})

@@ -19,6 +19,7 @@ from quantdyn.quantize.config import parse_quantizer
 from quantdyn.results.schema import calib_hash as calib_identity
 from quantdyn.results.schema import row_key
 from quantdyn.results.stats import mean_se
+from quantdyn.runs import RunDir, alpha_name, in_checkpoints, interpolation_name
 from quantdyn.runtime import provenance, resolve_device
 from quantdyn.train.offline_averaging import (
     _as_ckpt,
@@ -39,15 +40,10 @@ def alpha_grid(steps: int) -> list[float]:
 
 def default_out(a: Path, b: Path) -> Path:
     """RUN_DIR/averages/interp-A-B for A in RUN_DIR/checkpoints/ (B named with its run when elsewhere)."""
-    run = a.parent.parent
-    if a.parent.name != "checkpoints" or not (run / "config.yaml").is_file():
+    run = in_checkpoints(a)
+    if run is None:
         raise QuantdynError(f"'{a}' is not inside a run's checkpoints/ directory; pass out=DIR for the interpolated models")
-    if b.parent.resolve() == a.parent.resolve():
-        tag = b.name
-    else:
-        owner = b.parent.parent if b.parent.name == "checkpoints" else b.parent
-        tag = f"{owner.name}-{b.name}"
-    return run / "averages" / f"interp-{a.name}-{tag}"
+    return RunDir(run).average_dir(interpolation_name(a, b))
 
 
 def interpolate_checkpoints(
@@ -103,7 +99,7 @@ def interpolate_checkpoints(
     run_name = interpolation_run(a, b)
     rows = []
     for alpha in grid:
-        path = write_interpolation(model, sa, sb, alpha, a, b, out / f"alpha-{alpha:.4f}")
+        path = write_interpolation(model, sa, sb, alpha, a, b, out / alpha_name(alpha))
         m = measure(path, qcfgs, eval_ids, calib_ids, device=dev, cfg=mcfg)
         h = checkpoint_hash(str(path))
         fp_ce = m.fp_window_ce

@@ -39,6 +39,7 @@ from quantdyn.results.schema import calib_hash as calib_identity
 from quantdyn.results.schema import row_key
 from quantdyn.results.stats import mean_se
 from quantdyn.results.store import ResultStore, StoreWriteError
+from quantdyn.runs import run_root_of
 from quantdyn.runtime import provenance, resolve_device
 from quantdyn.sources.hub import evict_revision, open_checkpoint
 from quantdyn.sources.trajectory import (
@@ -47,12 +48,11 @@ from quantdyn.sources.trajectory import (
     plan_points,
     preset_row_fields,
     require_available,
-    run_root_of,
 )
 from quantdyn.sweep.accuracy import accuracy_rows_for_point, quantized_twin
 from quantdyn.sweep.analysis_rows import AnalysisConfig, analysis_rows, check_analysis_names
 from quantdyn.sweep.allocate_one import sensitivity_rows
-from quantdyn.train.branches import load_run_config
+from quantdyn.train.config import load_run_config
 from quantdyn.train.qat import QATConfig, QATDeployed
 
 log = logging.getLogger("quantdyn")

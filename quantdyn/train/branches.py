@@ -13,33 +13,26 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
-from quantdyn.config import from_dict, load_yaml
 from quantdyn.errors import QuantdynError
-from quantdyn.results.schema import control_branch, cooldown_branch
-from quantdyn.train.checkpoint import (
+from quantdyn.runs import (
+    BRANCH_PARENT,
     CheckpointInfo,
     RunDir,
-    checkpoint_dir,
+    checkpoint_info,
+    control_branch,
+    cooldown_branch,
+    is_resumable,
     latest_resumable,
     list_checkpoints,
-    read_meta,
     remove_stale_temporaries,
 )
-from quantdyn.train.config import RunConfig
-from quantdyn.train.schedules import ScheduleConfig, _steps, lr_at
+from quantdyn.schedules import ScheduleConfig, _steps, lr_at
+from quantdyn.train.config import RunConfig, load_run_config
 from quantdyn.train.trainer import train
 
 
-def load_run_config(run_dir: Path) -> RunConfig:
-    """The typed config of the training run in ``run_dir`` (its config.yaml)."""
-    run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").is_file():
-        raise QuantdynError(f"'{run_dir}' is not a quantdyn run directory (no config.yaml); pass RUN_DIR of a training run")
-    return from_dict(RunConfig, load_yaml(run_dir / "config.yaml"))
-
-
 def branch_configs(parent: RunConfig, from_step: int, decay_steps: int, shape: str) -> tuple[RunConfig, RunConfig]:
-    """(cooldown, control) configs for one decay length, named as results.schema names branches."""
+    """(cooldown, control) configs for one decay length, named as quantdyn.runs names branches."""
     total = parent.train.steps
     warmup = _steps(parent.schedule.warmup, total)
     peak = parent.optim.lr
@@ -89,23 +82,22 @@ def cooldown(
     parent_cfg = load_run_config(run_dir)
     if device:
         parent_cfg = replace(parent_cfg, train=replace(parent_cfg.train, device=device))
-    ckpt = checkpoint_dir(run_dir, from_step)
-    if not (ckpt / "training_state.pt").is_file():
+    ckpt = RunDir(run_dir).checkpoint(from_step)
+    if not is_resumable(ckpt):
         have = [c.step for c in list_checkpoints(run_dir)]
         raise QuantdynError(
             f"run '{run_dir}' has no resumable checkpoint at step {from_step} (checkpoints: {have}); "
             "pick one of those steps with --from-step"
         )
-    meta = read_meta(ckpt)
-    source = CheckpointInfo(ckpt, from_step, int(meta.get("tokens", 0)), meta.get("lr"), meta)
+    source = checkpoint_info(ckpt, from_step)
     out = []
     for d in decay_steps:
         cool, ctrl = branch_configs(parent_cfg, from_step, d, shape)
         pairs = [(cool, "cooldown")] + ([(ctrl, "control")] if control else [])
         for cfg, kind in pairs:
-            bdir = run_dir / "branches" / cfg.name
+            bdir = RunDir(run_dir).branch(cfg.name).path
             remove_stale_temporaries(bdir)
-            parent = {"run_dir": "../..", "run": parent_cfg.name, "from_step": from_step, "kind": kind,
+            parent = {"run_dir": BRANCH_PARENT, "run": parent_cfg.name, "from_step": from_step, "kind": kind,
                       "decay_steps": d, "shape": shape if kind == "cooldown" else "constant"}
             out.append(run_branch(cfg, bdir, source, parent, progress, hooks=hooks, verbose=verbose))
     return out

@@ -3,15 +3,18 @@ with every checkpoint (``config.yaml`` in the run directory)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from quantdyn.config import from_dict
 from quantdyn.data.prepare import DataConfig
 from quantdyn.errors import QuantdynError, unknown_name
 from quantdyn.models.gpt import ModelConfig
 from quantdyn.quantize.config import parse_quantizer
+from quantdyn.runs import RunDir
+from quantdyn.schedules import ScheduleConfig
 from quantdyn.train.loggers import LOGGERS
 from quantdyn.train.optimizers import OptimConfig
 from quantdyn.train.qat import QATConfig
-from quantdyn.train.schedules import ScheduleConfig
 
 
 @dataclass(frozen=True)
@@ -199,3 +202,6 @@ class RunConfig:
         return self.train.batch_size * self.train.seq_len * self.train.grad_accum
 
 
+def load_run_config(run_dir: Path) -> RunConfig:
+    """The typed config of the training run in ``run_dir`` (its config.yaml; quantdyn.runs reads it)."""
+    return from_dict(RunConfig, RunDir(run_dir).read_config())

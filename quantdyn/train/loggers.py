@@ -39,6 +39,7 @@ from quantdyn.errors import QuantdynError
 from quantdyn.files import write_text_atomic
 from quantdyn.progress import Progress
 from quantdyn.registry import Registry
+from quantdyn.runs import METRICS, RunDir
 
 # ------------------------------------------------------------------ metric names
 TRAIN_LOSS = "train/loss"
@@ -348,8 +349,8 @@ class Destination:
 
 
 LOGGERS: Registry[Destination] = Registry("log destination (log.to)")
-LOGGERS.add("jsonl", Destination(lambda c: JsonlLogger(c.run_dir / "metrics.jsonl", c.truncate_after),
-                                 outputs=("metrics.jsonl",)))
+LOGGERS.add("jsonl", Destination(lambda c: JsonlLogger(RunDir(c.run_dir).metrics, c.truncate_after),
+                                 outputs=(METRICS,)))
 LOGGERS.add("csv", Destination(lambda c: CSVLogger(c.run_dir / "metrics.csv", c.truncate_after),
                                outputs=("metrics.csv",)))
 LOGGERS.add("tensorboard", Destination(lambda c: TensorBoardLogger(c.run_dir / "tensorboard", c.truncate_after),

@@ -39,8 +39,9 @@ from quantdyn.data.prepare import DataConfig, prepare_data
 from quantdyn.errors import QuantdynError
 from quantdyn.evaluate.loss import mean_loss
 from quantdyn.models.hf_io import load_causal_lm
+from quantdyn.runs import META, STATE, RunDir, lawa_name, list_checkpoints, read_meta, step_name
 from quantdyn.train.averaging import StateDict, interpolate, lawa_steps
-from quantdyn.train.checkpoint import META, STATE, list_checkpoints, read_meta, save_checkpoint, step_name
+from quantdyn.train.checkpoint import save_checkpoint
 
 # config.json keys that decide whether two checkpoints' weights mean the same thing
 ARCH_KEYS = (
@@ -215,10 +216,6 @@ def _loss(model: nn.Module, windows: torch.Tensor, batch_size: int) -> float:
 
 
 # ---------------------------------------------------------------- LAWA
-def lawa_dir_name(window: int, every: int) -> str:
-    return f"lawa-k{window}-p{every}-offline"
-
-
 def average_lawa(run_dir: str | Path, window: int, every: int, out: str | Path | None = None,
                  cache_bytes: int = 4 << 30) -> list[Path]:
     """Offline LAWA over a run's stored checkpoints; returns the written checkpoint dirs.
@@ -254,7 +251,7 @@ def average_lawa(run_dir: str | Path, window: int, every: int, out: str | Path |
             f"offline LAWA (K={window}, P={every}) needs checkpoints at steps {_fmt(missing)} that '{run_dir}' does "
             f"not store (stored: {_fmt(have)}); train.checkpoint_every must divide P={every}"
         )
-    out = Path(out) if out is not None else run_dir / "averages" / lawa_dir_name(window, every)
+    out = Path(out) if out is not None else RunDir(run_dir).average_dir(lawa_name(window, every, offline=True))
     cache: dict[int, StateDict] = {}
     written = []
     template = None

@@ -9,12 +9,11 @@ a checkpoint (:func:`save_step`, :func:`training_state_dict`).  What the parts s
 objects: :class:`TrainingRun` (fixed for the run: config, data, runtime) and :class:`TrainState` (what a
 step changes and a checkpoint saves: model, optimizer, online averages, step).
 
-Data order is a pure function of (seed, step): the global batch of step s is
-drawn from ``np.random.default_rng([seed, s])`` and sliced per rank and
-micro-batch, so a resumed run, a cooldown branch and a 2-process DDP or FSDP2
-run see exactly the batches a single uninterrupted process would.  A run can
-therefore resume with another number of processes as long as the global batch
-(batch_size x grad_accum x processes) stays the same.
+Data order is a pure function of (seed, step) (data/batches.py): the global batch of step s is sliced
+per rank and micro-batch, so a resumed run, a cooldown branch and a 2-process DDP or FSDP2 run see exactly
+the batches a single uninterrupted process would.  A run can therefore resume with another number of
+processes as long as the global batch (batch_size x grad_accum x processes) stays the same. The generators'
+state a resume restores is train/rng.py's; where everything goes in the run directory, quantdyn/runs.py's.
 
 Everything a resume can get wrong (model shape, optimizer, data, global batch)
 is checked before anything in the run directory is written.
@@ -40,12 +39,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Mapping, Protocol, Sequence
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from quantdyn.config import dump_yaml, to_dict
+from quantdyn.data.batches import batch_starts, get_batch
 from quantdyn.data.prepare import TokenData, prepare_data
 from quantdyn.errors import QuantdynError
 from quantdyn.evaluate.loss import mean_loss
@@ -53,18 +52,20 @@ from quantdyn.files import write_json_atomic, write_text_atomic
 from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config
 from quantdyn.models.hf_io import load_gpt
 from quantdyn.progress import Progress
-from quantdyn.runtime import git_sha, hardware, resolve_device, seed_everything
-from quantdyn.train.averaging import OnlineEMA, OnlineLAWA, local_state_dict
-from quantdyn.train.checkpoint import (
+from quantdyn.runs import (
     CheckpointInfo,
     RunDir,
     checkpoint_dir,
     clear_run,
+    ema_name,
     has_checkpoints,
-    load_training_state,
+    lawa_name,
     remove_stale_temporaries,
-    save_checkpoint,
 )
+from quantdyn.runtime import git_sha, hardware, resolve_device, seed_everything
+from quantdyn.schedules import lr_at
+from quantdyn.train.averaging import OnlineEMA, OnlineLAWA, local_state_dict
+from quantdyn.train.checkpoint import load_training_state, save_checkpoint
 from quantdyn.train.config import RunConfig
 from quantdyn.train.distributed import (
     Replicated,
@@ -76,6 +77,7 @@ from quantdyn.train.distributed import (
     mean_over_ranks,
     rank0_first,
 )
+from quantdyn.train.stop_signal import StoppedOnSignal, StopRequest
 from quantdyn.train.loggers import (
     TRAIN_GRAD_NORM,
     TRAIN_LOSS,
@@ -93,7 +95,7 @@ from quantdyn.train.loggers import (
 )
 from quantdyn.train.optimizers import build_optimizer, optimizer_eval_mode, optimizer_train_mode
 from quantdyn.train.qat import prepare_qat
-from quantdyn.train.schedules import lr_at
+from quantdyn.train.rng import restore_rng_states, rng_states
 
 
 class StepHook(Protocol):
@@ -232,12 +234,16 @@ def train(
     loggers = write_run_files(run, state.step, clear=overwrite and source is None, resuming=resume is not None)
     _warn_if_unmonitored(run, hooks)
     console = open_console(run, state.step, progress)
+    stop = StopRequest().install()  # SIGUSR1: checkpoint this step and stop (train/stop_signal.py)
     try:
         throughput = Throughput(state.step, runtime.tokens_per_step)
         model.train()
         for step in range(state.step, cfg.train.steps):
             due = due_after(run, step + 1, stop_after)
             lr, loss, grad_norm = optimizer_step(run, state, step, sync_loss=due.sync_loss)
+            stopping = due.sync_loss and stop.agreed(runtime.device)
+            if stopping:
+                due = replace(due, checkpoint=True)
             row = train_row(run, state.step, lr, loss, grad_norm, throughput) if due.log else None
             due_hooks = [h for h in hooks if h.due(state.step)]  # asked on every process: all take part in gathering
             with averaged_point(state.optimizer, due.evaluate or due.checkpoint or bool(due_hooks)):
@@ -251,9 +257,12 @@ def train(
                 console.update()  # after the row: a plain line shows this step's loss
                 if due.checkpoint:
                     save_step(run, state, lr, row)
+            if stopping and state.step < cfg.train.steps:
+                raise StoppedOnSignal(state.step)
             if stop_after is not None and state.step >= stop_after:
                 break
     finally:
+        stop.restore()
         close_all(loggers)
         console.close(summary=sys.exc_info()[0] is None)  # no summary line for a run that ends in an error
     return run_dir
@@ -411,10 +420,7 @@ def restore_training_state(run: TrainingRun, state: TrainState, source: Checkpoi
         ) from None
     optimizer_train_mode(state.optimizer)  # checkpoints hold the eval-mode point (schedule-free)
     state.step = int(saved["step"])
-    if "torch_rng" in saved:
-        torch.set_rng_state(saved["torch_rng"])
-    if "numpy_rng" in saved:  # Kron draws from the global numpy RNG
-        set_numpy_rng(saved["numpy_rng"])
+    restore_rng_states(saved)
     if not exact:
         return
     if state.lawa is not None and "lawa" in saved:
@@ -423,10 +429,6 @@ def restore_training_state(run: TrainingRun, state: TrainState, source: Checkpoi
                                     "states": [strategy.scatter(sd, model) for sd in lawa["states"]]})
     if state.ema is not None and "ema" in saved:
         state.ema.load_state_dict({**saved["ema"], "acc": strategy.scatter(saved["ema"]["acc"], model)})
-
-
-def set_numpy_rng(d: dict) -> None:
-    np.random.set_state(("MT19937", d["keys"].numpy().astype(np.uint32), d["pos"], d["has_gauss"], d["gauss"]))
 
 
 # ------------------------------------------------------------- run directory
@@ -565,24 +567,6 @@ def forward_backward(run: TrainingRun, state: TrainState, step: int) -> torch.Te
     return total
 
 
-def batch_starts(n_tokens: int, seq_len: int, seed: int, step: int, count: int) -> np.ndarray:
-    """Start offsets of the ``count`` sequences of step ``step``'s global batch: a pure function of (seed, step)."""
-    if n_tokens <= seq_len + 1:
-        raise QuantdynError(
-            f"the train split has {n_tokens} tokens, fewer than one sequence of {seq_len + 1}; "
-            "use more data or a shorter train.seq_len"
-        )
-    rng = np.random.default_rng([seed, step])
-    return rng.integers(0, n_tokens - seq_len - 1, size=count)
-
-
-def get_batch(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and next-token targets (len(starts), seq_len) of the sequences at ``starts``."""
-    rows = np.stack([np.asarray(tokens[s : s + seq_len + 1], dtype=np.int64) for s in starts])
-    t = torch.from_numpy(rows)
-    return t[:, :-1].contiguous(), t[:, 1:].contiguous()
-
-
 class Throughput:
     """Tokens per second since the last row that reported it."""
 
@@ -679,21 +663,13 @@ def training_state_dict(run: TrainingRun, state: TrainState) -> dict:
     strategy, model = run.runtime.strategy, state.model
     # weights and optimizer state are both saved in eval mode (consistent for schedule-free);
     # a resumed run switches back to train mode after loading them
-    saved = {"optimizer": strategy.optimizer_state(model, state.optimizer), "step": state.step,
-             "torch_rng": torch.get_rng_state(), "numpy_rng": numpy_rng_state()}
+    saved = {"optimizer": strategy.optimizer_state(model, state.optimizer), "step": state.step, **rng_states()}
     if state.lawa is not None:
         saved["lawa"] = {"steps": state.lawa.steps(),
                          "states": [strategy.gather(sd, model) for sd in state.lawa.state_dict()["states"]]}
     if state.ema is not None:
         saved["ema"] = {**state.ema.state_dict(), "acc": strategy.gather(state.ema.state_dict()["acc"], model)}
     return saved
-
-
-def numpy_rng_state() -> dict:
-    """numpy's global RNG state as tensors (loadable with weights_only=True)."""
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
-            "gauss": float(gauss)}
 
 
 def _whole_model(strategy, model, mcfg, device) -> GPT | None:
@@ -723,10 +699,10 @@ def _save_online_averages(run: TrainingRun, state: TrainState, lr: float, averag
     lawa, ema, step, rd = state.lawa, state.ema, state.step, RunDir(run.run_dir)
     if "lawa" in averages:
         ingredients = [{"step": s, "weight": 1.0 / len(lawa.steps())} for s in lawa.steps()]
-        _save_average(run, rd.average(f"lawa-k{lawa.window}-p{lawa.every}", step), averages["lawa"],
+        _save_average(run, rd.average(lawa_name(lawa.window, lawa.every), step), averages["lawa"],
                       run.meta(step, lr, kind="lawa", ingredients=ingredients, window=lawa.window, every=lawa.every))
     if "ema" in averages:
-        _save_average(run, rd.average(f"ema-{ema.decay:.6g}", step), averages["ema"],
+        _save_average(run, rd.average(ema_name(ema.decay), step), averages["ema"],
                       run.meta(step, lr, kind="ema", decay=ema.decay, updates=ema.t))
 
 

@@ -68,7 +68,7 @@ def test_train_killed_and_resumed_is_bit_exact(launcher, reference, fault_root, 
         TALLY["train kill -9:trials"] += 1
         killed = kill(["train", str(cfg), "--quiet"], d)
         TALLY["train kill -9:killed"] += killed
-        from quantdyn.train.checkpoint import latest_resumable
+        from quantdyn.runs import latest_resumable
 
         if not killed:
             code, err = 0, ""

@@ -1,0 +1,389 @@
+"""Run directories: the one owner of their layout and of every name in them.
+
+    RUN_DIR/
+      config.yaml                 resolved RunConfig (train/config.py types it: load_run_config)
+      run.json                    run identity, parent link (cooldown branches), data cache
+      metrics.jsonl               one row per log/eval event (train/loggers.py)
+      checkpoints/step-0000400/   HF checkpoint: config.json, model.safetensors, tokenizer files,
+                                  quantdyn.json (step, tokens, lr, schedule, config, git SHA),
+                                  training_state.pt (optimizer, step, RNG; loaded weights_only)
+      branches/NAME/              child runs (cooldowns, constant-LR controls), same layout;
+                                  NAME: cooldown-sS-dD-SHAPE, control-sS-dD (:func:`cooldown_branch`)
+      averages/NAME/step-N/       averaged checkpoints as HF checkpoints; NAME: lawa-kK-pP (online),
+                                  lawa-kK-pP-offline, ema-DECAY, soup-..., interp-A-B/alpha-X (:func:`lawa_name` ...)
+
+Every module that reads or writes a run asks this one for a path or a name (``RunDir(run).branch(name)``,
+:func:`list_checkpoints`, :func:`lawa_name` ...); none builds them by hand.  It knows names and reads small
+JSON/YAML files only: writing a checkpoint (train/checkpoint.py) and typing the config (train/config.py) live
+with the code that needs torch and the config classes.
+
+Checkpoints are written to a temporary directory and renamed into place, so a crash never leaves a
+half-written checkpoint under its final name; the temporaries a killed process leaves (``.step-*.tmp-*``,
+``.step-*.old-*``) are removed when the run next starts (:func:`remove_stale_temporaries`).
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from quantdyn.config import load_yaml
+from quantdyn.errors import QuantdynError
+
+CONFIG = "config.yaml"
+"""The resolved run config in a run directory."""
+INFO = "run.json"
+"""Run identity, the parent link of a branch, the data cache."""
+METRICS = "metrics.jsonl"
+"""The run's logged rows."""
+CHECKPOINTS = "checkpoints"
+BRANCHES = "branches"
+AVERAGES = "averages"
+META = "quantdyn.json"
+"""quantdyn's metadata in a checkpoint directory (step, tokens, LR, schedule, config ...)."""
+STATE = "training_state.pt"
+"""What a resume needs beyond the weights (optimizer, step, RNG, online averages)."""
+WEIGHTS = "model.safetensors"
+"""The weights file of a checkpoint written by quantdyn."""
+BRANCH_PARENT = "../.."
+"""Where a branch's run.json says its parent run is, relative to the branch directory."""
+
+
+def step_name(step: int) -> str:
+    """The directory name of the checkpoint at ``step`` (``step-0000400``)."""
+    return f"step-{step:07d}"
+
+
+def step_of_name(name: str) -> int | None:
+    """The step of a checkpoint directory name (``step-0000400`` -> 400); None for any other name."""
+    return int(name[5:]) if name.startswith("step-") and name[5:].isdigit() else None
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One checkpoint of a run, with its metadata."""
+
+    path: Path
+    step: int
+    tokens: int
+    lr: float | None
+    meta: dict
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Where each part of a run directory lives (the layout in this module's docstring)."""
+
+    path: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+
+    @property
+    def config(self) -> Path:
+        return self.path / CONFIG
+
+    @property
+    def info(self) -> Path:
+        return self.path / INFO
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / METRICS
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / CHECKPOINTS
+
+    @property
+    def averages(self) -> Path:
+        return self.path / AVERAGES
+
+    @property
+    def branches(self) -> Path:
+        return self.path / BRANCHES
+
+    @property
+    def is_run(self) -> bool:
+        """Whether this is a quantdyn run directory (it has its config.yaml)."""
+        return self.config.is_file()
+
+    def checkpoint(self, step: int) -> Path:
+        return self.checkpoints / step_name(step)
+
+    def average_dir(self, name: str) -> Path:
+        """The directory of the averaged checkpoints called ``name`` (one ``step-N`` per step in it)."""
+        return self.averages / name
+
+    def average(self, name: str, step: int) -> Path:
+        return self.average_dir(name) / step_name(step)
+
+    def branch(self, name: str) -> "RunDir":
+        return RunDir(self.branches / name)
+
+    def status(self, steps: int) -> str:
+        """'finished' (a checkpoint at ``steps`` or later), 'partial' (a resumable checkpoint before it) or
+        'new' — what every "train, resume or skip" decision asks."""
+        if any(c.step >= steps for c in list_checkpoints(self.path)):
+            return "finished"
+        return "partial" if latest_resumable(self.path) is not None else "new"
+
+    def read_info(self) -> dict:
+        """run.json ({} when the run has none yet); an unreadable one is one line."""
+        if not self.info.is_file():
+            return {}
+        try:
+            info = json.loads(self.info.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise QuantdynError(f"'{self.info}' is not valid JSON; restore it or remove the run directory") from None
+        if not isinstance(info, dict):
+            raise QuantdynError(f"'{self.info}' must hold a JSON object; restore it or remove the run directory")
+        return info
+
+    def read_config(self) -> dict:
+        """config.yaml as a mapping; a directory without one is one line saying what to pass."""
+        if not self.is_run:
+            raise QuantdynError(f"'{self.path}' is not a quantdyn run directory (no {CONFIG}); pass RUN_DIR of a "
+                                "training run")
+        return load_yaml(self.config)
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return RunDir(run_dir).checkpoint(step)
+
+
+def has_weights(ckpt: Path) -> bool:
+    """Whether checkpoint directory ``ckpt`` holds its weights (a finished checkpoint)."""
+    return (Path(ckpt) / WEIGHTS).is_file()
+
+
+def is_resumable(ckpt: Path) -> bool:
+    """Whether a checkpoint holds the training state a resume or a branch needs."""
+    return (Path(ckpt) / STATE).is_file()
+
+
+def read_meta(ckpt: Path) -> dict:
+    """quantdyn's metadata of a checkpoint directory ({} for a checkpoint written elsewhere)."""
+    p = Path(ckpt) / META
+    if not p.is_file():
+        return {}
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError:
+        raise QuantdynError(f"'{p}' is corrupt (invalid JSON); delete the checkpoint directory and re-create it") from None
+
+
+def checkpoint_info(ckpt: Path, step: int | None = None) -> CheckpointInfo:
+    """The :class:`CheckpointInfo` of one checkpoint directory (``step`` when its metadata has none)."""
+    ckpt = Path(ckpt)
+    meta = read_meta(ckpt)
+    at = meta.get("step")
+    if at is None:
+        at = step if step is not None else (step_of_name(ckpt.name) or 0)
+    return CheckpointInfo(ckpt, int(at), int(meta.get("tokens", 0)), meta.get("lr"), meta)
+
+
+def list_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
+    """The run's own checkpoints (not its branches), sorted by step."""
+    root = RunDir(run_dir).checkpoints
+    out = []
+    if root.is_dir():
+        for d in sorted(root.iterdir()):
+            if d.is_dir() and d.name.startswith("step-") and has_weights(d):
+                meta = read_meta(d)
+                out.append(CheckpointInfo(d, int(meta.get("step", d.name[5:])), int(meta.get("tokens", 0)),
+                                          meta.get("lr"), meta))
+    return sorted(out, key=lambda c: c.step)
+
+
+def latest_resumable(run_dir: Path) -> CheckpointInfo | None:
+    """The newest checkpoint of the run that a resume can continue from (None: start fresh)."""
+    for c in reversed(list_checkpoints(run_dir)):
+        if is_resumable(c.path):
+            return c
+    return None
+
+
+def has_checkpoints(run_dir: Path) -> list[int]:
+    """Steps of the checkpoints a run directory holds (any ``checkpoints/step-*`` directory)."""
+    root = RunDir(run_dir).checkpoints
+    if not root.is_dir():
+        return []
+    return sorted(s for d in root.iterdir() if d.is_dir() and (s := step_of_name(d.name)) is not None)
+
+
+def averaged_checkpoints(run_dir: Path) -> list[tuple[str, Path]]:
+    """(name, checkpoint directory) of every averaged checkpoint of a run, by name then step: each
+    ``averages/NAME/step-N`` (and an ``averages/NAME`` that is itself one checkpoint)."""
+    root = RunDir(run_dir).averages
+    out = []
+    for a in sorted(root.iterdir()) if root.is_dir() else []:
+        for c in sorted(a.iterdir()) if a.is_dir() else []:
+            if has_weights(c):
+                out.append((a.name, c))
+        if a.is_dir() and has_weights(a):  # a single averaged checkpoint
+            out.append((a.name, a))
+    return out
+
+
+def branch_runs(run_dir: Path) -> list[RunDir]:
+    """The run's branches (cooldowns, controls) that are runs themselves, by name."""
+    root = RunDir(run_dir).branches
+    return [RunDir(b) for b in sorted(root.iterdir()) if RunDir(b).is_run] if root.is_dir() else []
+
+
+def run_root_of(path: Path) -> Path | None:
+    """The quantdyn run directory a checkpoint directory belongs to (its main run, also for a checkpoint of a
+    cooldown/control branch or an averaged model), or None for a checkpoint outside any run."""
+    path = Path(path).resolve()
+    for parent in path.parents:
+        if RunDir(parent).is_run and parent.parent.name != BRANCHES:
+            return parent
+    return None
+
+
+def in_checkpoints(ckpt: Path) -> Path | None:
+    """The run directory whose ``checkpoints/`` holds ``ckpt`` directly (None when it lies elsewhere)."""
+    ckpt = Path(ckpt)
+    run = ckpt.parent.parent
+    return run if ckpt.parent.name == CHECKPOINTS and RunDir(run).is_run else None
+
+
+def _stale(directory: Path) -> list[Path]:
+    if not directory.is_dir():
+        return []
+    return [p for p in directory.iterdir() if p.name.startswith(".step-") and (".tmp-" in p.name or ".old-" in p.name)]
+
+
+def remove_stale_temporaries(run_dir: Path) -> list[Path]:
+    """Remove the half-written checkpoint directories a killed process left behind
+    (``checkpoints/.step-*.tmp-*`` and ``.step-*.old-*``, the same under ``averages/*/``).
+
+    Call only when no other process writes checkpoints of this run (at the start of training).
+    Returns what was removed.
+    """
+    rd = RunDir(run_dir)
+    found = _stale(rd.checkpoints)
+    averages = rd.averages
+    if averages.is_dir():
+        for d in sorted(averages.iterdir()):
+            found += _stale(d)
+    for p in found:
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    return found
+
+
+RUN_CONTENTS = (CHECKPOINTS, AVERAGES, BRANCHES, METRICS, INFO, CONFIG)
+"""What a run directory holds that a fresh start of the run replaces (see :func:`clear_run`)."""
+
+
+def clear_run(run_dir: Path) -> None:
+    """Delete a run's checkpoints, averages, branches and logs (``train --overwrite``)."""
+    run_dir = Path(run_dir)
+    for name in RUN_CONTENTS:
+        p = run_dir / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+
+
+# ------------------------------------------------------------------ averaged checkpoints
+def lawa_name(window: int, every: int, offline: bool = False) -> str:
+    """The averages/ name of LAWA over ``window`` checkpoints ``every`` steps apart: ``lawa-kK-pP`` (the
+    trainer's online average), ``lawa-kK-pP-offline`` (averaged afterwards from stored checkpoints)."""
+    return f"lawa-k{window}-p{every}" + ("-offline" if offline else "")
+
+
+def ema_name(decay: float) -> str:
+    """The averages/ name of the trainer's EMA with this per-step decay (``ema-0.999``)."""
+    return f"ema-{decay:.6g}"
+
+
+SOUP_OF_COOLDOWNS = "soup-cooldowns"
+"""The averages/ name of a study's soup of its cooldown branches' endpoints."""
+
+
+def interpolation_name(a: Path, b: Path) -> str:
+    """The averages/ name of the interpolation from checkpoint ``a`` to ``b``: ``interp-A-B`` (B prefixed
+    with its run's name when it is not beside A)."""
+    a, b = Path(a), Path(b)
+    if b.parent.resolve() == a.parent.resolve():
+        tag = b.name
+    else:
+        owner = b.parent.parent if b.parent.name == CHECKPOINTS else b.parent
+        tag = f"{owner.name}-{b.name}"
+    return f"interp-{a.name}-{tag}"
+
+
+def alpha_name(alpha: float) -> str:
+    """The directory of the interpolated checkpoint at ``alpha`` inside an interpolation (``alpha-0.2500``)."""
+    return f"alpha-{alpha:.4f}"
+
+
+# ------------------------------------------------------------------ branch names
+MAIN = "main"
+"""The branch name of a run's own checkpoints."""
+COOLDOWN = "cooldown"
+CONTROL = "control"
+_BRANCH = re.compile(r"^(cooldown|control)-s(\d+)-d(\d+)(?:-(.+))?$")
+
+
+@dataclass(frozen=True)
+class BranchName:
+    """A cooldown or control branch name, parsed."""
+
+    kind: str
+    """'cooldown' or 'control'."""
+    from_step: int
+    """The main-run step it starts from."""
+    decay_steps: int
+    """Its length in steps (the decay's, for a control its twin's)."""
+    shape: str | None
+    """The decay shape of a cooldown (linear, cosine, 1-sqrt; None on a control or an old unshaped name)."""
+
+
+def cooldown_branch(from_step: int, decay_steps: int, shape: str) -> str:
+    """The name of a cooldown branch: ``cooldown-s<from_step>-d<decay_steps>-<shape>`` (the shape may hold
+    dashes: ``1-sqrt``)."""
+    if not shape:
+        raise QuantdynError("a cooldown branch needs a decay shape (linear, cosine, 1-sqrt)")
+    return f"{COOLDOWN}-s{int(from_step)}-d{int(decay_steps)}-{shape}"
+
+
+def control_branch(from_step: int, decay_steps: int) -> str:
+    """The name of the constant-LR control twin of the cooldowns from ``from_step`` over ``decay_steps``:
+    ``control-s<from_step>-d<decay_steps>`` (one control serves every shape of that start and length)."""
+    return f"{CONTROL}-s{int(from_step)}-d{int(decay_steps)}"
+
+
+def parse_branch(name: str | None) -> BranchName | None:
+    """The parts of a cooldown or control branch name; None for any other branch (main, averages ...)."""
+    m = _BRANCH.match(str(name or ""))
+    if m is None:
+        return None
+    kind, s, d, shape = m.groups()
+    if kind == CONTROL and shape is not None:
+        return None
+    return BranchName(kind, int(s), int(d), shape)
+
+
+def control_of(branch: str | None) -> str | None:
+    """The control twin of a cooldown branch (``cooldown-s8-d4-1-sqrt`` -> ``control-s8-d4``); None when
+    ``branch`` is not a cooldown branch."""
+    b = parse_branch(branch)
+    return control_branch(b.from_step, b.decay_steps) if b is not None and b.kind == COOLDOWN else None
+
+
+def is_cooldown(branch: str | None) -> bool:
+    """Whether ``branch`` is named as a cooldown branch."""
+    b = parse_branch(branch)
+    return b is not None and b.kind == COOLDOWN
+
+
+def is_control(branch: str | None) -> bool:
+    """Whether ``branch`` is named as a constant-LR control twin."""
+    b = parse_branch(branch)
+    return b is not None and b.kind == CONTROL
