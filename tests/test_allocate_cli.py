@@ -151,3 +151,18 @@ def test_a_study_spec_takes_plan_auto_and_sensitivity():
     assert s.sweep.quantizers == ("q4_k_m", "auto@4.5:q6_k,q3_k,q4_k,q5_k") and s.sweep.sensitivity == ("q3_k", "q4_k")
     with pytest.raises(QuantdynError, match="at least two candidate types"):
         demo_spec(["sweep.sensitivity=[q3_k]"])
+
+
+def test_quantize_refuses_a_plan_from_another_model_before_writing(ckpt, tmp_path, cli):
+    from test_plan import _plan
+
+    from quantdyn.quantize.plan import write_plan
+
+    plan = write_plan(_plan(tiny_gpt(n_layer=3), ["q4_0"]), tmp_path / "deep.json")
+    out = tmp_path / "q.gguf"
+    r = cli("quantize", ckpt, "--quantizers", f"plan:{plan}", "--export", "gguf", "--out", out)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "was made for a gpt_neox model of 3 blocks; this checkpoint is gpt_neox with 2 blocks" in r.stderr
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["deep.json"]
+    r = cli("quantize", ckpt, "--quantizers", "auto@9:q4_0,q8_0", "--out", tmp_path / "x")
+    assert r.returncode == 2 and "budget 9 bits per weight is outside" in r.stderr and not (tmp_path / "x").exists()
