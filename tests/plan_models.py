@@ -10,20 +10,13 @@ import torch
 VOCAB = 128
 
 
-def tiny_gpt(n_layer: int = 2, d: int = 64, seed: int = 5):
+def tiny_gpt(n_layer: int = 2, d: int = 64, seed: int = 5, vocab: int = VOCAB):
+    from formats_models import randomize
+
     from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config
 
-    model = GPT(resolve_model_config(ModelConfig(n_layer=n_layer, d_model=d, n_head=2, max_seq_len=64,
-                                                 vocab_size=VOCAB)))
-    rs = np.random.RandomState(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            noise = torch.from_numpy(rs.standard_normal(tuple(p.shape)).astype(np.float32))
-            if p.dim() == 1:
-                p.copy_(1 + 0.1 * noise if "norm" in name and name.endswith("weight") else 0.02 * noise)
-            else:
-                p.copy_(0.06 * noise)
-    return model.eval()
+    return randomize(GPT(resolve_model_config(ModelConfig(n_layer=n_layer, d_model=d, n_head=2, max_seq_len=64,
+                                                          vocab_size=vocab))), seed)
 
 
 def tiny_checkpoint(directory: Path, **kw) -> Path:

@@ -18,18 +18,7 @@ from quantdyn.results.store import ResultStore
 def ckpt(tmp_path_factory, kjv_small):
     """A tiny GPT-NeoX checkpoint with vocabulary 512 and the KJV BPE-512 tokenizer beside it."""
     _, data = kjv_small
-    d = tmp_path_factory.mktemp("alloc") / "model"
-    from plan_models import VOCAB  # noqa: F401  (the tests' models use 128; this one needs the tokenizer's 512)
-    from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config
-    from quantdyn.models.hf_io import save_hf
-
-    torch.manual_seed(0)
-    model = GPT(resolve_model_config(ModelConfig(n_layer=2, d_model=64, n_head=2, max_seq_len=64, vocab_size=512)))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.06)
-    save_hf(model, d)
+    d = tiny_checkpoint(tmp_path_factory.mktemp("alloc") / "model", vocab=512)
     data.tokenizer.save_pretrained(str(d))
     return d
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -196,19 +197,15 @@ def test_gguf_plan_loads_in_llama_cpp(tmp_path):
     """Where llama-cpp-python is installed: llama.cpp runs quantdyn's plan GGUF and predicts what it predicted when
     the fixture was made (and what quantdyn's fake-quantized model predicts, within llama.cpp's own activation
     rounding)."""
-    llama_cpp = pytest.importorskip("llama_cpp")
-    from formats_models import NEOX, WINDOWS
+    pytest.importorskip("llama_cpp")
+    from formats_models import NEOX
 
-    path = export_gguf_plan(NEOX, tmp_path)
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, logits_all=True, verbose=False, n_threads=2, n_batch=128)
-    got = []
-    for w in WINDOWS:
-        llm.reset()
-        llm.eval(w[:-1].tolist())
-        lp = torch.log_softmax(torch.tensor(np.array(llm.scores[:len(w) - 1]), dtype=torch.float64), -1)
-        got.append(lp.gather(-1, torch.tensor(w[1:])[:, None])[:, 0])
+    sys.path.insert(0, str(FIX))
+    from make_gguf_reference import llama_logprobs  # llama.cpp's log-probabilities, as the fixture was made
+
+    got = torch.tensor(llama_logprobs(export_gguf_plan(NEOX, tmp_path)), dtype=torch.float64)
     want = torch.tensor(json.loads((FIX / "gguf_llamacpp.json").read_text())["plans"]["neox"]["logprobs"])
-    assert (torch.stack(got) - want).abs().max() < 1e-4
+    assert (got - want).abs().max() < 1e-4
 
 
 @pytest.mark.e2e
