@@ -3,7 +3,9 @@ what the sensitivity pass costs against one ordinary measurement.
 
     .venv/bin/python bench/allocation.py CKPT [CKPT ...] [--types q3_k,q4_k,q5_k,q6_k] [--reps 2] [--quick]
 
-Per checkpoint, on one set of windows (``--calib`` calibration windows, which are also the sensitivity windows;
+``--types``: the GGUF candidates (default the k-quants; a model whose rows are not multiples of 256, like the
+demo's width 128, takes the 32-weight types, e.g. q4_0,q5_0,q5_1,q8_0). A budget the types cannot reach is
+recorded as such. Per checkpoint, on one set of windows (``--calib`` calibration windows, which are also the sensitivity windows;
 ``--eval`` held-out evaluation windows of 128 tokens, never seen by the allocation):
 
 1. the baselines Q4_K_M, Q3_K_M and gptq4 (GPTQ 4-bit, group 128) are measured in one pass with the bf16 noise
@@ -40,6 +42,7 @@ from quantdyn.data.prepare import DataConfig, prepare_data  # noqa: E402
 from quantdyn.engine.measure import measure  # noqa: E402
 from quantdyn.engine.rows import storage_fields  # noqa: E402
 from quantdyn.engine.sensitivity import SensitivityConfig, measure_sensitivity  # noqa: E402
+from quantdyn.errors import QuantdynError  # noqa: E402
 from quantdyn.quantize.plan import register_plan  # noqa: E402
 from quantdyn.results.stats import format_estimate, paired_difference, verdict_sign  # noqa: E402
 from quantdyn.sources.hub import open_checkpoint  # noqa: E402
@@ -103,7 +106,11 @@ def run_checkpoint(ckpt: str, args) -> dict:
     for b in BASELINES:
         budget = out["baselines"][b]["bits_per_weight"]
         for kind, s in sens.items():
-            plan, alloc = s.plan(budget)
+            try:
+                plan, alloc = s.plan(budget)
+            except QuantdynError as e:  # a budget the types cannot reach: recorded, not compared
+                out["plans"][f"{b}/{kind}"] = {"types": list(s.types), "budget": budget, "skipped": str(e)}
+                continue
             label = register_plan(plan)
             m = measure(ckpt, {"plan": label}, evals, calib)
             pm = m.metrics["plan"]
@@ -172,6 +179,9 @@ def main(argv=None) -> int:
         for b, v in r["baselines"].items():
             print(f"  {b:<8} {v['bits_per_weight']:.4f} bpw  KL {v['kl']:.4g} ± {v['kl_se']:.2g}")
         for k, v in r["plans"].items():
+            if "skipped" in v:
+                print(f"  plan@{k:<13} not made: {v['skipped']}")
+                continue
             print(f"  plan@{k:<13} {v['bits_per_weight']:.4f} bpw (equal: {v['equal_bpw']})  KL {v['kl']:.4g} ± "
                   f"{v['kl_se']:.2g}  plan - baseline {v['vs_baseline']['text']}")
         c = r["cost"]
