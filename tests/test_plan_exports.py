@@ -239,3 +239,26 @@ def test_gguf_plan_holds_each_tensor_in_its_type_and_the_arguments_name_each_ten
     args = llama_quantize_args(plan)
     assert args[:4] == ["--token-embedding-type", "f32", "--output-tensor-type", "f32"]
     assert args[4::2][:len(lines)] == ["--tensor-type"] * len(lines) and args[5:5 + 2 * len(lines):2] == lines
+
+
+@pytest.mark.e2e
+def test_the_fake_quantized_plan_predicts_what_llama_cpp_predicts_from_its_gguf(tmp_path):
+    """llama.cpp's log-probabilities of quantdyn's plan GGUF (fixture) against quantdyn's own fake-quantized model:
+    within a quarter of the quantization effect, mean and max, as for Q4_K_M (llama.cpp also rounds activations to
+    8 bits inside its matmuls)."""
+    from formats_models import NEOX, build_model
+    from test_formats_export import next_token_logprobs
+
+    from quantdyn.engine.walk import quantize_model
+
+    ref = json.loads((FIX / "gguf_llamacpp.json").read_text())
+    if "plans" not in ref:
+        pytest.skip("the plan fixture was not made (tests/fixtures/make_plan_reference.py)")
+    fp = build_model(NEOX).float()
+    lp_fp = next_token_logprobs(fp)
+    label = f"plan:{write_plan(gguf_plan(NEOX), tmp_path / 'p.json')}"
+    quantize_model(fp, None, label, progress=False)
+    lp_q = next_token_logprobs(fp)
+    lp_llama = torch.tensor(ref["plans"]["neox"]["logprobs"], dtype=torch.float64)
+    gap, effect = (lp_llama - lp_q).abs(), (lp_q - lp_fp).abs()
+    assert gap.mean() < 0.25 * effect.mean() and gap.max() < 0.25 * effect.max()
