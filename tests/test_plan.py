@@ -159,3 +159,19 @@ def test_a_type_a_tensor_cannot_hold_names_the_tensor_and_llama_cpps_fallback():
     with pytest.raises(QuantdynError, match="no GGUF block type fits; llama.cpp would store it as F16"):
         check_types_fit([("x", 0, "mlp.down_proj", (256, 100))], ("q8_0",))
     check_types_fit([("x", 0, "mlp.down_proj", (256, 320))], ("q5_0", "rtn4g64"))
+
+
+def test_registry_families_make_entries_on_first_use_and_are_not_listed():
+    from quantdyn.registry import Registry
+
+    r: Registry = Registry("thing")
+    r.add("plain", 1)
+    made = []
+    r.add_family("fam:", lambda name: made.append(name) or len(name), lambda name: name.lower())
+    assert "fam:X" in r and "other" not in r and r.names() == ["plain"]
+    assert r.canonical("fam:X") == "fam:x" and r.canonical("plain") is None
+    assert r.get("fam:abc") == 7 and r.get("fam:abc") == 7 and made == ["fam:abc"]  # made once, cached
+    with pytest.raises(ValueError, match="registered twice"):
+        r.add_family("fam:", len, str)
+    with pytest.raises(QuantdynError, match="unknown thing 'plan'"):
+        r.get("plan")
