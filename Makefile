@@ -26,8 +26,11 @@ demo: $(STAMP)
 # Two tiers, one marker (pyproject.toml): `make test` runs everything not marked e2e and answers in minutes;
 # `make test-e2e` runs the end-to-end and statistical tests (whole studies, multi-process runs, the kill -9
 # soak, trained-model claims). CI (.ci/run) runs both.
+# The fast tier runs in TEST_WORKERS pytest-xdist processes: 2, the cores of the CI machine (docs/testing.md has the
+# measurements); TEST_WORKERS=auto on a bigger machine, TEST_WORKERS=0 for one process (pdb, -x).
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(VENV)/bin/pytest -q --timeout=900 -m "not e2e"
+	$(VENV)/bin/pytest -q --timeout=900 -m "not e2e" -n $(TEST_WORKERS)
 
 test-e2e: $(STAMP)
 	$(VENV)/bin/pytest -q --timeout=900 -m e2e

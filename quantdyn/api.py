@@ -48,8 +48,6 @@ from quantdyn.quantize.config import QuantConfig, parse_quantizer
 from quantdyn.results.store import ResultStore
 from quantdyn.results.tables import load as load_results
 from quantdyn.results.tables import to_parquet
-from quantdyn.studies.pipeline import run_study
-from quantdyn.studies.section import write_report_with_findings as write_report
 from quantdyn.studies.spec import StudySpec, load_study_spec
 from quantdyn.sweep.quantize_one import QuantizeResult
 from quantdyn.sweep.quantize_one import quantize_one as quantize_checkpoint
@@ -67,3 +65,17 @@ __all__ = [
     "load_results", "load_run_config", "load_study_spec", "load_yaml", "measure", "parse_quantizer",
     "quantize_model", "run_study", "run_sweep", "save_hf", "to_parquet", "train", "write_report",
 ]
+
+
+def __getattr__(name: str):
+    """run_study and write_report draw figures: they (and matplotlib) are imported when first asked for, so that
+    ``import quantdyn.api`` imports no plotting library."""
+    if name == "run_study":
+        from quantdyn.studies.pipeline import run_study
+
+        return run_study
+    if name == "write_report":
+        from quantdyn.studies.section import write_report
+
+        return write_report
+    raise AttributeError(f"module 'quantdyn.api' has no attribute '{name}'")

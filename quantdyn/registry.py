@@ -19,6 +19,7 @@ that starts with ``prefix``; ``get`` makes its entry on first use (cached) and
 """
 from __future__ import annotations
 
+import threading
 from typing import Callable, Generic, Iterator, TypeVar
 
 from quantdyn.errors import unknown_name
@@ -38,9 +39,13 @@ class Registry(Generic[T]):
     def add_family(self, prefix: str, make: Callable[[str], T], canonical: Callable[[str], str]) -> None:
         """Every name starting with ``prefix``: ``make(name)`` builds its entry on first lookup (QuantdynError for
         a bad one), ``canonical(name)`` its one spelling. Family names are not listed by ``names()``."""
-        if prefix in self._families or any(n.startswith(prefix) for n in self._entries):
+        if prefix in self._families or any(n.startswith(prefix) for n in self._entries_so_far()):
             raise ValueError(f"{self.kind} family '{prefix}' is registered twice or shadows a name")
         self._families[prefix] = (make, canonical)
+
+    def _entries_so_far(self) -> dict[str, T]:
+        """The entries registered until now (LazyRegistry: without loading its built-ins)."""
+        return self._entries
 
     def _family(self, name: object) -> tuple[Callable[[str], T], Callable[[str], str]] | None:
         if not isinstance(name, str):
@@ -59,10 +64,14 @@ class Registry(Generic[T]):
 
         return deco
 
-    def add(self, name: str, obj: T) -> None:
+    def add(self, name: str, obj: T) -> T:
+        """Register ``obj`` as ``name`` and return it (``PTQ = ROW_KINDS.add("ptq", RowKind(...))``)."""
         if name in self._entries:
             raise ValueError(f"{self.kind} '{name}' is registered twice")
+        if self._family(name) is not None:
+            raise ValueError(f"{self.kind} '{name}' is shadowed by a family of names")
         self._entries[name] = obj
+        return obj
 
     def get(self, name: str) -> T:
         try:
@@ -78,6 +87,11 @@ class Registry(Generic[T]):
     def names(self) -> list[str]:
         return sorted(self._entries)
 
+    def values(self) -> list[T]:
+        """The registered objects in the order they were registered (where the order is shown: the report's
+        sections, the findings' families)."""
+        return list(self._entries.values())
+
     def __contains__(self, name: object) -> bool:
         return name in self._entries or self._family(name) is not None
 
@@ -86,3 +100,40 @@ class Registry(Generic[T]):
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+class LazyRegistry(Registry[T]):
+    """A registry whose built-in entries are registered by modules imported on first use: ``load()`` imports
+    them before the first lookup or addition, so that the family's package imports without them (the quantizers'
+    catalogue without torch: a mistyped label is refused in a second).  ``loaded`` says whether that happened.
+    Another thread that looks up while one loads waits for it."""
+
+    def __init__(self, kind: str, load: Callable[[], object]):
+        self._load: Callable[[], object] | None = load
+        self._loading = False
+        self._lock = threading.RLock()
+        super().__init__(kind)
+
+    @property
+    def loaded(self) -> bool:
+        return self._load is None
+
+    @property
+    def _entries(self) -> dict[str, T]:
+        if self._load is not None:
+            with self._lock:  # reentrant: the modules being loaded add their entries through here
+                if self._load is not None and not self._loading:
+                    self._loading = True
+                    try:
+                        self._load()
+                        self._load = None
+                    finally:
+                        self._loading = False
+        return self.__dict__["_entries"]
+
+    def _entries_so_far(self) -> dict[str, T]:
+        return self.__dict__["_entries"]  # a family declared beside the lazy built-ins must not load them
+
+    @_entries.setter
+    def _entries(self, value: dict[str, T]) -> None:
+        self.__dict__["_entries"] = value

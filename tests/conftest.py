@@ -10,9 +10,16 @@ import torch
 
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):
-    """Keep the tests' token caches out of the user's .cache."""
+    """Keep the tests' token caches out of the user's .cache. Under pytest-xdist (`make test` runs two workers)
+    the workers share one cache, beside their own temporary directories: the corpus is tokenized once, by whichever
+    worker comes first (data/prepare.py locks a cache entry while it is written)."""
     old = os.environ.get("QUANTDYN_CACHE")
-    os.environ["QUANTDYN_CACHE"] = str(tmp_path_factory.mktemp("qdcache"))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.getbasetemp().parent / "qdcache"
+        shared.mkdir(exist_ok=True)
+        os.environ["QUANTDYN_CACHE"] = str(shared)
+    else:
+        os.environ["QUANTDYN_CACHE"] = str(tmp_path_factory.mktemp("qdcache"))
     torch.set_num_threads(1)
     yield
     if old is None:
@@ -28,6 +35,41 @@ def kjv_small():
 
     cfg = DataConfig(source="builtin:kjv", tokenizer="bpe:512", max_tokens=200_000, bpe_train_chars=400_000)
     return cfg, prepare_data(cfg, progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory, kjv_small):
+    """The one checkpoint (step 8) of a tiny run trained once per session (tiny_run_dict, 8 steps), for tests that
+    read it and write elsewhere (quantize, sweep, export)."""
+    from quantdyn.config import from_dict
+    from quantdyn.train.config import RunConfig
+    from quantdyn.train.trainer import train
+
+    d = tiny_run_dict(tmp_path_factory.mktemp("tiny_run"), kjv_small[0], steps=8, checkpoint_every=8)
+    return train(from_dict(RunConfig, d), progress=False) / "checkpoints" / "step-0000008"
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory, kjv_small):
+    """Tiny Hugging Face checkpoints with the kjv_small tokenizer, saved once per session: {"llama": dir, "gpt2":
+    dir} (random weights, seed 0; no hub access)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    _, data = kjv_small
+    root = tmp_path_factory.mktemp("hf")
+    torch.manual_seed(0)
+    out = {}
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                         bos_token_id=0, eos_token_id=0))
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=0,
+                                      eos_token_id=0))
+    for name, m in (("llama", llama), ("gpt2", gpt2)):
+        d = root / name
+        m.save_pretrained(d)
+        data.tokenizer.save_pretrained(str(d))
+        out[name] = d
+    return out
 
 
 def tiny_run_dict(tmp_path, data_cfg, **train):

@@ -37,13 +37,13 @@ def test_sweep_with_analysis_and_predictor_report(tmp_path, kjv_small):
     for r in rows:  # every field the sweep wrote is described in the row schema, under its kind
         assert undocumented(r) == [], r["kind"]
     assert run_sweep(cfg, progress=False)["written"] == 0  # idempotent, analysis included
-    from quantdyn.report.html import write_report
+    from quantdyn.report.html import write_page
     from quantdyn.report.predictors import predictor_rows
 
     corr = predictor_rows(rows, n_boot=50)
     metrics = {c["metric"] for c in corr}
     assert {"hessian_trace", "prop_R_final", "weight_mmr_mean"} <= metrics
-    page = write_report(store, tmp_path / "rep")
+    page = write_page(store, tmp_path / "rep")
     assert (tmp_path / "rep" / "predictors.png").is_file() and "predict" in page.read_text()
 
 

@@ -1,34 +1,9 @@
 """`quantdyn quantize` end to end on a quantdyn checkpoint and on locally saved
-HF LLaMA- and GPT-2-family models (built here; no hub access)."""
+HF LLaMA- and GPT-2-family models (conftest's hf_models; no hub access)."""
 import json
 
 import pytest
 import torch
-from conftest import tiny_run_dict
-
-from quantdyn.config import from_dict
-from quantdyn.train.config import RunConfig
-from quantdyn.train.trainer import train
-
-
-@pytest.fixture(scope="module")
-def hf_models(tmp_path_factory, kjv_small):
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-
-    _, data = kjv_small
-    root = tmp_path_factory.mktemp("hf")
-    torch.manual_seed(0)
-    out = {}
-    llama = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                         bos_token_id=0, eos_token_id=0))
-    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=0, eos_token_id=0))
-    for name, m in (("llama", llama), ("gpt2", gpt2)):
-        d = root / name
-        m.save_pretrained(d)
-        data.tokenizer.save_pretrained(str(d))
-        out[name] = d
-    return out
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -48,11 +23,8 @@ def test_quantize_local_hf_models(hf_models, family, tmp_path, cli):
     AutoModelForCausalLM.from_pretrained(tmp_path / "q")  # the saved fake-quantized model loads
 
 
-def test_quantize_quantdyn_checkpoint_table_and_errors(tmp_path, kjv_small, cli):
-    data_cfg, _ = kjv_small
-    d = tiny_run_dict(tmp_path, data_cfg, steps=8, checkpoint_every=8)
-    run = train(from_dict(RunConfig, d), progress=False)
-    ck = str(run / "checkpoints" / "step-0000008")
+def test_quantize_quantdyn_checkpoint_table_and_errors(tmp_path, tiny_checkpoint, cli):
+    ck = str(tiny_checkpoint)
     short = ["--calib-seq-len", "32", "--eval-seq-len", "32", "--eval-tokens", "2048"]
     r = cli("quantize", ck, "--method", "rtn", "--bits", "3", "--group-size", "0", *short)
     assert r.returncode == 0, r.stderr[-1500:]

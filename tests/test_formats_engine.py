@@ -110,7 +110,7 @@ def format_run(tmp_path_factory, kjv_small):
 
 
 def test_tiny_sweep_and_report_take_the_formats(format_run, tmp_path):
-    from quantdyn.report.html import write_report
+    from quantdyn.report.html import write_page
     from quantdyn.results.store import ResultStore
     from quantdyn.sweep.sweep import SweepConfig, run_sweep
 
@@ -131,7 +131,7 @@ def test_tiny_sweep_and_report_take_the_formats(format_run, tmp_path):
     assert fallback["q4_k_m"] and all(v.endswith(("->q5_0", "->q8_0")) for v in fallback["q4_k_m"].values())
     assert fallback["nf4"] is None
     assert run_sweep(cfg, progress=False)["written"] == 0  # idempotent like any quantizer
-    page = write_report(format_run, tmp_path / "rep", store=store)
+    page = write_page(format_run, tmp_path / "rep", store=store)
     assert "q4_k_m" in page.read_text() and "nvfp4" in page.read_text()
 
 

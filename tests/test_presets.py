@@ -550,7 +550,7 @@ def test_trajectory_figures_from_rows(tmp_path):
         sections,
         soup_vs_ingredients,
     )
-    from quantdyn.results.schema import rel_delta_ce
+    from quantdyn.results.stats import rel_delta_ce
 
     pythia = _rows_of("pythia-160m", ("step1000", "step36000", "step72000", "step143000"), with_fields=False)
     pythia[0]["rel_delta_ce"] = 0.123  # written by newer sweeps; older rows fall back to delta_ce / ce_fp

@@ -9,8 +9,10 @@ import re
 import pytest
 from test_report_layout import noisy_study_rows
 
-from quantdyn.report.html import RAINBOW_CAPTION, VERDICT_RULE
+from quantdyn.report.contents import RAINBOW_CAPTION
+from quantdyn.report.html import VERDICT_RULE
 from quantdyn.results.store import ResultStore
+from quantdyn.studies import findings as fd
 from quantdyn.studies import section
 from quantdyn.studies.findings import NOT_RESOLVED, OPPOSITE, REPRODUCED
 
@@ -27,6 +29,7 @@ def page_parts(page: str) -> tuple[str, list[str]]:
     return html.unescape(re.sub(r"<[^>]+>", "", first)), re.findall(r"<section id='([^']+)'", page)
 
 
+@pytest.mark.e2e  # a whole report of a decay study: 5.8 s on an idle 2-core CPU (the fast tier's rule: ~5 s)
 def test_report_of_a_store_opens_with_the_verdicts_and_prints_the_demo_summary(tmp_path, cli):
     rows = decay_rows(tmp_path / "runs")
     ResultStore(tmp_path / "st").append(rows)
@@ -90,7 +93,7 @@ def test_families_the_rows_allow():
     hub = [{**r, "run": "EleutherAI/pythia-160m", "ckpt_kind": "hub", "peak_lr": 6e-4} for r in rows
            if r["branch"] == "main"]
     assert "peak_lr" not in section.families_in(rows + hub)  # a public model is measured, not compared
-    assert section.trained_runs(rows + hub) == ["demo-s0"]
+    assert fd.trained_runs(rows + hub) == ["demo-s0"]
 
 
 def test_sentences_digits_agree_with_the_verdict():

@@ -15,6 +15,7 @@ from PIL import Image
 from quantdyn.report import figures, output, uncertainty
 from quantdyn.report.accuracy import accuracy_vs_dce
 from quantdyn.report.palette import QUANTIZER_COLORS, Palette, hashed_color, quantizer_color
+from quantdyn.results import stats
 from quantdyn.runs import control_of
 
 QUANTIZERS = {"gptq3": (3, "gptq", 0.3), "rtn4": (4, "rtn", 0.1), "rtn2": (2, "rtn", 2.0)}
@@ -200,7 +201,7 @@ def test_trajectory_panels_tables_and_combined_error_bars(tmp_path, drawn):
         for k in ("delta_ce", "rel_delta_ce", "delta_ppl", "kl", "top1_agree", "delta_ce_run_sd",
                   "delta_ce_total_se", "quant_repeats"):
             assert t[k] == r[k], k
-        assert t["uncertainty_dominant"] == uncertainty.RUN  # SD 0.015 / √4 > SE 0.003
+        assert t["uncertainty_dominant"] == stats.RUN  # SD 0.015 / √4 > SE 0.003
     ax = next(a for a in fig.axes if a.get_ylabel().startswith("Δ CE (nats)"))
     main = sorted((r for r in rows if r["kind"] == "ptq" and r["branch"] == "main"), key=lambda r: r["step"])
     for qq in QUANTIZERS:
@@ -208,7 +209,7 @@ def test_trajectory_panels_tables_and_combined_error_bars(tmp_path, drawn):
         want = [math.sqrt(r["delta_ce_se"] ** 2 + (r["delta_ce_run_sd"] or 0) ** 2 / r["quant_repeats"]) for r in mine]
         assert errorbar_halfwidths(ax, qq) == pytest.approx(want, rel=1e-6), qq
     gptq = [r for r in main if r["quantizer"] == "gptq3"]
-    assert all(uncertainty.total_se(r) > 2 * r["delta_ce_se"] for r in gptq)  # the run-to-run part counts
+    assert all(stats.total_se(r) > 2 * r["delta_ce_se"] for r in gptq)  # the run-to-run part counts
 
 
 def test_save_figure_keeps_dots_inside_names(tmp_path):
@@ -221,14 +222,14 @@ def test_save_figure_keeps_dots_inside_names(tmp_path):
 # --------------------------------------------------------------------------- uncertainty
 def test_total_se_from_parts_when_not_stored_and_eval_se_alone_without_repeats():
     r = {"delta_ce": 0.5, "delta_ce_se": 0.003, "quant_repeats": 4, "delta_ce_run_sd": 0.02}
-    assert uncertainty.total_se(r) == pytest.approx(math.sqrt(0.003 ** 2 + 0.02 ** 2 / 4))
-    assert uncertainty.parts(r).dominant == uncertainty.RUN and uncertainty.parts(r).run_se == pytest.approx(0.01)
-    assert uncertainty.total_se({**r, "delta_ce_total_se": 0.5}) == 0.5  # the writer's own combination wins
-    assert uncertainty.total_se({"delta_ce_se": 0.003}) == 0.003  # older rows: R = 1
-    one = uncertainty.parts({"delta_ce_se": 0.003, "quant_repeats": 1, "delta_ce_run_sd": None})
-    assert one.run_sd is None and one.dominant == uncertainty.EVAL
+    assert stats.total_se(r) == pytest.approx(math.sqrt(0.003 ** 2 + 0.02 ** 2 / 4))
+    assert stats.uncertainty(r).dominant == stats.RUN and stats.uncertainty(r).run_se == pytest.approx(0.01)
+    assert stats.total_se({**r, "delta_ce_total_se": 0.5}) == 0.5  # the writer's own combination wins
+    assert stats.total_se({"delta_ce_se": 0.003}) == 0.003  # older rows: R = 1
+    one = stats.uncertainty({"delta_ce_se": 0.003, "quant_repeats": 1, "delta_ce_run_sd": None})
+    assert one.run_sd is None and one.dominant == stats.EVAL
     kl = {"kl_se": 0.001, "kl_run_sd": 0.004, "quant_repeats": 4}
-    assert uncertainty.total_se(kl, "kl") == pytest.approx(math.sqrt(0.001 ** 2 + 0.004 ** 2 / 4))
+    assert stats.total_se(kl, "kl") == pytest.approx(math.sqrt(0.001 ** 2 + 0.004 ** 2 / 4))
 
 
 def test_decayed_minus_control_z_uses_the_combined_uncertainty():
@@ -244,11 +245,11 @@ def test_decayed_minus_control_z_uses_the_combined_uncertainty():
     assert g["difference"] == pytest.approx(a["delta_ce"] - b["delta_ce"])
     assert g["difference_eval_se"] == pytest.approx(eval_se) and g["difference_run_se"] == pytest.approx(run_se)
     assert g["difference_se"] == pytest.approx(math.hypot(eval_se, run_se))
-    assert g["z"] == pytest.approx(g["difference"] / g["difference_se"]) and g["dominant"] == uncertainty.RUN
+    assert g["z"] == pytest.approx(g["difference"] / g["difference_se"]) and g["dominant"] == stats.RUN
     assert g["exceeds_uncertainty"] == (abs(g["z"]) > 2)
     r = table["rtn4"]  # not repeated: the evaluation windows alone
     assert r["difference_run_se"] is None and r["difference_se"] == r["difference_eval_se"]
-    assert r["dominant"] == uncertainty.EVAL
+    assert r["dominant"] == stats.EVAL
     # a difference that clears the window SE but not the run-to-run spread is not claimed
     noisy = study_rows(repeats=3, run_sd=2.0)
     g2 = next(t for t in figures.rainbow_table(noisy, "demo") if t["quantizer"] == "gptq3")
@@ -262,10 +263,10 @@ def test_uncertainty_note_groups_quantizers_and_names_deterministic_repeats():
     def pt(q, R, sd, dom):
         return {"quantizer": q, "quant_repeats": R, "delta_ce_run_sd": sd, "uncertainty_dominant": dom}
 
-    table = [pt("rtn4", 2, 0.0, uncertainty.EVAL), pt("rtn3", 2, 0.0, uncertainty.EVAL),
-             pt("gptq3", 2, 0.01, uncertainty.RUN), pt("gptq3", 2, 0.001, uncertainty.EVAL),
-             pt("gptq4", 2, 0.02, uncertainty.RUN), pt("gptq4", 2, 0.002, uncertainty.EVAL),
-             pt("awq4", 1, None, uncertainty.EVAL)]
+    table = [pt("rtn4", 2, 0.0, stats.EVAL), pt("rtn3", 2, 0.0, stats.EVAL),
+             pt("gptq3", 2, 0.01, stats.RUN), pt("gptq3", 2, 0.001, stats.EVAL),
+             pt("gptq4", 2, 0.02, stats.RUN), pt("gptq4", 2, 0.002, stats.EVAL),
+             pt("awq4", 1, None, stats.EVAL)]
     note = uncertainty.note(table)
     assert "rtn4, rtn3 (R = 2): no run-to-run spread (the repeats agree exactly)" in note  # RTN: no calibration
     assert "gptq3, gptq4 (R = 2): the run-to-run part is the larger at 1 of 2 points" in note

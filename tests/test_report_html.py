@@ -14,10 +14,10 @@ from conftest import tiny_run_dict
 from test_report_figures import drawn, errorbar_halfwidths, line_colors, study_rows  # noqa: F401  (drawn: a fixture)
 
 from quantdyn.report import figures
-from quantdyn.report.html import write_report
+from quantdyn.report.html import write_page
 from quantdyn.report.monitored import monitored_points
 from quantdyn.report.palette import quantizer_color
-from quantdyn.results.schema import rel_delta_ce
+from quantdyn.results.stats import rel_delta_ce
 from quantdyn.results.store import ResultStore
 from quantdyn.runtime import git_sha, hardware
 from quantdyn.train.checkpoint import read_metrics
@@ -46,7 +46,7 @@ def test_report_links_csv_and_svg_beside_every_figure_and_lists_provenance(tmp_p
     rows += [{**r, "key": r["key"] + "-x", "eval_hash": "evalhash0002", "git_sha": "fedcba987654",
               "hardware": "NVIDIA H100 x1"} for r in rows if r["kind"] == "ptq" and r["step"] == 400][:2]
     ResultStore(tmp_path / "st").append(rows)
-    page = write_report(tmp_path / "st", tmp_path / "rep").read_text()
+    page = write_page(tmp_path / "st", tmp_path / "rep").read_text()
     rep = tmp_path / "rep"
     secs = sections_of(page)
     assert [s["title"] for s in secs][:3] == ["Run demo: loss and quantization error along training",
@@ -194,11 +194,11 @@ def test_trajectory_sections_of_public_runs_still_link_their_files(tmp_path):
 
 
 def test_sections_from_the_caller_come_first_with_their_csv(tmp_path):
-    """A study's findings tables handed to write_report, without a figure or showing one of the report's own:
+    """A study's findings tables handed to write_page, without a figure or showing one of the report's own:
     shown first, each with a CSV of its own table (never overwriting the figure's own CSV)."""
     ResultStore(tmp_path / "st").append(study_rows())
     table = [{"finding": "decay raises Δ CE", "quantizer": "gptq3", "effect": 0.05, "se": 0.01, "verdict": "reproduced"}]
-    page = write_report(tmp_path / "st", tmp_path / "rep",
+    page = write_page(tmp_path / "st", tmp_path / "rep",
                         extra_sections=[("Findings: the papers' claims at this scale", "", table, "Each finding."),
                                         ("Findings, decay", "rainbow_demo.png", table[:1] * 2, "The decay finding.")]
                         ).read_text()

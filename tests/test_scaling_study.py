@@ -34,9 +34,9 @@ def test_scaling_fits_recover_rho_per_optimizer(tmp_path):
     from quantdyn.results.schema import undocumented
 
     assert all(undocumented(r) == [] for r in st.rows() if r["kind"] == "scaling")  # the row schema covers them
-    from quantdyn.report.html import write_report
+    from quantdyn.report.html import write_page
 
-    page = write_report(tmp_path / "st", tmp_path / "rep")
+    page = write_page(tmp_path / "st", tmp_path / "rep")
     assert (tmp_path / "rep" / "scaling.png").is_file() and "Scaling laws" in page.read_text()
 
 

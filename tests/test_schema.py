@@ -1,6 +1,6 @@
 """results/schema.py: the field table covers what the writers write, keys and calibration identity are the
-ones stored rows already carry, the one rule for reading a stored number, rel_delta_ce and the combined SE —
-and old rows read without an error."""
+ones stored rows already carry, the row kinds are constants readers match on, the one rule for reading a stored
+number — and old rows read without an error (rel_delta_ce and the combined SE: tests/test_stats.py)."""
 from __future__ import annotations
 
 import math
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from quantdyn.errors import QuantdynError
-from quantdyn.results import schema
+from quantdyn.results import schema, stats
 from quantdyn.results.schema import describe, number, undocumented
 
 
@@ -25,6 +25,29 @@ def test_every_kind_lists_documented_fields_and_no_name_means_two_things():
         for name in kind.fields:
             assert describe(name).meaning
     assert all(f.meaning.strip() and f.type.strip() for f in schema.FIELDS.values())
+
+
+def test_row_kinds_are_constants_that_readers_match_on():
+    """Every kind is a RowKind constant in ROW_KINDS (registration order is the table's); matching reads
+    ``kind`` alone; and no module under quantdyn/ compares a row's kind with a string (it asks the constant)."""
+    import re
+    from pathlib import Path
+
+    assert [k.name for k in schema.ROW_KINDS.values()] == ["ptq", "fp", "qat", "analysis", "accuracy",
+                                                           "interpolation", "scaling", "sensitivity"]
+    assert schema.ROW_KINDS.get("ptq") is schema.PTQ and schema.PTQ.name == "ptq"
+    rows = [{"kind": "ptq", "delta_ce": 0.1}, {"kind": "fp"}, {"delta_ce": 0.2}, {"kind": "ptq"}]
+    assert schema.PTQ.select(rows) == [rows[0], rows[3]] and schema.FP.present(rows)
+    assert not schema.SCALING.present(rows) and not schema.PTQ.matches(rows[2])
+    with pytest.raises(QuantdynError, match="did you mean 'ptq'"):
+        schema.ROW_KINDS.get("ptqq")
+    with pytest.raises(ValueError, match="registered twice"):
+        schema.ROW_KINDS.add("ptq", schema.PTQ)
+    string_test = re.compile(r"""(\.get\(["']kind["']\)|\[["']kind["']\])\s*(==|!=|in\b|not in\b)""")
+    root = Path(schema.__file__).parents[1]
+    found = [f"{p.relative_to(root)}:{n}" for p in sorted(root.rglob("*.py")) if p != Path(schema.__file__)
+             for n, line in enumerate(p.read_text().splitlines(), 1) if string_test.search(line)]
+    assert found == [], f"compare through the RowKind constants of results/schema.py: {found}"
 
 
 def test_varying_fields_match_their_patterns_and_unknown_names_are_refused():
@@ -59,7 +82,7 @@ def test_ptq_and_fp_fields_of_a_measurement_are_all_documented():
         row = {"key": "k", "kind": "ptq", **ptq_fields("gptq3", qc, m, MeasureConfig(), 2, R)}
         assert undocumented(row) == []
         assert isinstance(row["within_noise_floor"], bool) and row["delta_ce_floor_z"] is not None
-    assert row["delta_ce_total_se"] == pytest.approx(schema.combined_se(row["delta_ce_se"], row["delta_ce_run_sd"], 3))
+    assert row["delta_ce_total_se"] == pytest.approx(stats.combined_se(row["delta_ce_se"], row["delta_ce_run_sd"], 3))
     assert row["ppl_ratio"] == pytest.approx(math.exp(row["delta_ce"]))
     assert len(row["block_rel_fro"]) == 2 and row["quant_repeats"] == 3
 
@@ -77,18 +100,3 @@ def test_number_reads_finite_reals_only():
     assert number(3) == 3.0 and number(0.5) == 0.5 and number(np.float32(0.25)) == 0.25 and number(np.int64(2)) == 2
     for v in (None, True, False, "0.5", float("nan"), float("inf"), -math.inf, [1.0], {"a": 1}):
         assert number(v) is None
-
-
-def test_rel_delta_ce_and_combined_se_read_old_rows():
-    assert schema.rel_delta_ce({"rel_delta_ce": 0.123, "delta_ce": 1.0, "ce_fp": 2.0}) == 0.123
-    assert schema.rel_delta_ce({"delta_ce": 1.0, "ce_fp": 2.5}) == pytest.approx(0.4)  # before the field
-    assert schema.rel_delta_ce({"rel_delta_ce": float("nan"), "delta_ce": 1.0, "ce_fp": 2.0}) == 0.5
-    assert schema.rel_delta_ce({"delta_ce": 1.0}) is None and schema.rel_delta_ce({"delta_ce": 1.0, "ce_fp": 0}) is None
-    r = {"delta_ce": 0.5, "delta_ce_se": 0.003, "quant_repeats": 4, "delta_ce_run_sd": 0.02}
-    u = schema.uncertainty(r)
-    assert u.total_se == pytest.approx(math.sqrt(0.003 ** 2 + 0.02 ** 2 / 4)) and u.run_se == pytest.approx(0.01)
-    assert u.dominant == schema.RUN and schema.total_se({**r, "delta_ce_total_se": 0.5}) == 0.5
-    old = schema.uncertainty({"delta_ce": 0.5})  # no SE, no repeats: reads, as zeros and R = 1
-    assert (old.eval_se, old.run_sd, old.repeats, old.total_se, old.dominant) == (0.0, None, 1, 0.0, schema.EVAL)
-    assert schema.repeats({"quant_repeats": "3"}) == 1 and schema.repeats({"quant_repeats": 3}) == 3
-    assert schema.rel_delta_ce_se({**r, "ce_fp": 2.0}) == pytest.approx(schema.total_se(r) / 2.0)

@@ -7,7 +7,9 @@ import math
 import pytest
 
 from quantdyn.report import error_maps
-from quantdyn.report.sensitivity_maps import checkpoint_ticks, decay_gains, sections, sensitivity_map
+from quantdyn.report.output import checkpoint_ticks, subplots
+from quantdyn.report.sensitivity_maps import decay_gains, sections, sensitivity_map
+from quantdyn.results.schema import PTQ, SENSITIVITY
 
 GROUPS = [f"{b}.{g}" for b in range(4) for g in ("attn", "mlp")]
 
@@ -19,11 +21,11 @@ def _sens_rows(n_main: int = 12) -> list[dict]:
         for t, base in (("q3_k", 1e-2), ("q4_k", 2.5e-3)):
             for i, g in enumerate(GROUPS):
                 v = base * (1 + i) * scale * (1.5 if g == "3.mlp" and branch.startswith("cooldown") else 1)
-                rows.append({"kind": "sensitivity", "scope": "group", "tensor": g, "type": t, "run": "r",
+                rows.append({"kind": SENSITIVITY.name, "scope": "group", "tensor": g, "type": t, "run": "r",
                              "branch": branch, "ckpt_kind": kind, "step": step, "tokens": step * 4096, "lr": lr,
                              "checkpoint_hash": h, "kl_pred": v, "kl_pred_se": 0.02 * v,
                              "bits_per_weight": 3.4375 if t == "q3_k" else 4.5})
-            rows.append({"kind": "sensitivity", "scope": "model", "tensor": "all", "type": t, "run": "r",
+            rows.append({"kind": SENSITIVITY.name, "scope": "model", "tensor": "all", "type": t, "run": "r",
                          "branch": branch, "ckpt_kind": kind, "step": step, "tokens": step * 4096, "lr": lr,
                          "checkpoint_hash": h, "kl_pred": base, "bits_per_weight": 3.4375 if t == "q3_k" else 4.5})
 
@@ -45,21 +47,18 @@ def _tick_boxes_disjoint(ax) -> bool:
 
 @pytest.mark.parametrize("n", [10, 25, 50])
 def test_checkpoint_ticks_never_touch(n):
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(3.2, 2))
+    fig, ax = subplots(figsize=(3.2, 2))
     ax.imshow([[0] * n], aspect="auto")
     labels = [f"{1.2288 * (k + 1):.3g}M" for k in range(n)]
     ticks = checkpoint_ticks(ax, labels)
     assert ticks[0] == 0 and len(ticks) >= 3 and _tick_boxes_disjoint(ax)
-    plt.close(fig)
 
 
 def test_the_old_per_block_heat_maps_now_label_50_checkpoints_readably(tmp_path, monkeypatch):
     rows = []
     for k in range(1, 51):
         t = 409600 * k
-        rows.append({"kind": "ptq", "run": "r", "branch": "main", "quantizer": "gptq3", "bits": 3, "step": 100 * k,
+        rows.append({"kind": PTQ.name, "run": "r", "branch": "main", "quantizer": "gptq3", "bits": 3, "step": 100 * k,
                      "tokens": t, "block_rel_fro": [0.01 * (b + 1) * (1 + k / 50) for b in range(6)]})
     seen = []
     real = error_maps.save_figure

@@ -223,8 +223,8 @@ def test_the_demo_and_findings_printouts_keep_z_and_verdict_consistent():
         tables.append({"run": f"r{k}", "quantizer": "rtn3", "branch": "cooldown-s4-d2-1-sqrt",
                        "delta_ce_decayed": 0.1, "delta_ce_control": 0.1, "difference": t * se,
                        "difference_se": se, "difference_eval_se": se, "difference_run_se": None,
-                       "stable_jitter": None})
-    lines = fd.format_decay_table(tables)
+                       "stable_jitter": None, "verdict": stats.decay_verdict(verdict_sign(t * se, se))})
+    lines = fd.format_decay_table(tables)  # prints the verdict decay_table decided (as above), never its own
     body = [ln for ln in lines if "cooldown-s4-d2-1-sqrt" in ln]
     assert len(body) == len(tables)
     for ln, row in zip(body, tables):
@@ -281,3 +281,18 @@ def test_a_row_is_read_against_its_checkpoints_noise_floor():
     assert within_noise_floor(row(1e-6), fp_row) is False and within_noise_floor(row(0.0), fp_row) is True
     # no floor measured (an fp row written before it): no verdict, never an error
     assert within_noise_floor(far, {"kind": "fp", "ce_fp": 3.0}) is None and floor_difference(far, {}) is None
+
+
+def test_rel_delta_ce_and_combined_se_read_old_rows():
+    assert stats.rel_delta_ce({"rel_delta_ce": 0.123, "delta_ce": 1.0, "ce_fp": 2.0}) == 0.123
+    assert stats.rel_delta_ce({"delta_ce": 1.0, "ce_fp": 2.5}) == pytest.approx(0.4)  # before the field
+    assert stats.rel_delta_ce({"rel_delta_ce": float("nan"), "delta_ce": 1.0, "ce_fp": 2.0}) == 0.5
+    assert stats.rel_delta_ce({"delta_ce": 1.0}) is None and stats.rel_delta_ce({"delta_ce": 1.0, "ce_fp": 0}) is None
+    r = {"delta_ce": 0.5, "delta_ce_se": 0.003, "quant_repeats": 4, "delta_ce_run_sd": 0.02}
+    u = stats.uncertainty(r)
+    assert u.total_se == pytest.approx(math.sqrt(0.003 ** 2 + 0.02 ** 2 / 4)) and u.run_se == pytest.approx(0.01)
+    assert u.dominant == stats.RUN and stats.total_se({**r, "delta_ce_total_se": 0.5}) == 0.5
+    old = stats.uncertainty({"delta_ce": 0.5})  # no SE, no repeats: reads, as zeros and R = 1
+    assert (old.eval_se, old.run_sd, old.repeats, old.total_se, old.dominant) == (0.0, None, 1, 0.0, stats.EVAL)
+    assert stats.repeats({"quant_repeats": "3"}) == 1 and stats.repeats({"quant_repeats": 3}) == 3
+    assert stats.rel_delta_ce_se({**r, "ce_fp": 2.0}) == pytest.approx(stats.total_se(r) / 2.0)

@@ -66,9 +66,9 @@ def test_sweep_rows_idempotent_and_report(small_run, tmp_path):
     assert more["written"] == 5
     rtn2 = [r for r in ResultStore(store).rows() if r.get("quantizer") == "rtn2"]
     assert len(rtn2) == 5 and all(isinstance(r["within_noise_floor"], bool) for r in rtn2)
-    from quantdyn.report.html import write_report
+    from quantdyn.report.html import write_page
 
-    page = write_report(small_run, tmp_path / "rep", store=store)
+    page = write_page(small_run, tmp_path / "rep", store=store)
     names = {p.name for p in page.parent.iterdir()}
     assert {"index.html", "trajectory_sw.png", "rainbow_sw.png", "loss_vs_dce.png", "block_errors_sw.png",
             "kl_by_confidence_sw.png"} <= names
@@ -176,9 +176,9 @@ def test_sweep_eval_tasks_and_accuracy_panel(tmp_path, kjv_small):
     assert len([r for r in rows if r["kind"] == "accuracy"]) == 2
     assert len([r for r in rows if r["kind"] == "ptq"]) == n_ptq
     assert run_sweep(cfg, progress=False)["written"] == 0
-    from quantdyn.report.html import write_report
+    from quantdyn.report.html import write_page
 
-    write_report(store, tmp_path / "rep")
+    write_page(store, tmp_path / "rep")
     assert (tmp_path / "rep" / "accuracy_vs_dce.png").is_file()
 
 

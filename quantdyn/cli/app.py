@@ -217,6 +217,31 @@ def interrupt_message(args: Sequence[str]) -> str:
     return f"interrupted; {hint}"
 
 
+# Import-time log lines of libraries that quantdyn does not use, dropped from a command's stderr (the rest of what
+# these loggers say still prints). transformers imports torchao whenever it is installed (transformers/quantizers/
+# auto.py, on the first model load; the test extra installs it for the format tests), and torchao then logs that
+# its CUDA kernels and Triton are missing and registers enums with torch's pytree, which logs a deprecation per
+# enum. Filtered here, where the command line configures logging, rather than by keeping torchao out of the
+# environment: a user's environment may have it whatever quantdyn's extras are.
+IMPORT_NOISE: dict[str, tuple[str, ...]] = {
+    "torchao": ("Failed to load ",),  # torchao/__init__.py: its _C*.so kernels, built for CUDA
+    "torchao.kernel.intmm": ("Warning: Detected no triton",),
+    "torch.utils._pytree": ("is an Enum subclass and is now natively supported",),
+}
+
+
+def _not_import_noise(record: logging.LogRecord) -> bool:
+    return not any(p in str(record.msg) for p in IMPORT_NOISE.get(record.name, ()))
+
+
+def quiet_import_noise() -> None:
+    """Drop :data:`IMPORT_NOISE` from the loggers that write it (once per process; before they exist is fine)."""
+    for name in IMPORT_NOISE:
+        logger = logging.getLogger(name)
+        if _not_import_noise not in logger.filters:
+            logger.addFilter(_not_import_noise)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """The console script: run the command line ``argv`` (default ``sys.argv[1:]``) and exit.
 
@@ -224,6 +249,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     terminated (SIGTERM: cleaned up like Ctrl-C)."""
     args = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    quiet_import_noise()
     root = typer.main.get_command(app)
     previous = _on_sigterm_raise()
     _NOTES.clear()

@@ -26,7 +26,18 @@ DEVICE_HELP = "Where to compute: auto | cpu | cuda | cuda:N."
 
 
 def quantizers(default: Optional[str] = None, more: str = "", panel: Optional[str] = None) -> Any:
-    return typer.Option(default, "--quantizers", help=f"{QUANTIZERS_HELP} {more}".strip(), rich_help_panel=panel)
+    return typer.Option(default, "--quantizers", help=f"{QUANTIZERS_HELP} {more}".strip(), rich_help_panel=panel,
+                        callback=check_labels)
+
+
+def check_labels(text: Optional[str]) -> Optional[str]:
+    """``--quantizers``: every label is parsed while the command line is read, before the command imports torch
+    (a mistyped label is one line in a second); returns the text unchanged."""
+    from quantdyn.quantize.config import parse_quantizer
+
+    for label in split_quantizers(text):
+        parse_quantizer(label)
+    return text
 
 
 def store(default: Optional[str] = "results", more: str = "", panel: Optional[str] = None) -> Any:

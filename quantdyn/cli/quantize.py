@@ -61,6 +61,9 @@ def quantize(
                                    "half the free memory).", rich_help_panel=ENGINE),
     threads: int = typer.Option(1, "--threads", help="torch threads while quantizing on CPU (1: codes independent of "
                                 "the core count; 0: torch's setting).", rich_help_panel=ENGINE),
+    layer_diagnostics: bool = typer.Option(False, "--layer-diagnostics", help="Also each layer's output error "
+                                           "(and for that a calibration pass of RTN-like quantizers: slower).",
+                                           rich_help_panel=ENGINE),
     as_json: bool = typer.Option(False, "--json", help="Print each quantizer's result row as one JSON object per "
                                  "line instead of the table."),
     quiet: bool = opt.quiet("No progress lines; the result table and errors only."),
@@ -70,9 +73,7 @@ def quantize(
     The quantizer is a label (--quantizers gptq3, several in one pass: --quantizers gptq3,rtn4) or the long
     flags --method/--bits/--group-size (one of the two, not both).
     """
-    from quantdyn.engine.measure import MeasureConfig
-    from quantdyn.quantize.config import parse_quantizer, quant_preset
-    from quantdyn.sweep.quantize_one import check_request, quantize_one
+    from quantdyn.quantize.config import parse_quantizer, quant_preset  # no torch: a bad quantizer is one quick line
 
     if save is not None:
         if out is not None and out != save:
@@ -94,13 +95,17 @@ def quantize(
         if preset:
             deprecated("quantize --preset", f"write the preset into the label: --quantizers {qcs[0].name}")
     options = _export_options(export_option)
+    from quantdyn.engine.measure import MeasureConfig
+    from quantdyn.sweep.quantize_one import check_request, quantize_one
+
     check_request(qcs, out=out, export=export, export_options=options, push_to_hub=push_to_hub, repeats=repeats,
                   n_eval_tokens=eval_tokens, eval_seq_len=eval_seq_len, n_calib_samples=calib_samples, names=FLAGS)
     result = quantize_one(model, qcs, calib_data=calib_data, n_calib_samples=calib_samples,
                           calib_seq_len=calib_seq_len, eval_data=eval_data, n_eval_tokens=eval_tokens,
                           eval_seq_len=eval_seq_len, tokenizer=tokenizer, out=out, export=export,
                           export_options=options, push_to_hub=push_to_hub, device=device,
-                          measure_cfg=MeasureConfig(quantize_threads=threads, dtype=dtype, max_memory=max_memory),
+                          measure_cfg=MeasureConfig(quantize_threads=threads, dtype=dtype, max_memory=max_memory,
+                                                    layer_diagnostics=layer_diagnostics),
                           repeats=repeats, repeat_vary=repeat_vary, progress=not (as_json or quiet))
     if as_json:
         for row in result.rows:

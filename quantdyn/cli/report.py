@@ -17,7 +17,7 @@ def report(
     store: Optional[str] = opt.store(None, "Read when the argument is a run directory [default: results]."),
 ):
     """Write the static HTML report of a results store or a run."""
-    from quantdyn.studies.section import write_report_with_findings
+    from quantdyn.studies.section import write_report
 
-    page = write_report_with_findings(store_or_run, out, store=store, echo=typer.echo)
+    page = write_report(store_or_run, out, store=store, echo=typer.echo)
     typer.echo(f"report: {page}")

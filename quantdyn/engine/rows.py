@@ -25,8 +25,8 @@ from quantdyn.engine.measure import MeasureConfig, Measurement
 from quantdyn.errors import unknown_name
 from quantdyn.quantize.config import QuantConfig
 from quantdyn.quantize.config import row_fields as quantizer_fields
-from quantdyn.results.schema import EVAL, combined_se, dominant, number
-from quantdyn.results.stats import floor_difference, mean_se, within_noise_floor
+from quantdyn.results.schema import number
+from quantdyn.results.stats import EVAL, combined_se, dominant, floor_difference, mean_se, within_noise_floor
 
 
 REPEAT_VARY = ("draw", "order", "both")

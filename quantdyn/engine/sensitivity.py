@@ -61,6 +61,7 @@ from quantdyn.quantize.gguf_mixes import tensor_category
 from quantdyn.quantize.gptq import stats_update
 from quantdyn.quantize.plan import (KEEP, Plan, PlanTensor, budget_range, check_candidate, check_plan_budget,
                                     check_types_fit, is_auto, parse_auto, plan_of, register_plan)
+from quantdyn.results.schema import SENSITIVITY
 from quantdyn.sources.hub import open_checkpoint
 
 
@@ -180,7 +181,7 @@ class Sensitivity:
         whole model (``model``), kind ``sensitivity``."""
         base = dict(base or {})
         mean, se = self.single()
-        common = {"kind": "sensitivity", **base, "sens_tokens": self.n_tokens, "sens_draws": self.config.draws,
+        common = {"kind": SENSITIVITY.name, **base, "sens_tokens": self.n_tokens, "sens_draws": self.config.draws,
                   "sens_seconds": self.seconds, "sens_types": list(self.types)}
         rows = []
         for j, t in enumerate(self.tensors):

@@ -2,14 +2,17 @@
 on the grid of ``primitives`` and the deployment formats (``gguf``, ``float_formats``, registered by
 ``formats``), configured by ``QuantConfig``; the engine walks a model block by block.
 
-Importing this package registers every built-in quantizer in QUANTIZERS.
+QUANTIZERS imports the modules that register the built-in quantizers on its first lookup, so that importing
+this package and parsing a label need no torch (``quantize.config``, ``label_catalogue``).
 """
-from quantdyn.quantize import awq as _awq  # noqa: F401  (registers 'awq')
-from quantdyn.quantize import formats as _formats  # noqa: F401  (registers the GGUF, FP8, NF4, MXFP4, NVFP4 formats)
-from quantdyn.quantize import gptq as _gptq  # noqa: F401  (registers 'gptq')
-from quantdyn.quantize import plan as _plan  # noqa: F401  (registers the plan:FILE and auto@BUDGET:TYPES families)
-from quantdyn.quantize import rtn as _rtn  # noqa: F401  (registers 'rtn')
 from quantdyn.quantize.config import PRESETS, QUANTIZERS, QuantConfig, parse_quantizer, quant_preset
-from quantdyn.quantize.primitives import QuantResult, num_threads
 
 __all__ = ["PRESETS", "QUANTIZERS", "QuantConfig", "QuantResult", "num_threads", "parse_quantizer", "quant_preset"]
+
+
+def __getattr__(name: str):
+    if name in ("QuantResult", "num_threads"):  # torch: imported when asked for
+        from quantdyn.quantize import primitives
+
+        return getattr(primitives, name)
+    raise AttributeError(f"module 'quantdyn.quantize' has no attribute '{name}'")

@@ -57,14 +57,19 @@ import numbers
 import re
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Any, Callable, NamedTuple
-
-import torch
-import torch.nn as nn
+import json
+from functools import lru_cache
+from importlib import import_module
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from quantdyn.config import config_hash, from_dict, to_dict
 from quantdyn.errors import QuantdynError, did_you_mean, unknown_name
-from quantdyn.registry import Registry
+from quantdyn.registry import LazyRegistry, Registry
+
+if TYPE_CHECKING:  # labels are parsed without torch (see QUANTIZERS); the algorithms import it
+    import torch
+    import torch.nn as nn
 
 
 @dataclass(frozen=True)
@@ -111,9 +116,10 @@ class QuantConfig:
         canonical = QUANTIZERS.canonical(self.method) if isinstance(self.method, str) else None
         if canonical is not None:  # plan:FILE and auto@BUDGET:TYPES (quantize.plan): one spelling per plan
             object.__setattr__(self, "method", canonical)
-        if not isinstance(self.method, str) or self.method not in QUANTIZERS:
-            raise unknown_name("quantizer", str(self.method), QUANTIZERS.names())
-        spec = QUANTIZERS.get(self.method).format
+        catalogue = QUANTIZERS if canonical is not None else label_catalogue()
+        if not isinstance(self.method, str) or self.method not in catalogue:
+            raise unknown_name("quantizer", str(self.method), catalogue.names())
+        spec = catalogue.get(self.method).format
         if spec is not None:
             _check_format_fields(self, spec)
         bits = _integer(self.bits)
@@ -226,8 +232,66 @@ class QuantMethod(NamedTuple):
     stream goes through the quantized block."""
 
 
-QUANTIZERS: Registry[QuantMethod] = Registry("quantizer")
-"""rtn, gptq and awq register themselves from their modules (imported by quantize/__init__)."""
+BUILTIN_MODULES = ("quantdyn.quantize.rtn", "quantdyn.quantize.gptq", "quantdyn.quantize.awq",
+                   "quantdyn.quantize.formats")
+"""The modules that register the built-in quantizers (each imports torch)."""
+
+
+def _import_builtins() -> None:
+    for module in BUILTIN_MODULES:
+        import_module(module)
+
+
+QUANTIZERS: LazyRegistry[QuantMethod] = LazyRegistry("quantizer", load=_import_builtins)
+"""rtn, gptq, awq and the formats register themselves from their modules (BUILTIN_MODULES), imported on the
+first lookup; parsing a label does not look here until they are (:func:`label_catalogue`)."""
+
+
+def _plan_family(function: str) -> Callable[[str], Any]:
+    """``quantize.plan``'s ``function``, imported when a plan label is first read (it imports torch and the
+    quantizers: a plan's types are checked against their implementations)."""
+    def call(name: str) -> Any:
+        return getattr(import_module("quantdyn.quantize.plan"), function)(name)
+    return call
+
+
+QUANTIZERS.add_family("plan:", _plan_family("make_plan_method"), _plan_family("canonical_plan"))
+QUANTIZERS.add_family("auto@", _plan_family("make_auto_method"), _plan_family("canonical_auto"))
+"""The per-tensor plan labels (``plan:FILE``, ``auto@BUDGET:TYPES``, quantize/plan.py): names made from what they
+point to, so they are families of the registry, not entries of the catalogue file."""
+
+CATALOGUE_FILE = Path(__file__).with_name("catalogue.json")
+"""Every built-in quantizer's name and format spec, written from QUANTIZERS by ``python tools/quantizer_catalogue.py``
+(tests/test_quant_config.py fails while it differs from the registry)."""
+
+
+class Declared(NamedTuple):
+    """A quantizer as the catalogue file declares it: what label parsing needs, without its implementation."""
+
+    format: FormatSpec | None
+
+
+@lru_cache(maxsize=1)
+def _declared() -> Registry[Declared]:
+    data = json.loads(CATALOGUE_FILE.read_text())["quantizers"]
+    declared: Registry[Declared] = Registry("quantizer")
+    for name, spec in data.items():
+        declared.add(name, Declared(FormatSpec(**spec) if spec is not None else None))
+    return declared
+
+
+def label_catalogue() -> Registry:
+    """What parsing and checking a label reads (names; ``.format`` of each): QUANTIZERS once its modules are
+    imported, else the catalogue file (CATALOGUE_FILE), so that `quantdyn quantize M --quantizers gptqx3` is
+    refused without importing torch. The two agree (a test compares them)."""
+    return QUANTIZERS if QUANTIZERS.loaded else _declared()
+
+
+def catalogue_of_registry() -> dict[str, Any]:
+    """The catalogue file's content from the registry's built-in quantizers (those defined in quantdyn)."""
+    names = [n for n in QUANTIZERS if QUANTIZERS.get(n).fn.__module__.startswith("quantdyn.")]
+    specs = {n: QUANTIZERS.get(n).format for n in names}
+    return {"quantizers": {n: (s._asdict() if s is not None else None) for n, s in specs.items()}}
 
 
 _FORMAT_FREE = ("quantize_head",)
@@ -255,8 +319,9 @@ def _check_format_fields(cfg: "QuantConfig", spec: FormatSpec) -> None:
 def format_labels() -> dict[str, str]:
     """Every deployment-format label (and the method name where it differs, e.g. fp8_channel) -> its method."""
     out: dict[str, str] = {}
-    for name in QUANTIZERS:
-        spec = QUANTIZERS.get(name).format
+    catalogue = label_catalogue()
+    for name in catalogue:
+        spec = catalogue.get(name).format
         if spec is not None:
             out[spec.label] = name
             out[name] = name
@@ -279,9 +344,10 @@ def _parse_format(spec: str, method: str, tokens: list[str]) -> dict[str, Any]:
         if t in ("head", "nohead"):
             fields["quantize_head"] = t == "head"
         elif t == "imatrix":
-            with_im = f"{QUANTIZERS.get(method).format.label}-imatrix"
-            if with_im not in QUANTIZERS:
-                raise QuantdynError(f"quantizer '{spec}': {QUANTIZERS.get(method).format.label} takes no importance "
+            catalogue = label_catalogue()
+            with_im = f"{catalogue.get(method).format.label}-imatrix"
+            if with_im not in catalogue:
+                raise QuantdynError(f"quantizer '{spec}': {catalogue.get(method).format.label} takes no importance "
                                     f"matrix (llama.cpp ignores it for this type)")
             fields["method"] = with_im
         else:
@@ -334,7 +400,7 @@ def _number_token(value: float | int) -> str:
 
 def canonical_label(cfg: "QuantConfig") -> str:
     """The one label of ``cfg``; ``parse_quantizer(canonical_label(cfg)) == cfg``."""
-    spec = QUANTIZERS.get(cfg.method).format
+    spec = label_catalogue().get(cfg.method).format
     if spec is not None:
         return spec.label + ("-head" if cfg.quantize_head else "")
     defaults = {f.name: f.default for f in dataclasses.fields(QuantConfig)}
@@ -382,12 +448,13 @@ def _parse_short(spec: str) -> dict[str, Any]:
             parts.append(tokens[i])
             i += 1
     m = _SPEC.match(head)
+    catalogue = label_catalogue()
     if m is None:
         formats = sorted(format_labels())
         raise QuantdynError(
             f"cannot read quantizer {spec!r}{did_you_mean(text, formats)}; write <method><bits>[g<group>][-<preset or "
             f"flag>...], e.g. gptq4, rtn3g64, gptq4-gptqmodel, awq4-sym, or a format: "
-            f"{', '.join(l for l in formats if l == QUANTIZERS.get(format_labels()[l]).format.label)}"
+            f"{', '.join(l for l in formats if l == catalogue.get(format_labels()[l]).format.label)}"
         )
     fields: dict[str, Any] = {}
     for t in parts:
@@ -412,11 +479,11 @@ def _parse_short(spec: str) -> dict[str, Any]:
                 f"choose presets/flags from: {', '.join(choices)}, or damp<x>, dampinc<x>, block<n>, grid<n>"
             )
     method = m["method"]
-    if method not in QUANTIZERS:
-        labels = sorted({QUANTIZERS.get(n).format.label if QUANTIZERS.get(n).format else n for n in QUANTIZERS})
+    if method not in catalogue:
+        labels = sorted({catalogue.get(n).format.label if catalogue.get(n).format else n for n in catalogue})
         raise QuantdynError(f"unknown quantizer '{spec}'{did_you_mean(text, labels)}; choose a method "
-                            f"({', '.join(n for n in QUANTIZERS.names() if QUANTIZERS.get(n).format is None)}) with "
-                            f"bits, e.g. gptq4, or a format: {', '.join(l for l in labels if l not in QUANTIZERS or QUANTIZERS.get(l).format)}")
+                            f"({', '.join(n for n in catalogue.names() if catalogue.get(n).format is None)}) with "
+                            f"bits, e.g. gptq4, or a format: {', '.join(l for l in labels if l not in catalogue or catalogue.get(l).format)}")
     fields.update(method=method, bits=int(m["bits"]))
     if m["group"] is not None:
         fields["group_size"] = int(m["group"])
@@ -493,6 +560,8 @@ def grid_bits_per_weight(cfg: QuantConfig, out_features: int, in_features: int) 
 
 def compute_dtype(W: torch.Tensor) -> torch.dtype:
     """float32 for half/bfloat16/float32 weights, float64 stays float64."""
+    import torch  # here, not at the top: this module parses labels without torch
+
     return torch.promote_types(W.dtype, torch.float32)
 
 

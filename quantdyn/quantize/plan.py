@@ -373,8 +373,9 @@ def _make_auto_method(label: str) -> QuantMethod:
                        fp_calibration=fp_calibration)
 
 
-QUANTIZERS.add_family(PLAN_PREFIX, _make_plan_method, _canonical_plan)
-QUANTIZERS.add_family(AUTO_PREFIX, _make_auto_method, _canonical_auto)
+# the families themselves are declared with QUANTIZERS (quantize/config.py), which calls these on first use
+make_plan_method, canonical_plan = _make_plan_method, _canonical_plan
+make_auto_method, canonical_auto = _make_auto_method, _canonical_auto
 
 
 def budget_range(tensors: list[tuple[str, int, str, tuple[int, int]]], n_blocks: int,

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from quantdyn.report.output import panel_grid, save_figure
 from quantdyn.report.palette import quantizer_color
-from quantdyn.results.schema import total_se
-from quantdyn.results.stats import se_of_mean
+from quantdyn.results.schema import ACCURACY, PTQ
+from quantdyn.results.stats import se_of_mean, total_se
 
 MARKERS = "osD^v<>pP*hX"
 MEAN_TASK = "mean over tasks"
@@ -28,7 +28,7 @@ MEAN_TASK = "mean over tasks"
 def _ptq_index(rows: list[dict]) -> tuple[dict, dict]:
     by_cfg, by_label = {}, {}
     for r in rows:
-        if r.get("kind") != "ptq" or r.get("delta_ce") is None:
+        if not PTQ.matches(r) or r.get("delta_ce") is None:
             continue
         h = r.get("checkpoint_hash")
         if r.get("quant_config_hash"):
@@ -43,7 +43,7 @@ def accuracy_dce_table(rows: list[dict]) -> list[dict]:
     by_cfg, by_label = _ptq_index(rows)
     table, seen = [], set()
     for a in rows:
-        if a.get("kind") != "accuracy" or a.get("acc_drop") is None:
+        if not ACCURACY.matches(a) or a.get("acc_drop") is None:
             continue
         h, q = a.get("checkpoint_hash"), a.get("quantizer")
         p = by_cfg.get((h, a.get("quant_config_hash"))) if a.get("quant_config_hash") else None

@@ -17,18 +17,14 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
 import numpy as np
 from matplotlib.colors import LogNorm
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter
 
-from quantdyn.report.output import layout_figure, panel_grid, save_figure
+from quantdyn.report.output import checkpoint_label, checkpoint_ticks, layout_figure, panel_grid, save_figure
 from quantdyn.report.palette import Palette
-from quantdyn.report.sensitivity_maps import checkpoint_label, checkpoint_ticks
-from quantdyn.results.schema import number
+from quantdyn.results.schema import FP, PTQ, RowKind, number
 from quantdyn.runs import MAIN, control_of
 
 FLOOR_COLOR = "0.55"
@@ -114,8 +110,8 @@ def noise_floor_rows(fp: list[dict]) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- per-block maps
-def _main_rows(rows: list[dict], run: str, kind: str) -> list[dict]:
-    return sorted((r for r in rows if r.get("run") == run and r.get("kind") == kind
+def _main_rows(rows: list[dict], run: str, kind: RowKind) -> list[dict]:
+    return sorted((r for r in kind.select(rows) if r.get("run") == run
                    and (r.get("branch") or MAIN) == MAIN), key=lambda r: (r.get("tokens") or 0, r.get("step") or 0))
 
 
@@ -125,8 +121,8 @@ def block_heatmaps(rows: list[dict], run: str, out: Path, palette: Palette | Non
     each block's output against FP) of every block (y, block 0 at the bottom) at every main-run checkpoint
     (x, in training order), on a log colour scale of its own. Returns the table behind it ([] when no row of
     the run carries the maps: nothing is drawn)."""
-    ptq = [r for r in _main_rows(rows, run, "ptq") if r.get(metric)]
-    fps = [r for r in _main_rows(rows, run, "fp") if r.get(f"floor_{metric}")]
+    ptq = [r for r in _main_rows(rows, run, PTQ) if r.get(metric)]
+    fps = [r for r in _main_rows(rows, run, FP) if r.get(f"floor_{metric}")]
     qs = sorted({r["quantizer"] for r in ptq}, key=lambda q: (-(next(r.get("bits") or 0 for r in ptq
                                                                       if r["quantizer"] == q)), q))
     series = {q: [r for r in ptq if r["quantizer"] == q] for q in qs}
@@ -168,7 +164,7 @@ def block_heatmaps(rows: list[dict], run: str, out: Path, palette: Palette | Non
 
 # --------------------------------------------------------------------------- KL by confidence
 def _endpoint(rows: list[dict], run: str, branch: str, q: str) -> dict | None:
-    pts = [r for r in rows if r.get("kind") == "ptq" and r.get("run") == run and r.get("branch") == branch
+    pts = [r for r in rows if PTQ.matches(r) and r.get("run") == run and r.get("branch") == branch
            and r.get("quantizer") == q and r.get("kl_by_confidence")]
     return max(pts, key=lambda r: (r.get("tokens") or 0, r.get("step") or 0)) if pts else None
 
@@ -178,7 +174,7 @@ def kl_by_confidence(rows: list[dict], run: str, out: Path, palette: Palette | N
     cooldown branch of ``run`` (filled bars) beside its constant-LR control's (hatched), on a log axis; the
     fraction of tokens in each bucket under the bars. Returns the table behind it ([] when no cooldown/control
     pair carries the histogram: nothing is drawn)."""
-    ptq = [r for r in rows if r.get("kind") == "ptq" and r.get("run") == run]
+    ptq = [r for r in rows if PTQ.matches(r) and r.get("run") == run]
     branches = sorted({r["branch"] for r in ptq if r.get("ckpt_kind") == "cooldown" and control_of(r.get("branch"))})
     pairs = []
     for q in sorted({r["quantizer"] for r in ptq}):
@@ -226,7 +222,7 @@ def kl_by_confidence(rows: list[dict], run: str, out: Path, palette: Palette | N
 
 # --------------------------------------------------------------------------- report sections
 def _lacking(rows: list[dict], field: str) -> str:
-    n = sum(1 for r in rows if r.get("kind") == "ptq" and not r.get(field))
+    n = sum(1 for r in rows if PTQ.matches(r) and not r.get(field))
     return (f" {n} ptq row(s) lack {field} (written before quantdyn measured it) and are left out."
             if n else "")
 
@@ -249,7 +245,7 @@ _SECTIONS = (  # (file stem, figure, title after "Run <run>: ", caption, the row
 def sections(rows: list[dict], out: Path, palette: Palette | None = None) -> list[tuple[str, str, list[dict], str]]:
     """The heat-map and KL-by-confidence sections of the report, per run, when rows carry their fields."""
     found = []
-    runs = sorted({r["run"] for r in rows if r.get("kind") == "ptq" and r.get("run")})
+    runs = sorted({r["run"] for r in rows if PTQ.matches(r) and r.get("run")})
     for run in runs:
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run)
         for stem, figure, title, caption, field in _SECTIONS:

@@ -25,9 +25,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
@@ -35,8 +32,8 @@ from quantdyn.report import uncertainty
 from quantdyn.report.error_maps import noise_floor_band, noise_floor_handle, noise_floor_rows
 from quantdyn.report.output import LR_STYLE, PAGE_WIDTH, overlay_lr, panel_grid, save_figure, tokens_axis
 from quantdyn.report.palette import FP_COLOR, Palette, ordered_colors
-from quantdyn.results.schema import rel_delta_ce, rel_delta_ce_se, total_se
-from quantdyn.results.stats import decay_table
+from quantdyn.results.schema import FP, PTQ
+from quantdyn.results.stats import decay_table, rel_delta_ce, rel_delta_ce_se, total_se
 from quantdyn.runs import MAIN, control_of, is_control
 
 MARKERS = "osD^v<>pP*hX"
@@ -47,7 +44,7 @@ def _qorder(rows) -> list[str]:
         bits = next((r.get("bits") for r in rows if r.get("quantizer") == q), 0)
         return (-(bits or 0), q)
 
-    return sorted({r["quantizer"] for r in rows if r.get("kind") == "ptq"}, key=key)
+    return sorted({r["quantizer"] for r in rows if PTQ.matches(r)}, key=key)
 
 
 def _style(ax) -> None:
@@ -255,8 +252,8 @@ def trajectory(rows: list[dict], run: str, lr_curve: list[tuple[int, float]], ou
     """The main trajectory of ``run``: FP loss and every stored error metric per quantizer against tokens,
     with the LR (:func:`metric_panels`)."""
     main = [r for r in rows if r.get("run") == run and (r.get("branch") or MAIN) == MAIN]
-    fps = sorted((r for r in main if r.get("kind") == "fp"), key=lambda r: r.get("tokens") or 0)
-    series = {q: sorted((r for r in main if r.get("kind") == "ptq" and r["quantizer"] == q),
+    fps = sorted((r for r in main if FP.matches(r)), key=lambda r: r.get("tokens") or 0)
+    series = {q: sorted((r for r in main if PTQ.matches(r) and r["quantizer"] == q),
                         key=lambda r: r.get("tokens") or 0) for q in _qorder(main)}
     return metric_panels(fps, series, lr_curve, out, f"{run}: validation loss and quantization error along training",
                          palette or Palette.for_rows(rows))
@@ -289,7 +286,7 @@ def _titled_with_legend(fig, title: str, handles: dict, out: Path, legend_height
 def rainbow(rows: list[dict], run: str, out: Path, palette: Palette | None = None) -> list[dict]:
     """Cooldown branches (solid, one colour each) and their controls (dashed, the twin's colour) over the
     main run (black), one panel per quantizer."""
-    mine = [r for r in rows if r.get("run") == run and r["kind"] == "ptq"]
+    mine = [r for r in rows if r.get("run") == run and PTQ.matches(r)]
     qs = _qorder(mine)
     branches = sorted({r["branch"] for r in mine if r.get("ckpt_kind") == "cooldown"},
                       key=lambda b: (next((r.get("parent_step") or 0 for r in mine if r["branch"] == b), 0), b))
@@ -335,7 +332,7 @@ VARIED_KEYS = ("peak_lr", "weight_decay", "optimizer", "seed")
 
 def varied_key(rows: list[dict]) -> str:
     """The run-level setting that differs between runs (paper A's Figure 6 colours by it), else 'run'."""
-    ptq = [r for r in rows if r.get("kind") == "ptq"]
+    ptq = PTQ.select(rows)
     for k in VARIED_KEYS:
         per_run = {r["run"]: r.get(k) for r in ptq}
         if len(set(map(str, per_run.values()))) > 1:
@@ -346,7 +343,7 @@ def varied_key(rows: list[dict]) -> str:
 def loss_vs_dce(rows: list[dict], out: Path, color_key: str = "run", palette: Palette | None = None) -> list[dict]:
     """Δ CE against FP loss, one colour and marker per value of ``color_key`` (a branch's own colour when the
     key is 'branch'), one panel per quantizer, three panels to a row."""
-    ptq = [r for r in rows if r["kind"] == "ptq"]
+    ptq = PTQ.select(rows)
     qs = _qorder(ptq)
     groups = sorted({str(r.get(color_key)) for r in ptq}, key=lambda g: (g != "main", is_control(g), g))
     if color_key == "branch":
@@ -385,7 +382,7 @@ def loss_vs_dce(rows: list[dict], out: Path, color_key: str = "run", palette: Pa
 
 def averaging_vs_decay(rows: list[dict], out: Path, palette: Palette | None = None) -> list[dict]:
     """Per run and bit width: Δ CE of the decayed endpoint against the averaged checkpoints (LAWA, EMA, soups)."""
-    ptq = [r for r in rows if r.get("kind") == "ptq"]
+    ptq = PTQ.select(rows)
     avg_kinds = ("lawa", "ema", "soup")
     table = []
     for run in sorted({r["run"] for r in ptq}):
@@ -431,7 +428,7 @@ def averaging_vs_decay(rows: list[dict], out: Path, palette: Palette | None = No
 def seed_families(rows: list[dict]) -> dict[str, list[str]]:
     """Runs that differ only by seed, named NAME-s<seed> (as `quantdyn study` and `quantdyn grid` name
     them): {NAME: [runs]} for every NAME with at least two seeds."""
-    seeds = {r["run"]: r.get("seed") for r in rows if r.get("kind") == "ptq" and r.get("run")}
+    seeds = {r["run"]: r.get("seed") for r in rows if PTQ.matches(r) and r.get("run")}
     fam: dict[str, list[str]] = {}
     for run, seed in seeds.items():
         suffix = f"-s{seed}"
@@ -443,7 +440,7 @@ def seed_families(rows: list[dict]) -> dict[str, list[str]]:
 def seeds(rows: list[dict], family: str, runs: list[str], out: Path, palette: Palette | None = None) -> list[dict]:
     """Mean Δ CE over the seeds of one family, per quantizer and branch, at the steps every seed has;
     error bars = SD over seeds (n − 1), faint lines = the single seeds."""
-    mine = [r for r in rows if r.get("kind") == "ptq" and r.get("run") in runs]
+    mine = [r for r in rows if PTQ.matches(r) and r.get("run") in runs]
     qs = _qorder(mine)
     branches = sorted({r["branch"] for r in mine}, key=lambda b: (b != MAIN, is_control(b), b))
     if not qs:

@@ -1,17 +1,19 @@
-"""The static HTML report: the answer first, then one section per figure, then the uncertainty and the
-provenance.
+"""The static HTML page of a report: the answer first, then one section per figure, then the uncertainty and
+the provenance.
 
 The page reads top to bottom as a person asks: the first section is the caller's answer (``lead``: a study's
 findings, each verdict in a sentence with its figure; :mod:`quantdyn.studies.section` builds it from the
-rows), then the figures (PNG shown, SVG and the CSV of the numbers behind it linked beside it, a short table
-of what the figure concludes shown under it, the full table folded), then how the uncertainty was combined,
-then the provenance block.
+rows), then the registered sections (report/sections.py REPORT_SECTIONS, report/contents.py: PNG shown, SVG
+and the CSV of the numbers behind it linked beside it, a short table of what the figure concludes shown under
+it, the full table folded), then how the uncertainty was combined, then the provenance block.
 
-``write_report(STORE_OR_RUN, OUT)`` reads a results store, or a run directory (its rows in the store given,
-default ``results``, and its metrics.jsonl: a run trained with the in-training monitor gets the monitored
-Δ CE against steps with its LR, beside the same figure from a sweep's rows when the store has them).
-Files in OUT: index.html, every figure as <name>.png (print dpi) + <name>.svg + <name>.csv, rows.json (the
-rows the report read) and provenance.json (everything the provenance block lists, unabridged).
+``write_page(STORE_OR_RUN, OUT, lead=...)`` reads a results store, or a run directory (its rows in the store
+given, default ``results``, and its metrics.jsonl: a run trained with the in-training monitor gets the
+monitored Δ CE against steps with its LR, beside the same figure from a sweep's rows when the store has
+them). Files in OUT: index.html, every figure as <name>.png (print dpi) + <name>.svg + <name>.csv, rows.json
+(the rows the report read) and provenance.json (everything the provenance block lists, unabridged). The
+report, with its answer as the lead, is :func:`quantdyn.studies.section.write_report` (``qd.write_report``,
+`quantdyn report`).
 """
 from __future__ import annotations
 
@@ -21,44 +23,23 @@ import math
 import re
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantdyn.errors import QuantdynError
 from quantdyn.files import write_json_atomic, write_text_atomic
-from quantdyn.report import figures, provenance, public_trajectories, uncertainty
-from quantdyn.report.extra import sections
+from quantdyn.report import contents  # noqa: F401  (registers the report's own sections, in page order)
+from quantdyn.report import provenance, uncertainty
 from quantdyn.report.monitored import monitored_points
 from quantdyn.report.output import figure_paths, figure_stem, table_columns, write_csv
 from quantdyn.report.palette import Palette
-from quantdyn.results.stats import Z, format_estimate
+from quantdyn.report.sections import Page, Section, page_sections
+from quantdyn.results.schema import PTQ
+from quantdyn.results.stats import EVAL, RUN, TONES, repeats
+from quantdyn.results.stats import uncertainty as row_uncertainty
 from quantdyn.results.store import ResultStore
 from quantdyn.runs import RunDir
 from quantdyn.train.checkpoint import read_metrics
 
-
-@dataclass
-class Section:
-    """One figure of the report with the rows behind it."""
-
-    title: str
-    figure: str
-    """File name of the PNG in the report directory (the SVG and CSV share its stem); "" for a table alone
-    (its CSV is named after the title)."""
-    table: list[dict]
-    caption: str
-    sentences: Sequence[tuple[str, str, str, str]] = ()
-    """What the section concludes, each (group, statement, verdict, tone), listed above its figure under a
-    heading per group ('' for none); tone is one of TONES (the colour of the verdict). The report's first
-    section states each finding's verdict this way, grouped by the papers' claims."""
-    shown: list[dict] = field(default_factory=list)
-    """A short table shown open under the figure (the full ``table`` is folded and in the CSV)."""
-    csv: str = ""
-    """File name of the CSV of ``table`` ('' = named after the figure, or after the title without one)."""
-
-
-TONES = {"yes": "#1a7f37", "no": "#b42318", "unresolved": "#6e6e6e"}
-"""Verdict colours: resolved with the paper's sign (green), against it (red), not resolved (grey)."""
 
 Lead = Callable[[list[dict], Path], Sequence[Section]]
 """The caller's first sections: called with the rows the report read and its directory (after the checks,
@@ -85,14 +66,6 @@ def _table(rows: list[dict], limit: int = 400) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>{more}"
 
 
-def lr_curve_of(run_dir: Path | None) -> list[tuple[int, float]]:
-    """(tokens, LR) of every logged step of a run (its metrics.jsonl)."""
-    if run_dir is None:
-        return []
-    return [(r["train/tokens"], r["train/lr"]) for r in read_metrics(run_dir)
-            if r.get("train/lr") is not None and r.get("train/tokens") is not None]
-
-
 def resolve_input(store_or_run: str | Path, store: str | Path | None) -> tuple[ResultStore | None, Path | None]:
     """(store, run directory) of the report's argument: a run directory (a config.yaml in it) reads its rows
     from ``store`` (default ``results``), or none when that store does not exist and the run was monitored;
@@ -106,128 +79,6 @@ def resolve_input(store_or_run: str | Path, store: str | Path | None) -> tuple[R
     if p.is_dir():
         return ResultStore(p, create=False), None
     raise QuantdynError(f"'{p}' is neither a results store nor a run directory; pass one (default store: results)")
-
-
-def _safe(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
-
-
-def _run_dir_of(rows: list[dict], run: str) -> Path | None:
-    ck = next((r["checkpoint"] for r in rows if r.get("run") == run and r.get("branch") == "main"
-               and r.get("checkpoint")), None)
-    if not ck:
-        return None
-    rd = Path(ck).parent.parent
-    return rd if RunDir(rd).metrics.is_file() else None
-
-
-TRAJECTORY_CAPTION = (
-    "Top left: full-precision loss (black). Other panels, per quantizer: Δ CE = CE(quantized) − CE(FP), "
-    "the relative error Δ CE / CE(FP) (paper A), Δ PPL, KL(FP ‖ quantized) per token and top-1 agreement with "
-    "the FP model. Where one quantizer's values are more than 5× another's, a panel is drawn on a log scale, "
-    "or, when it holds values ≤ 0, split into panels of quantizers of similar size, each with its own scale. "
-    "Grey: learning rate, on the right-hand axis of every panel; top axis: training step.")
-
-
-RAINBOW_CAPTION = (
-    "Each colour is a cooldown branch started from a stable-phase checkpoint; the dashed line of the same colour "
-    "is its control twin at constant LR for the same tokens (a control branched while the main run is itself at "
-    "constant LR coincides with it: same weights, data and LR, so it hides behind the black line). The table "
-    "under the figure gives each decayed endpoint minus its control, paired over evaluation windows, ± its "
-    "combined uncertainty: the evaluation windows, the run-to-run spread of the quantization (when it was "
-    "repeated) and the stable-phase jitter of Δ CE (the scatter of one checkpoint about the trend of the run's "
-    "constant-LR checkpoints) in quadrature; z = difference / uncertainty, and |z| > 2 resolves a direction.")
-
-
-def decay_verdicts(table: list[dict], z: float = Z) -> list[dict]:
-    """A decay table (results.stats.decay_table) in short, for the page: per quantizer and cooldown branch, the
-    decayed endpoint's and its control's Δ CE, their difference ± the combined uncertainty, z and the verdict,
-    printed with the digits that make z and the verdict agree (results.stats.format_estimate)."""
-    out = []
-    for t in table:
-        e, s, zt = format_estimate(t["difference"], t["difference_se"], z)
-        out.append({"quantizer": t["quantizer"], "cooldown branch": t["branch"],
-                    "Δ CE decayed": f"{t['delta_ce_decayed']:.4f}", "Δ CE control": f"{t['delta_ce_control']:.4f}",
-                    "difference ± uncertainty": f"{e} ± {s}", "z": zt, "verdict": t["verdict"]})
-    return out
-
-
-def _monitored_section(run: str, run_dir: Path, out: Path, palette: Palette, beside: bool) -> Section | None:
-    metrics = read_metrics(run_dir)
-    fp, series, lr = monitored_points(metrics)
-    if not series:
-        return None
-    safe = _safe(run)
-    f = out / f"monitored_{safe}.png"
-    order = sorted(series, key=lambda q: (-(int(m.group(1)) if (m := re.search(r"(\d+)", q)) else 0), q))
-    table = figures.metric_panels(fp, {q: series[q] for q in order}, lr, f,
-                                  f"{run}: quantization error monitored during training", palette)
-    every = sorted({p["step"] for pts in series.values() for p in pts})
-    cap = ("From the run's metrics.jsonl: what the in-training monitor measured on the current weights at "
-           f"{len(every)} steps, per quantizer, with the validation loss (black) and the LR (grey); the same "
-           "figure as a sweep's. The monitor calibrates and evaluates on sets of its own, usually smaller than a "
-           "sweep's, so its levels can differ from the sweep's rows; its error bars are the paired SE over its "
-           "evaluation windows.")
-    if beside:
-        cap += " The figure above is the same run from the sweep's result rows."
-    return Section(f"Run {run}: quantization error monitored during training", f.name, table, cap)
-
-
-def _sections(rows: list[dict], out: Path, run_dir: Path | None, palette: Palette) -> list[Section]:
-    sections: list[Section] = []
-    runs = sorted({r["run"] for r in rows if r.get("kind") in ("fp", "ptq") and r.get("run")})
-    monitored_done = set()
-    for run in runs:
-        rd = run_dir if run_dir is not None else _run_dir_of(rows, run)
-        safe = _safe(run)
-        f1 = out / f"trajectory_{safe}.png"
-        if any(r.get("kind") == "ptq" and r.get("run") == run and (r.get("branch") or "main") == "main" for r in rows):
-            t1 = figures.trajectory(rows, run, lr_curve_of(rd), f1, palette)
-            sections.append(Section(f"Run {run}: loss and quantization error along training", f1.name, t1,
-                                    TRAJECTORY_CAPTION))
-            if rd is not None and rd.resolve() not in monitored_done:
-                mon = _monitored_section(run, rd, out, palette, beside=True)
-                if mon:
-                    sections.append(mon)
-                    monitored_done.add(rd.resolve())
-        f2 = out / f"rainbow_{safe}.png"
-        t2 = figures.rainbow(rows, run, f2, palette)
-        if t2:
-            sections.append(Section(
-                f"Run {run}: cooldown branches vs constant-LR controls", f2.name, t2, RAINBOW_CAPTION,
-                shown=decay_verdicts(t2)))
-    if run_dir is not None and run_dir.resolve() not in monitored_done:
-        run = run_dir.name
-        mon = _monitored_section(run, run_dir, out, palette, beside=False)
-        if mon:
-            sections.insert(0, mon)
-    for family, members in figures.seed_families(rows).items():
-        f5 = out / f"seeds_{_safe(family)}.png"
-        t5 = figures.seeds(rows, family, members, f5, palette)
-        if t5:
-            sections.append(Section(
-                f"{family}: spread over {len(members)} seeds", f5.name, t5,
-                f"Runs {', '.join(members)} differ only by seed. Mean Δ CE over the seeds at the steps they all "
-                "have; error bars are the SD over seeds (with two seeds, |a − b|/√2), which includes each seed's "
-                "own quantization noise; faint lines the single seeds. Solid: main run and cooldown branches; "
-                "dashed: controls."))
-    if any(r.get("kind") == "ptq" for r in rows):
-        f3 = out / "loss_vs_dce.png"
-        color_key = figures.varied_key(rows) if len(runs) > 1 else "branch"
-        t3 = figures.loss_vs_dce(rows, f3, color_key=color_key, palette=palette)
-        sections.append(Section("Δ CE against full-precision loss", f3.name, t3,
-                                f"One marker per {color_key} (paper A, Figure 6); lower-left is better."
-                                + (" Hollow markers: constant-LR controls." if color_key == "branch" else "")))
-        f4 = out / "averaging_vs_decay.png"
-        t4 = figures.averaging_vs_decay(rows, f4, palette)
-        if t4:
-            sections.append(Section(
-                "Weight averaging against the decayed endpoint", f4.name, t4,
-                "Per bit width: Δ CE of each run's decayed endpoint (black) and of its latest averaged checkpoints "
-                "(LAWA, EMA, soups; each in its branch's colour). The table also gives FP and quantized CE: a lower "
-                "Δ CE at a much higher loss is not a better model."))
-    sections += [Section(*s) for s in _extra_sections(rows, out, palette)]
-    return sections
 
 
 VERDICT_RULE = (
@@ -244,23 +95,23 @@ VERDICT_RULE = (
 
 def _uncertainty_summary(rows: list[dict]) -> str:
     """The page's closing notes on uncertainty: the verdict rule and whether the quantization was repeated."""
-    ptq = [r for r in rows if r.get("kind") == "ptq" and r.get("delta_ce") is not None]
+    ptq = [r for r in rows if PTQ.matches(r) and r.get("delta_ce") is not None]
     if not ptq:
         return ""
-    reps = Counter(uncertainty.repeats(r) for r in ptq)
-    doms = Counter(r.get("uncertainty_dominant") or uncertainty.parts(r).dominant for r in ptq)
+    reps = Counter(repeats(r) for r in ptq)
+    doms = Counter(r.get("uncertainty_dominant") or row_uncertainty(r).dominant for r in ptq)
     rs = ", ".join(f"R = {k}: {n} rows" for k, n in sorted(reps.items()))
     if set(reps) == {1}:
-        repeats = ("No row repeats its quantization (R = 1): every error bar and z in this report covers the "
-                   "evaluation windows (paired SE), and the stable-phase jitter where a decayed endpoint meets its "
-                   "control, but not the run-to-run spread of the quantization itself. Re-quantizing a checkpoint "
-                   "(another calibration draw, another float order) can move Δ CE by more than that; measure it with "
-                   "quant_repeats R > 1 (--repeats R).")
+        said = ("No row repeats its quantization (R = 1): every error bar and z in this report covers the "
+                "evaluation windows (paired SE), and the stable-phase jitter where a decayed endpoint meets its "
+                "control, but not the run-to-run spread of the quantization itself. Re-quantizing a checkpoint "
+                "(another calibration draw, another float order) can move Δ CE by more than that; measure it with "
+                "quant_repeats R > 1 (--repeats R).")
     else:
-        repeats = (f"Quantization repeats: {rs}. Error bars and z use the combined SE = √(SE_eval² + SD_run²/R); "
-                   f"the run-to-run part dominates in {doms.get(uncertainty.RUN, 0)} of {len(ptq)} PTQ rows, the "
-                   f"evaluation windows in {doms.get(uncertainty.EVAL, 0)}.")
-    body = "".join(f"<p>{html.escape(p)}</p>" for p in (VERDICT_RULE, repeats))
+        said = (f"Quantization repeats: {rs}. Error bars and z use the combined SE = √(SE_eval² + SD_run²/R); "
+                f"the run-to-run part dominates in {doms.get(RUN, 0)} of {len(ptq)} PTQ rows, the "
+                f"evaluation windows in {doms.get(EVAL, 0)}.")
+    body = "".join(f"<p>{html.escape(p)}</p>" for p in (VERDICT_RULE, said))
     return f"<section id='uncertainty'><h2>Uncertainty</h2>{body}</section>"
 
 
@@ -357,14 +208,14 @@ def report_rows(store_or_run: str | Path, store: str | Path | None = None
     return st, run_dir, rows
 
 
-def write_report(store_or_run: str | Path, out_dir: str | Path, store: str | Path | None = None,
-                 extra_sections: Sequence[Section | tuple] = (), lead: Lead | None = None) -> Path:
+def write_page(store_or_run: str | Path, out_dir: str | Path, store: str | Path | None = None,
+               extra_sections: Sequence[Section | tuple] = (), lead: Lead | None = None) -> Path:
     """Write the report of a store or a run directory into ``out_dir``; returns the path of index.html.
 
     The page: the caller's first sections (``lead``, called with the rows and ``out_dir``: a study's findings,
     the answer; then ``extra_sections``, as :class:`Section` or (title, figure file name in ``out_dir`` or "",
-    table, caption)), the report's own figures, the uncertainty notes and the provenance. The rows are checked
-    before anything is written. :func:`quantdyn.studies.section.write_report_with_findings` is this report with
+    table, caption)), the registered sections (REPORT_SECTIONS), the uncertainty notes and the provenance. The
+    rows are checked before anything is written. :func:`quantdyn.studies.section.write_report` is this page with
     the findings the rows allow as its lead."""
     st, run_dir, rows = report_rows(store_or_run, store)
     out = Path(out_dir)
@@ -372,7 +223,7 @@ def write_report(store_or_run: str | Path, out_dir: str | Path, store: str | Pat
     palette = Palette.for_rows(rows)
     first = list(lead(rows, out)) if lead is not None else []
     first += [s if isinstance(s, Section) else Section(*s) for s in extra_sections]
-    sections = first + _sections(rows, out, run_dir, palette)
+    sections = first + page_sections(Page(rows, out, palette, run_dir))
     prov = provenance.collect(rows, st.root if st is not None else None, run_dir)
     used: set[str] = set()
     # the report's own sections name their CSVs first; a caller's section that shows one of their figures
@@ -403,10 +254,3 @@ written {html.escape(prov['date'])} ·{unc_link} <a href='#provenance'>provenanc
                                                      for r in rows], default=str))
     write_text_atomic(out / "index.html", page)
     return out / "index.html"
-
-
-def _extra_sections(rows: list[dict], out: Path, palette: Palette | None = None):
-    """Sections contributed by other studies (predictors, accuracy, optimizers, public trajectories) when their
-    rows exist."""
-
-    return sections(rows, out) + public_trajectories.sections(rows, out, palette)

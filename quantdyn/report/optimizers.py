@@ -8,6 +8,7 @@ import numpy as np
 from quantdyn.analysis.scaling import ScalingFit, predict
 from quantdyn.report.output import panel_grid, save_figure
 from quantdyn.report.palette import ordered_colors, quantizer_color
+from quantdyn.results.schema import ANALYSIS, FP, PTQ, QAT, SCALING
 
 
 def _final_main(rows: list[dict]) -> dict[str, int]:
@@ -28,13 +29,13 @@ def optimizer_table(rows: list[dict]) -> list[dict]:
             continue
         t = out.setdefault(run, {"run": run, "optimizer": r["optimizer"], "qat": r.get("qat"),
                                  "n_params": r.get("n_params"), "tokens": r.get("tokens")})
-        if r["kind"] == "fp":
+        if FP.matches(r):
             t["ce_fp"] = r["ce_fp"]
-        elif r["kind"] == "ptq":
+        elif PTQ.matches(r):
             t[f"dce_{r['quantizer']}"] = r["delta_ce"]
-        elif r["kind"] == "qat":
+        elif QAT.matches(r):
             t["ce_qat_deployed"] = r["ce_q"]
-        elif r["kind"] == "analysis":
+        elif ANALYSIS.matches(r):
             for k in ("weight_mmr_mean", "weight_kurtosis_mean", "act_mmr_mean", "act_kurtosis_mean"):
                 if k in r:
                     t[k] = r[k]
@@ -45,7 +46,7 @@ def optimizer_table(rows: list[dict]) -> list[dict]:
 
 
 def scaling_figure(rows: list[dict], out: Path) -> list[dict]:
-    fits = [r for r in rows if r.get("kind") == "scaling"]
+    fits = SCALING.select(rows)
     if not fits:
         return []
     groups = sorted({f["group"] for f in fits})

@@ -11,14 +11,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-
 from quantdyn.analysis.correlate import CorrelateConfig, correlate
-from quantdyn.report.output import PAGE_WIDTH, save_figure
+from quantdyn.report.output import PAGE_WIDTH, save_figure, subplots
 from quantdyn.report.palette import quantizer_color
+from quantdyn.results.schema import ANALYSIS, PTQ
 
 META = {"key", "kind", "analysis", "time", "git_sha", "hardware", "checkpoint", "checkpoint_hash", "run", "branch",
         "ckpt_kind", "eval_hash", "calib_hash", "data_key", "step", "tokens", "lr", "decaying", "peak_lr", "seed",
@@ -33,7 +29,7 @@ def joined_table(rows: list[dict], quantizer: str) -> list[dict]:
     """One row per checkpoint: delta_ce of ``quantizer`` plus every analysis metric of that checkpoint."""
     metrics: dict[tuple, dict] = {}
     for r in rows:
-        if r.get("kind") != "analysis":
+        if not ANALYSIS.matches(r):
             continue
         m = metrics.setdefault(_point(r), {})
         for k, v in r.items():
@@ -47,13 +43,13 @@ def joined_table(rows: list[dict], quantizer: str) -> list[dict]:
             m[k] = float(v)
     out = []
     for r in rows:
-        if r.get("kind") == "ptq" and r.get("quantizer") == quantizer and _point(r) in metrics:
+        if PTQ.matches(r) and r.get("quantizer") == quantizer and _point(r) in metrics:
             out.append({"delta_ce": r["delta_ce"], "ce_fp": r["ce_fp"], **metrics[_point(r)]})
     return out
 
 
 def predictor_rows(rows: list[dict], n_boot: int = 1000) -> list[dict]:
-    qs = sorted({r["quantizer"] for r in rows if r.get("kind") == "ptq"})
+    qs = sorted({r["quantizer"] for r in rows if PTQ.matches(r)})
     out = []
     for q in qs:
         table = joined_table(rows, q)
@@ -68,7 +64,7 @@ def predictor_figure(rows: list[dict], corr: list[dict], out: Path, top: int = 4
     qs = sorted({c["quantizer"] for c in corr})[:4]
     if not qs:
         return False
-    fig, axes = plt.subplots(len(qs), top, figsize=(PAGE_WIDTH, 2.1 * len(qs)), squeeze=False)
+    fig, axes = subplots(len(qs), top, figsize=(PAGE_WIDTH, 2.1 * len(qs)), squeeze=False)
     for i, q in enumerate(qs):
         table = joined_table(rows, q)
         best = [c for c in corr if c["quantizer"] == q and not math.isnan(c["spearman"])][:top]

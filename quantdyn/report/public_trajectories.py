@@ -24,7 +24,8 @@ from quantdyn.report import uncertainty
 from quantdyn.report.figures import y_layout
 from quantdyn.report.output import overlay_lr, panel_grid, save_figure, tokens_axis
 from quantdyn.report.palette import Palette, quantizer_color
-from quantdyn.results.schema import rel_delta_ce, rel_delta_ce_se, total_se
+from quantdyn.results.schema import PTQ
+from quantdyn.results.stats import rel_delta_ce, rel_delta_ce_se, total_se
 from quantdyn.schedules import PhaseSchedule, schedule_curve
 from quantdyn.sources.presets import Preset, get_preset, preset_for_repo
 
@@ -51,7 +52,7 @@ def public_runs(rows: list[dict]) -> list[str]:
     """Runs (hub repos) with PTQ rows of public checkpoints, in order of first appearance."""
     out: list[str] = []
     for r in rows:
-        public = r.get("kind") == "ptq" and (r.get("ckpt_kind") in PUBLIC_KINDS or r.get("preset"))
+        public = PTQ.matches(r) and (r.get("ckpt_kind") in PUBLIC_KINDS or r.get("preset"))
         if public and r.get("run") and r["run"] not in out:
             out.append(r["run"])
     return out
@@ -66,11 +67,11 @@ def _quantizers(rows: list[dict]) -> list[str]:
         bits = next((r.get("bits") for r in rows if r.get("quantizer") == q), 0)
         return (-(bits or 0), q)
 
-    return sorted({r["quantizer"] for r in rows if r.get("kind") == "ptq" and r.get("quantizer")}, key=key)
+    return sorted({r["quantizer"] for r in rows if PTQ.matches(r) and r.get("quantizer")}, key=key)
 
 
 def _ptq(rows: list[dict], run: str, quantizers: list[str] | None = None) -> list[dict]:
-    pts = [r for r in rows if r.get("kind") == "ptq" and r.get("run") == run and r.get("tokens") is not None
+    pts = [r for r in rows if PTQ.matches(r) and r.get("run") == run and r.get("tokens") is not None
            and r.get("delta_ce") is not None and (quantizers is None or r.get("quantizer") in quantizers)]
     return sorted(pts, key=lambda r: r["tokens"])
 

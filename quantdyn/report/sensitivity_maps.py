@@ -8,8 +8,9 @@ engine/sensitivity.py) as maps, and what a cooldown does to each tensor group.
                      each group's predicted KL changed, with its uncertainty and verdict by the one rule of
                      results/stats.py (SE of the two estimates over the sensitivity windows and the group's
                      stable-phase jitter along the main run, |z| > 2 resolved); the groups that gained most first
-  checkpoint_ticks   checkpoint labels on an x axis, as many as fit the axis without touching (10-50 checkpoints
-                     stay readable); the per-block heat maps of report/error_maps.py use it too
+
+Their checkpoint tick labels are thinned to what fits the axis (report/output.py checkpoint_ticks), as the
+per-block heat maps of report/error_maps.py are.
 """
 from __future__ import annotations
 
@@ -19,52 +20,20 @@ from pathlib import Path
 
 import numpy as np
 
-from quantdyn.report.output import LR_STYLE, LR_TEXT, PAGE_WIDTH, save_figure
-from quantdyn.results.schema import number
-from quantdyn.runs import MAIN, control_of
-from quantdyn.results.stats import Difference, decay_verdict, format_estimate, stable_jitter, verdict_sign
-
-TICK_FONT = 6
-"""Points of the checkpoint tick labels."""
-
-
-def short_tokens(v: float) -> str:
-    """A token count in at most 3 significant digits: 410K, 1.23M, 2B."""
-    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(v) >= div:
-            return f"{v / div:.3g}{unit}"
-    return f"{v:.3g}"
-
-
-def checkpoint_label(r: dict) -> str:
-    tokens = number(r.get("tokens"))
-    return short_tokens(tokens) if tokens is not None else str(r.get("step"))
-
-
-def checkpoint_ticks(ax, labels: list[str], fig=None) -> list[int]:
-    """Put every k-th of ``labels`` (one per column, in order) on ``ax``'s x axis, k the smallest step at which
-    the labels fit the axis's width without touching (estimated at TICK_FONT points, 0.6 em a character, with a
-    gap of two characters); the last checkpoint is labelled when it fits. Returns the labelled positions."""
-    n = len(labels)
-    if n == 0:
-        return []
-    fig = fig or ax.figure
-    width_pt = ax.get_position().width * fig.get_figwidth() * 72 * 0.9
-    widest = max(len(s) for s in labels) + 2
-    per = widest * 0.6 * TICK_FONT
-    fit = max(1, int(width_pt // per))
-    step = max(1, math.ceil(n / fit))
-    ticks = list(range(0, n, step))
-    if ticks[-1] != n - 1 and (n - 1 - ticks[-1]) * width_pt / n >= per:
-        ticks.append(n - 1)
-    ax.set_xticks(ticks)
-    ax.set_xticklabels([labels[t] for t in ticks], fontsize=TICK_FONT)
-    return ticks
+from quantdyn.report.output import (LR_STYLE, LR_TEXT, MAX_HEIGHT, PAGE_WIDTH, checkpoint_label, checkpoint_ticks,
+                                    figure, save_figure, subplots)
+from quantdyn.results.schema import SENSITIVITY, number
+from quantdyn.results.stats import (DECAY_LOWERS, DECAY_RAISES, OPPOSITE, REPRODUCED, VERDICTS, Difference,
+                                    decay_verdict, format_estimate, stable_jitter, verdict_of, verdict_sign)
+from quantdyn.runs import MAIN, control_of, is_cooldown
 
 
 def _main(rows: list[dict], run: str) -> list[dict]:
-    return [r for r in rows if r.get("kind") == "sensitivity" and r.get("run") == run
-            and (r.get("branch") or MAIN) == MAIN]
+    return [r for r in _of_run(rows, run) if (r.get("branch") or MAIN) == MAIN]
+
+
+def _of_run(rows: list[dict], run: str) -> list[dict]:
+    return [r for r in SENSITIVITY.select(rows) if r.get("run") == run]
 
 
 def _groups(rows: list[dict]) -> list[str]:
@@ -83,8 +52,7 @@ def sensitivity_map(rows: list[dict], run: str, out: Path) -> list[dict]:
     mine = [r for r in _main(rows, run) if r.get("scope") in ("group", "model")]
     if not mine:
         return []
-    import matplotlib.pyplot as plt  # the report's plotting library, imported on use
-    from matplotlib.colors import LogNorm
+    from matplotlib.colors import LogNorm  # the report's plotting library, imported on use
 
     points = sorted({(number(r.get("tokens")) or 0, number(r.get("step")) or 0, r.get("checkpoint_hash")) for r in mine})
     col = {p[2]: j for j, p in enumerate(points)}
@@ -95,8 +63,8 @@ def sensitivity_map(rows: list[dict], run: str, out: Path) -> list[dict]:
     lrs = [number(first_of[p[2]].get("lr")) for p in points]
     groups, types = _groups(mine), _types(mine)
     n_types = len(types)
-    height = min(9.5, 0.9 + n_types * max(1.4, 0.16 * len(groups) + 0.6))
-    fig = plt.figure(figsize=(PAGE_WIDTH, height))
+    height = min(MAX_HEIGHT, 0.9 + n_types * max(1.4, 0.16 * len(groups) + 0.6))
+    fig = figure((PAGE_WIDTH, height))
     grid = fig.add_gridspec(n_types + 1, 2, height_ratios=[0.8] + [max(1.4, 0.16 * len(groups) + 0.6)] * n_types,
                             width_ratios=[40, 1], hspace=0.45, wspace=0.03)
     ax_lr = fig.add_subplot(grid[0, 0])
@@ -142,10 +110,11 @@ def sensitivity_map(rows: list[dict], run: str, out: Path) -> list[dict]:
 
 def decay_gains(rows: list[dict], run: str) -> list[dict]:
     """The table of the module docstring (sorted by z, largest gain first)."""
-    sens = [r for r in rows if r.get("kind") == "sensitivity" and r.get("run") == run and r.get("scope") == "group"]
-    branches = sorted({r.get("branch") for r in sens if r.get("ckpt_kind") == "cooldown" and control_of(r.get("branch"))})
+    mine = _of_run(rows, run)
+    sens = [r for r in mine if r.get("scope") == "group"]
+    branches = sorted({r.get("branch") for r in sens if is_cooldown(r.get("branch"))})
     table = []
-    for t in _types([r for r in rows if r.get("kind") == "sensitivity" and r.get("run") == run]):
+    for t in _types(mine):
         for g in _groups(sens):
             of = [r for r in sens if r.get("type") == t and r["tensor"] == g]
             jitter = stable_jitter([{**r, "delta_ce": r.get("kl_pred")} for r in of])
@@ -171,23 +140,27 @@ def _last(rows: list[dict]) -> dict | None:
     return max(rows, key=lambda r: (number(r.get("tokens")) or 0, number(r.get("step")) or 0)) if rows else None
 
 
+_GAIN_COLOUR = {DECAY_RAISES: VERDICTS[REPRODUCED].colour, DECAY_LOWERS: VERDICTS[OPPOSITE].colour}
+"""A group's bar: the colours of the verdicts on paper A's claim that the decay raises the error (claim_verdict with
+the expected sign +1), grey within uncertainty."""
+
+
 def decay_gain_figure(table: list[dict], run: str, out: Path) -> bool:
     """Per cooldown branch, each group's decayed-minus-control predicted KL (relative to the control's) ± 2 SE,
     for the lowest-bit type; filled where the verdict resolves it."""
     if not table:
         return False
-    import matplotlib.pyplot as plt
-
     t0 = table[0]["type"]
     branches = sorted({r["branch"] for r in table})
     n_groups = len({r["group"] for r in table})
-    fig, axes = plt.subplots(1, len(branches), figsize=(PAGE_WIDTH, min(9.0, 1.2 + 0.18 * n_groups)), squeeze=False)
+    fig, axes = subplots(1, len(branches), figsize=(PAGE_WIDTH, min(MAX_HEIGHT, 1.2 + 0.18 * n_groups)),
+                         squeeze=False)
     for ax, b in zip(axes[0], branches):
         rs = sorted([r for r in table if r["branch"] == b and r["type"] == t0], key=lambda r: r["group"])
         y = np.arange(len(rs))
         rel = [r["difference"] / r["kl_control"] if r["kl_control"] else np.nan for r in rs]
         err = [2 * r["difference_se"] / r["kl_control"] if r["kl_control"] else np.nan for r in rs]
-        colors = ["#b2182b" if "raises" in r["verdict"] else "#2166ac" if "lowers" in r["verdict"] else "0.7"
+        colors = [_GAIN_COLOUR[r["verdict"]] if r["verdict"] in _GAIN_COLOUR else verdict_of(None).colour
                   for r in rs]
         ax.barh(y, rel, xerr=err, color=colors, error_kw={"lw": 0.8, "capsize": 1.5})
         ax.axvline(0, color="k", lw=0.6)
@@ -196,8 +169,14 @@ def decay_gain_figure(table: list[dict], run: str, out: Path) -> bool:
         ax.tick_params(axis="x", labelsize=6)
         ax.set_title(b, fontsize=8)
         ax.set_xlabel(f"{t0}: (decayed − control) / control, ± 2 SE", fontsize=7)
+    from matplotlib.patches import Patch
+
+    fig.legend(handles=[Patch(color=_GAIN_COLOUR[DECAY_RAISES], label=DECAY_RAISES),
+                        Patch(color=_GAIN_COLOUR[DECAY_LOWERS], label=DECAY_LOWERS),
+                        Patch(color=verdict_of(None).colour, label="within uncertainty")],
+               loc="lower center", ncol=3, fontsize=6, frameon=False)
     fig.suptitle(f"{run}: which tensor groups the decay made more sensitive", fontsize=9)
-    save_figure(fig, out)
+    save_figure(fig, out, bottom=0.3)
     return True
 
 
@@ -209,15 +188,17 @@ MAP_CAPTION = (
     "what fits.")
 GAIN_CAPTION = (
     "Per cooldown branch: the decayed endpoint's predicted KL of each tensor group minus its constant-LR control's "
-    "at equal tokens, relative to the control's, ± 2 SE; red where decay raises it, blue where it lowers it, grey "
-    "within uncertainty. SE: the two estimates' SEs over the sensitivity windows and the group's stable-phase "
-    "jitter along the main run, combined as for every verdict on this page (results/stats.py). The table lists "
-    "every type, the groups that gained most first.")
+    "at equal tokens, relative to the control's, ± 2 SE; coloured as the verdicts on paper A's claim that the decay "
+    "raises the error (green: raises, red: lowers), grey within uncertainty. SE: the two estimates' SEs over the "
+    "sensitivity windows and the group's stable-phase jitter along the main run, combined as for every verdict on "
+    "this page (results/stats.py). The table lists every type, the groups that gained most first.")
 
 
 def sections(rows: list[dict], out: Path) -> list[tuple[str, str, list[dict], str]]:
+    """Per run with sensitivity rows: its map and, with cooldown branches, its decay table (title, figure, table,
+    caption)."""
     found = []
-    runs = sorted({r["run"] for r in rows if r.get("kind") == "sensitivity" and r.get("run")})
+    runs = sorted({r["run"] for r in SENSITIVITY.select(rows) if r.get("run")})
     for run in runs:
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run)
         png = out / f"sensitivity_{safe}.png"

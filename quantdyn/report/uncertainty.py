@@ -1,23 +1,19 @@
 """How the report words the uncertainty of a Δ CE: the columns a figure's table carries and the sentence
 under it.
 
-The uncertainty itself is computed in one place: :class:`quantdyn.results.schema.Uncertainty` (a row's
+The uncertainty itself is computed in one place, :mod:`quantdyn.results.stats` (:class:`Uncertainty`: a row's
 paired evaluation SE, its run-to-run SD over R repeated quantizations, and their combination
-SE_total = sqrt(SE_eval² + SD_run² / R), which every error bar uses) and :mod:`quantdyn.results.stats`
-(paired differences, the stable-phase jitter, the verdict rule). This module re-exports the row-level
-names the report's pages use (``parts``, ``total_se``, ``repeats``, ``EVAL``, ``RUN``).
+SE_total = sqrt(SE_eval² + SD_run² / R), which every error bar uses; paired differences, the stable-phase
+jitter, the verdict rule).
 """
 from __future__ import annotations
 
-from quantdyn.results.schema import EVAL, RUN, Uncertainty, repeats, total_se
-from quantdyn.results.schema import uncertainty as parts
-
-__all__ = ["EVAL", "RUN", "Uncertainty", "columns", "note", "parts", "repeats", "total_se"]
+from quantdyn.results.stats import RUN, uncertainty
 
 
 def columns(row: dict) -> dict:
     """The uncertainty columns a figure's table carries for one PTQ row."""
-    u = parts(row)
+    u = uncertainty(row)
     return {"delta_ce_se": u.eval_se, "delta_ce_run_sd": u.run_sd, "quant_repeats": u.repeats,
             "delta_ce_total_se": u.total_se, "uncertainty_dominant": row.get("uncertainty_dominant") or u.dominant}
 

@@ -6,6 +6,11 @@ to look a field up: :data:`ROW_KINDS` lists the kinds (``ptq``, ``fp``, ``qat``,
 ``accuracy``, ``interpolation``, ``scaling``) with their fields, :data:`FIELDS` says what each field
 means, and :func:`describe` answers for one name (``describe("delta_ce_total_se").meaning``).
 
+Row kinds are code: each kind is a constant here (:data:`PTQ`, :data:`FP`, :data:`QAT`, :data:`ANALYSIS`,
+:data:`ACCURACY`, :data:`INTERPOLATION`, :data:`SCALING`, each a :class:`RowKind` in ROW_KINDS). A writer
+puts ``"kind": PTQ.name`` in its row; a reader asks ``PTQ.matches(row)``, ``PTQ.select(rows)`` or
+``PTQ.present(rows)``, never compares ``row["kind"]`` with a string.
+
 Reading rules (every reader keeps them, so old stores stay readable):
   * only ``key`` and ``kind`` are sure to be there; any other field may be missing from rows written
     before it existed (``window_delta``, ``eval_hash``, ``quant_repeats``, ``delta_ce_total_se``,
@@ -23,8 +28,8 @@ already stored.
 Branch names (the ``branch`` field) are run-directory names: ``quantdyn.runs`` owns them
 (``cooldown_branch``, ``control_branch``, ``parse_branch``, ``control_of``).
 
-Derived quantities: :func:`rel_delta_ce` (Δ CE / CE(FP)) and the combined uncertainty of a Δ CE
-(:func:`uncertainty`, :func:`total_se`): SE_total = sqrt(SE_eval² + SD_run² / R), see :class:`Uncertainty`.
+Schema describes, :mod:`quantdyn.results.stats` computes: what is derived from a row (rel_delta_ce, the combined
+uncertainty of a Δ CE and its parts) is computed there.
 """
 from __future__ import annotations
 
@@ -33,8 +38,10 @@ import math
 import numbers
 import re
 from dataclasses import dataclass
+from typing import Iterable, Mapping
 
 from quantdyn.errors import QuantdynError, did_you_mean
+from quantdyn.registry import Registry
 
 # ------------------------------------------------------------------ the field table
 
@@ -64,17 +71,17 @@ def _table(text: str) -> tuple[Field, ...]:
     return tuple(Field(*f) for f in out)
 
 
-IDENTITY = _table("""
+IDENTITY_FIELDS = _table("""
     key   str  Idempotency key (row_key for measured rows): a rerun skips every key already stored.
     kind  str  The row kind (ROW_KINDS): ptq, fp, qat, analysis, accuracy, interpolation, scaling or
                sensitivity.
 """)
-PROVENANCE = _table("""
+PROVENANCE_FIELDS = _table("""
     git_sha   str | None  git commit of quantdyn that wrote the row.
     hardware  str         Machine that computed it (CPU model, GPU).
     time      str         Local time the row was computed, YYYY-MM-DDTHH:MM:SS.
 """)
-CHECKPOINT = _table("""
+CHECKPOINT_FIELDS = _table("""
     run              str           Training run (its directory name, or the hub repo of a public trajectory).
     branch           str           Branch of the run: main, a cooldown or control branch (runs.cooldown_branch), an
                                    average (lawa-..., ema, soup-...), an ingredient or an interpolation.
@@ -100,7 +107,7 @@ CHECKPOINT = _table("""
     stage            str | None    Training stage of a preset checkpoint (OLMo-2 stage 1/2).
     ingredient       str | None    Which stage-2 ingredient (soup member) a preset checkpoint is.
 """)
-DATA = _table("""
+DATA_FIELDS = _table("""
     eval_hash      str         Identity of the evaluation windows (token data, sequence length, count): rows with
                                equal eval_hash were measured on the same windows and pair window by window.
     calib_hash     str | None  Identity of the calibration set (calib_hash()).
@@ -108,7 +115,7 @@ DATA = _table("""
     n_windows      int         Evaluation windows the CE values average.
     compute_dtype  str         dtype the measurement computed in.
 """)
-QUANTIZER = _table("""
+QUANTIZER_FIELDS = _table("""
     quantizer          str | None   Canonical quantizer label (gptq3, rtn4g64 ...): one spelling per configuration.
     quantizer_spec     str          The quantizer as the user wrote it.
     method             str          Quantization method: rtn, gptq, awq, or a deployment format (q4_k_m, q8_0,
@@ -125,7 +132,7 @@ QUANTIZER = _table("""
     format_fallbacks   dict | None  GGUF tensors whose rows did not fit their block type and took llama.cpp's
                                     fallback type: {layer: "q4_K->q5_0"}; None when none did.
 """)
-ERRORS = _table("""
+ERRORS_FIELDS = _table("""
     ce_fp                 float         Mean next-token cross-entropy of the full-precision model on the evaluation
                                         windows (nats).
     ce_fp_se              float         SE of ce_fp over windows (window-to-window spread; not a paired SE).
@@ -133,7 +140,7 @@ ERRORS = _table("""
     delta_ce              float         Δ CE = CE(quantized) − CE(FP), paper A's quantization error (nats); with R >
                                         1 repeats the mean over them.
     delta_ce_se           float         Paired SE of delta_ce over evaluation windows (SE_eval).
-    rel_delta_ce          float | None  Δ CE / CE(FP) (rel_delta_ce() for rows written before the field).
+    rel_delta_ce          float | None  Δ CE / CE(FP) (results.stats.rel_delta_ce for rows written before the field).
     delta_ppl             float         exp CE(quantized) − exp CE(FP).
     kl                    float         KL(P_FP ‖ P_Q) per token (nats), mean over windows.
     kl_se                 float         SE of kl over windows.
@@ -193,7 +200,7 @@ ERRORS = _table("""
     delta_ce_run_sd       float | None  SD of Δ CE over the R repeats: what re-quantizing changes (None when R = 1).
     kl_run_sd             float         SD of kl over the R repeats (R > 1 only).
     delta_ce_total_se     float         The combined uncertainty of delta_ce, sqrt(SE_eval² + SD_run²/R)
-                                        (Uncertainty).
+                                        (results.stats.Uncertainty).
     uncertainty_dominant  str           Which part of delta_ce_total_se is the larger: 'evaluation windows' or
                                         'quantization run'.
     layer_loss_sum        float | None  Sum over layers of the quantizer's own layer objective (GPTQ's loss).
@@ -217,7 +224,7 @@ FLOOR_METRICS = ("ce_q", "delta_ce", "delta_ce_se", "rel_delta_ce", "delta_ppl",
                  "block_cos_err",
                  "block_sqnr")
 """The error fields a noise floor carries (as ``floor_<field>`` in the fp row)."""
-FLOOR = (
+FLOOR_FIELDS = (
     Field("floor_rounding", "str | None",
           "What the checkpoint's noise floor rounded: 'bf16 weights and block outputs' (float32/float16 compute; "
           "with a bf16 checkpoint the weight rounding is a no-op and the floor is the bf16 rounding of the block "
@@ -229,7 +236,7 @@ FLOOR = (
           "against itself with bf16 rounding injected after every block (floor_rounding), measured in the same "
           "pass as ce_fp, stored once per checkpoint in its fp row; the band of every trajectory figure."),
 )
-QUANTIZE_COMMAND = _table("""
+QUANTIZE_COMMAND_FIELDS = _table("""
     calib_data     str         Calibration token source of `quantdyn quantize`.
     calib_samples  int         Calibration sequences of `quantdyn quantize`.
     calib_seq_len  int         Their length in tokens.
@@ -238,10 +245,10 @@ QUANTIZE_COMMAND = _table("""
     layers         list[dict]  Per-layer quantization diagnostics (loss, output error, condition ...).
     export         dict        The export written: format, path (and hub repo).
 """)
-QAT = _table("""
+QAT_FIELDS = _table("""
     a_bits  int  Activation bits of the deployed QAT model (0: full-precision activations).
 """)
-ANALYSIS = _table("""
+ANALYSIS_FIELDS = _table("""
     analysis                     str           Which analysis: hessian, outliers or propagation.
     hessian_trace                float         Hutchinson estimate of the trace of the Hessian of the held-out loss.
     hessian_trace_se             float         SE of hessian_trace over the Hutchinson probes.
@@ -259,7 +266,7 @@ ANALYSIS = _table("""
     prop_gain_mean__<quantizer>  float | None  Mean per-block gain of the propagated error.
     prop_B_sum__<quantizer>      float         New error introduced per block, summed over blocks.
 """)
-ACCURACY = _table("""
+ACCURACY_FIELDS = _table("""
     task             str               lm-eval task (or a built-in generated task).
     task_version     str | int | None  The task's version.
     task_data        str               Built-in tasks: hash of the token data they were generated from.
@@ -282,13 +289,13 @@ ACCURACY = _table("""
     metrics_q        dict              lm-eval's aggregate metrics of the quantized model.
     sweep_acc_key    str               Marks accuracy rows a sweep wrote for one (checkpoint, quantizer).
 """)
-INTERPOLATION = _table("""
+INTERPOLATION_FIELDS = _table("""
     alpha       float  interpolation rows: the weight of endpoint B, (1 − alpha)·A + alpha·B; scaling rows: the
                        fitted exponent α of N.
     endpoint_a  str    Checkpoint A.
     endpoint_b  str    Checkpoint B.
 """)
-SCALING = _table("""
+SCALING_FIELDS = _table("""
     by                         str         The grouping of the fit (optimizer).
     group                      str         The group's value.
     precision                  str         fp or qat: which losses were fitted.
@@ -304,7 +311,7 @@ SCALING = _table("""
     points                     list[dict]  The (N, D, loss) points fitted.
 """)
 
-PLAN = _table("""
+PLAN_FIELDS = _table("""
     plan_types                  dict | None   A per-tensor plan's type of every quantized layer ({layer: type}).
     plan_label                  str | None    auto@ quantizers: the plan they allocated on this checkpoint (plan:auto#<digest>).
     plan_digest                 str | None    Digest of that plan's assignment.
@@ -316,7 +323,7 @@ PLAN = _table("""
     plan_allocator              str | None    knapsack-dp (exact) or lagrangian+greedy (quantize/allocate.py).
     t_sensitivity               float | None  Seconds of the sensitivity pass the allocation used.
 """)
-SENSITIVITY = _table("""
+SENSITIVITY_FIELDS = _table("""
     scope                 str           What one sensitivity row quantizes: tensor (one linear), group (a block's
                                         attn or mlp linears together) or model (every linear at one type).
     tensor                str           The linear's full name, the group (<block>.attn / <block>.mlp) or all.
@@ -341,9 +348,10 @@ SENSITIVITY = _table("""
     sens_types            list[str]     The candidate types of the pass.
 """)
 
-GROUPS: tuple[tuple[Field, ...], ...] = (IDENTITY, PROVENANCE, CHECKPOINT, DATA, QUANTIZER, ERRORS, FLOOR,
-                                         QUANTIZE_COMMAND, QAT, ANALYSIS, ACCURACY, INTERPOLATION, SCALING, PLAN,
-                                         SENSITIVITY)
+GROUPS: tuple[tuple[Field, ...], ...] = (
+    IDENTITY_FIELDS, PROVENANCE_FIELDS, CHECKPOINT_FIELDS, DATA_FIELDS, QUANTIZER_FIELDS, ERRORS_FIELDS, FLOOR_FIELDS,
+    QUANTIZE_COMMAND_FIELDS, QAT_FIELDS, ANALYSIS_FIELDS, ACCURACY_FIELDS, INTERPOLATION_FIELDS, SCALING_FIELDS,
+    PLAN_FIELDS, SENSITIVITY_FIELDS)
 FIELDS: dict[str, Field] = {f.name: f for group in GROUPS for f in group}
 """Every field of every row kind, by name."""
 
@@ -354,7 +362,8 @@ def _names(*groups: tuple[Field, ...], only: tuple[str, ...] = ()) -> tuple[str,
 
 @dataclass(frozen=True)
 class RowKind:
-    """One kind of result row."""
+    """One kind of result row: what it is, and the one spelling of its ``kind``, which writers put in a row
+    (``"kind": PTQ.name``) and readers match on (:meth:`matches`, :meth:`select`, :meth:`present`)."""
 
     name: str
     """The row's ``kind``."""
@@ -367,42 +376,64 @@ class RowKind:
     fields: tuple[str, ...]
     """The fields it may carry (names in FIELDS)."""
 
+    def matches(self, row: Mapping) -> bool:
+        """Whether ``row`` is of this kind."""
+        return row.get("kind") == self.name
 
-_MEASURED = (IDENTITY, PROVENANCE, CHECKPOINT, DATA)
-ROW_KINDS: dict[str, RowKind] = {k.name: k for k in (
-    RowKind("ptq", "One quantizer applied to one checkpoint: its error against full precision on the evaluation "
-                   "windows (R repeats of the quantization averaged when quant_repeats > 1).",
-            "sweep/sweep.py, sweep/quantize_one.py (engine/rows.py ptq_fields)",
-            "row_key(checkpoint, ptq_what = 'ptq:<config hash>:<calib hash>[:R<R>:<vary>]', eval_hash)",
-            _names(*_MEASURED, QUANTIZER, ERRORS, QUANTIZE_COMMAND, PLAN)),
-    RowKind("fp", "The full-precision CE of one checkpoint on the evaluation windows, and its bf16 noise floor "
-                  "(floor_<field>, when measured).", "sweep/sweep.py (engine/rows.py floor_fields)",
-            "row_key(checkpoint, 'fp', eval_hash)", _names(*_MEASURED, FLOOR, only=("ce_fp", "ce_fp_se"))),
-    RowKind("qat", "A QAT run's checkpoint deployed with its own fake quantization (W and A), against FP.",
-            "sweep/sweep.py", "row_key(checkpoint, 'qat:<config hash>', eval_hash)",
-            _names(*_MEASURED, QUANTIZER, ERRORS, QAT)),
-    RowKind("analysis", "One analysis of one checkpoint: Hessian, outlier or propagation metrics.",
-            "sweep/sweep.py (sweep/analysis_rows.py)",
-            "row_key(checkpoint, 'analysis:<name>:<budget hash>[:<quantizers hash>]', eval_hash)",
-            _names(*_MEASURED, ANALYSIS)),
-    RowKind("accuracy", "Downstream accuracy of one task, FP and (optionally) one quantizer, paired over examples.",
-            "sweep/accuracy.py", "accuracy_row_key(checkpoint, task, version, task identity, few-shot, limit, seed, "
-                                 "quantizer hash, calib hash, metric, backend)",
-            _names(*_MEASURED, QUANTIZER, ACCURACY)),
-    RowKind("interpolation", "A checkpoint on the line between two endpoints (weight interpolation): FP CE, and "
-                             "a PTQ error per quantizer.", "sweep/interpolation.py",
-            "row_key(interpolated checkpoint, 'interp:<alpha>|fp' or 'interp:<alpha>|<ptq_what>', eval_hash)",
-            _names(*_MEASURED, QUANTIZER, ERRORS, INTERPOLATION)),
-    RowKind("scaling", "A scaling-law fit of FP or QAT losses over model sizes and token budgets.",
-            "studies/scaling.py", "sha256 of (group, precision, the fitted points)",
-            _names(IDENTITY, PROVENANCE, SCALING, only=("alpha",))),
-    RowKind("sensitivity", "One checkpoint's predicted KL when one linear (scope tensor), one tensor group (group) "
-                           "or every linear (model) is quantized at one candidate type, with the cheap proxies.",
-            "sweep/sweep.py, sweep/allocate_one.py (engine/sensitivity.py Sensitivity.rows)",
-            "row_key(checkpoint, 'sens:<types>:<calib hash>:<draws>:<scope>:<tensor>:<type>', '')",
-            _names(*_MEASURED, SENSITIVITY)),
-)}
-"""The row kinds the store holds."""
+    def select(self, rows: Iterable[Mapping]) -> list:
+        """The rows of this kind, in their order."""
+        return [r for r in rows if r.get("kind") == self.name]
+
+    def present(self, rows: Iterable[Mapping]) -> bool:
+        """Whether any of ``rows`` is of this kind."""
+        return any(r.get("kind") == self.name for r in rows)
+
+
+_MEASURED = (IDENTITY_FIELDS, PROVENANCE_FIELDS, CHECKPOINT_FIELDS, DATA_FIELDS)
+ROW_KINDS: Registry[RowKind] = Registry("row kind")
+"""The row kinds the store holds, by name; each is also a constant here (PTQ, FP, ...) that writers build rows
+with and readers match on. A new kind is one more ``ROW_KINDS.add(name, RowKind(...))`` below (with its field
+group in GROUPS)."""
+
+PTQ = ROW_KINDS.add("ptq", RowKind(
+    "ptq", "One quantizer applied to one checkpoint: its error against full precision on the evaluation windows "
+           "(R repeats of the quantization averaged when quant_repeats > 1).",
+    "sweep/sweep.py, sweep/quantize_one.py (engine/rows.py ptq_fields)",
+    "row_key(checkpoint, ptq_what = 'ptq:<config hash>:<calib hash>[:R<R>:<vary>]', eval_hash)",
+    _names(*_MEASURED, QUANTIZER_FIELDS, ERRORS_FIELDS, QUANTIZE_COMMAND_FIELDS, PLAN_FIELDS)))
+FP = ROW_KINDS.add("fp", RowKind(
+    "fp", "The full-precision CE of one checkpoint on the evaluation windows, and its bf16 noise floor "
+          "(floor_<field>, when measured).", "sweep/sweep.py (engine/rows.py floor_fields)",
+    "row_key(checkpoint, 'fp', eval_hash)", _names(*_MEASURED, FLOOR_FIELDS, only=("ce_fp", "ce_fp_se"))))
+QAT = ROW_KINDS.add("qat", RowKind(
+    "qat", "A QAT run's checkpoint deployed with its own fake quantization (W and A), against FP.",
+    "sweep/sweep.py", "row_key(checkpoint, 'qat:<config hash>', eval_hash)",
+    _names(*_MEASURED, QUANTIZER_FIELDS, ERRORS_FIELDS, QAT_FIELDS)))
+ANALYSIS = ROW_KINDS.add("analysis", RowKind(
+    "analysis", "One analysis of one checkpoint: Hessian, outlier or propagation metrics.",
+    "sweep/sweep.py (sweep/analysis_rows.py)",
+    "row_key(checkpoint, 'analysis:<name>:<budget hash>[:<quantizers hash>]', eval_hash)",
+    _names(*_MEASURED, ANALYSIS_FIELDS)))
+ACCURACY = ROW_KINDS.add("accuracy", RowKind(
+    "accuracy", "Downstream accuracy of one task, FP and (optionally) one quantizer, paired over examples.",
+    "sweep/accuracy.py", "accuracy_row_key(checkpoint, task, version, task identity, few-shot, limit, seed, "
+                         "quantizer hash, calib hash, metric, backend)",
+    _names(*_MEASURED, QUANTIZER_FIELDS, ACCURACY_FIELDS)))
+INTERPOLATION = ROW_KINDS.add("interpolation", RowKind(
+    "interpolation", "A checkpoint on the line between two endpoints (weight interpolation): FP CE, and a PTQ "
+                     "error per quantizer.", "sweep/interpolation.py",
+    "row_key(interpolated checkpoint, 'interp:<alpha>|fp' or 'interp:<alpha>|<ptq_what>', eval_hash)",
+    _names(*_MEASURED, QUANTIZER_FIELDS, ERRORS_FIELDS, INTERPOLATION_FIELDS)))
+SCALING = ROW_KINDS.add("scaling", RowKind(
+    "scaling", "A scaling-law fit of FP or QAT losses over model sizes and token budgets.",
+    "studies/scaling.py", "sha256 of (group, precision, the fitted points)",
+    _names(IDENTITY_FIELDS, PROVENANCE_FIELDS, SCALING_FIELDS, only=("alpha",))))
+SENSITIVITY = ROW_KINDS.add("sensitivity", RowKind(
+    "sensitivity", "One checkpoint's predicted KL when one linear (scope tensor), one tensor group (group) or every "
+                   "linear (model) is quantized at one candidate type, with the cheap proxies.",
+    "sweep/sweep.py, sweep/allocate_one.py (engine/sensitivity.py Sensitivity.rows)",
+    "row_key(checkpoint, 'sens:<types>:<calib hash>:<draws>:<scope>:<tensor>:<type>', '')",
+    _names(*_MEASURED, SENSITIVITY_FIELDS)))
 
 
 def _pattern(name: str) -> re.Pattern:
@@ -432,7 +463,7 @@ def describe(name: str) -> Field:
 def undocumented(row: dict) -> list[str]:
     """The fields of ``row`` that the schema does not describe for its kind: not in FIELDS, or (for a known
     ``kind``) not among that kind's fields — a writer added a field without saying what it is."""
-    kind = ROW_KINDS.get(row.get("kind"))
+    kind = ROW_KINDS.get(row["kind"]) if row.get("kind") in ROW_KINDS else None
     out = []
     for k in row:
         try:
@@ -471,92 +502,3 @@ def number(v) -> float | None:
         return None
     f = float(v)
     return f if math.isfinite(f) else None
-
-
-# ------------------------------------------------------------------ derived quantities
-
-
-def rel_delta_ce(row: dict) -> float | None:
-    """Δ CE / CE(FP): the row's ``rel_delta_ce``, else ``delta_ce / ce_fp`` (rows written before the field);
-    None when neither can be read."""
-    v = number(row.get("rel_delta_ce"))
-    if v is not None:
-        return v
-    d, fp = number(row.get("delta_ce")), number(row.get("ce_fp"))
-    return d / fp if d is not None and fp else None
-
-
-EVAL = "evaluation windows"
-"""``uncertainty_dominant`` when the evaluation windows' SE is the larger part."""
-RUN = "quantization run"
-"""``uncertainty_dominant`` when the run-to-run part SD_run/√R is the larger."""
-
-
-def combined_se(eval_se: float, run_sd: float | None, repeats: int) -> float:
-    """sqrt(SE_eval² + SD_run² / R): the uncertainty of a Δ CE averaged over R quantizations (SD_run None:
-    not measured, the evaluation SE alone)."""
-    return math.sqrt(eval_se ** 2 + (run_sd or 0.0) ** 2 / repeats)
-
-
-def dominant(eval_se: float, run_se: float | None) -> str:
-    """Which part of an uncertainty is the larger: RUN when run_se exceeds eval_se, else EVAL (also when the
-    run-to-run part was not measured)."""
-    return RUN if run_se is not None and run_se > eval_se else EVAL
-
-
-def repeats(row: dict) -> int:
-    """R, the number of quantizations the row's Δ CE averages (1 when absent)."""
-    r = number(row.get("quant_repeats"))
-    return int(r) if r and r >= 1 else 1
-
-
-@dataclass(frozen=True)
-class Uncertainty:
-    """The parts of a Δ CE's uncertainty and their combination.
-
-    A ptq row's ``delta_ce_se`` is the paired SE over evaluation windows; it is blind to what re-quantizing
-    the same checkpoint changes (calibration draw, float order), which a row measures when it repeats the
-    quantization R times (``quant_repeats``, ``delta_ce_run_sd``). The uncertainty of the mean is
-    SE_total = sqrt(SE_eval² + SD_run² / R); every error bar and every verdict uses it."""
-
-    eval_se: float
-    """Paired SE over evaluation windows (``<prefix>_se``; 0 when missing)."""
-    run_sd: float | None
-    """SD over the R repeated quantizations (None when R = 1: not measured)."""
-    repeats: int
-    """R."""
-    total_se: float
-    """The combined SE: the row's stored ``<prefix>_total_se`` when it has one, else combined_se()."""
-
-    @property
-    def run_se(self) -> float | None:
-        """The run-to-run part of the SE of the mean, SD_run / √R (None when not measured)."""
-        return None if self.run_sd is None else self.run_sd / math.sqrt(self.repeats)
-
-    @property
-    def dominant(self) -> str:
-        """RUN when SD_run/√R exceeds the evaluation SE, else EVAL."""
-        return dominant(self.eval_se, self.run_se)
-
-
-def uncertainty(row: dict, prefix: str = "delta_ce") -> Uncertainty:
-    """The uncertainty of ``row[prefix]`` (``delta_ce``, or ``kl`` with ``kl_se``/``kl_run_sd``).
-
-    A stored ``<prefix>_total_se`` is taken as it is (the writer's own combination); otherwise it is
-    combined from the parts, missing parts counting as 0 (a verdict treats a total of 0 as unknown)."""
-    eval_se = number(row.get(f"{prefix}_se")) or 0.0
-    R = repeats(row)
-    sd = number(row.get(f"{prefix}_run_sd")) if R > 1 else None
-    stored = number(row.get(f"{prefix}_total_se"))
-    return Uncertainty(eval_se, sd, R, stored if stored is not None else combined_se(eval_se, sd, R))
-
-
-def total_se(row: dict, prefix: str = "delta_ce") -> float:
-    """The error bar of ``row[prefix]``: its combined uncertainty (:class:`Uncertainty`)."""
-    return uncertainty(row, prefix).total_se
-
-
-def rel_delta_ce_se(row: dict) -> float:
-    """The error bar of rel_delta_ce: total_se / CE(FP) (0 without CE(FP))."""
-    fp = number(row.get("ce_fp"))
-    return total_se(row) / fp if fp else 0.0

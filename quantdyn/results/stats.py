@@ -7,6 +7,14 @@ Mean and SE
     :func:`mean_se`: mean and standard error sqrt(s² / n) with the n − 1 variance (NaN SE for n < 2);
     :func:`se_of_mean`: the SE of the mean of k independent estimates, sqrt(Σ SE_i²) / k.
 
+A row's uncertainty (:class:`Uncertainty`, :func:`uncertainty`, :func:`total_se`)
+    A ptq row's Δ CE carries its paired SE over evaluation windows and, when the quantization was repeated
+    R times, the SD over the repeats: SE_total = sqrt(SE_eval² + SD_run² / R) (:func:`combined_se`; the
+    writers store it as ``delta_ce_total_se``), every error bar's and verdict's uncertainty; which part
+    dominates (:func:`dominant`: EVAL or RUN). :func:`rel_delta_ce` reads Δ CE / CE(FP) (and
+    :func:`rel_delta_ce_se` its error bar) from old rows too. results/schema.py says what each field
+    means; this module computes.
+
 Paired differences (:func:`paired_difference`)
     Row a minus row b. When both rows carry per-window values (``window_delta``) for the same evaluation
     windows, the difference is taken window by window and its SE is the SE of the per-window differences
@@ -39,7 +47,7 @@ The verdict rule (:class:`Effect`, :func:`verdict_sign`)
     NaN, 0), has none. The words: a paper's claim is "reproduced" (the paper's sign), "opposite" or "not
     resolved at this scale"; a decayed-minus-control difference "decay raises the error", "decay lowers
     the error" or "within uncertainty (|z| <= 2)". Intervals (correlations): resolved when the interval
-    excludes 0.
+    excludes 0. :data:`VERDICTS` is the one table of the words with their tone and colour (page and figures).
 
 Printing (:func:`format_estimate`, :func:`format_interval`)
     Numbers are printed with as many significant digits as it takes for the printed numbers to agree with
@@ -62,7 +70,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from quantdyn.results.schema import dominant, number, uncertainty
+from quantdyn.results.schema import PTQ, number
 from quantdyn.runs import control_of
 
 Z = 2.0
@@ -88,6 +96,95 @@ def se_of_mean(ses: Sequence[float]) -> float:
     if not ses:
         raise ValueError("se_of_mean needs at least one SE")
     return math.sqrt(sum(float(s) ** 2 for s in ses)) / len(ses)
+
+
+# ------------------------------------------------------------------ what a row carries: Δ CE / CE(FP), its uncertainty
+
+
+def rel_delta_ce(row: dict) -> float | None:
+    """Δ CE / CE(FP): the row's ``rel_delta_ce``, else ``delta_ce / ce_fp`` (rows written before the field);
+    None when neither can be read."""
+    v = number(row.get("rel_delta_ce"))
+    if v is not None:
+        return v
+    d, fp = number(row.get("delta_ce")), number(row.get("ce_fp"))
+    return d / fp if d is not None and fp else None
+
+
+EVAL = "evaluation windows"
+"""``uncertainty_dominant`` when the evaluation windows' SE is the larger part."""
+RUN = "quantization run"
+"""``uncertainty_dominant`` when the run-to-run part SD_run/√R is the larger."""
+
+
+def combined_se(eval_se: float, run_sd: float | None, repeats: int) -> float:
+    """sqrt(SE_eval² + SD_run² / R): the uncertainty of a Δ CE averaged over R quantizations (SD_run None:
+    not measured, the evaluation SE alone)."""
+    return math.sqrt(eval_se ** 2 + (run_sd or 0.0) ** 2 / repeats)
+
+
+def dominant(eval_se: float, run_se: float | None) -> str:
+    """Which part of an uncertainty is the larger: RUN when run_se exceeds eval_se, else EVAL (also when the
+    run-to-run part was not measured)."""
+    return RUN if run_se is not None and run_se > eval_se else EVAL
+
+
+def repeats(row: dict) -> int:
+    """R, the number of quantizations the row's Δ CE averages (1 when absent)."""
+    r = number(row.get("quant_repeats"))
+    return int(r) if r and r >= 1 else 1
+
+
+@dataclass(frozen=True)
+class Uncertainty:
+    """The parts of a Δ CE's uncertainty and their combination.
+
+    A ptq row's ``delta_ce_se`` is the paired SE over evaluation windows; it is blind to what re-quantizing
+    the same checkpoint changes (calibration draw, float order), which a row measures when it repeats the
+    quantization R times (``quant_repeats``, ``delta_ce_run_sd``). The uncertainty of the mean is
+    SE_total = sqrt(SE_eval² + SD_run² / R); every error bar and every verdict uses it."""
+
+    eval_se: float
+    """Paired SE over evaluation windows (``<prefix>_se``; 0 when missing)."""
+    run_sd: float | None
+    """SD over the R repeated quantizations (None when R = 1: not measured)."""
+    repeats: int
+    """R."""
+    total_se: float
+    """The combined SE: the row's stored ``<prefix>_total_se`` when it has one, else combined_se()."""
+
+    @property
+    def run_se(self) -> float | None:
+        """The run-to-run part of the SE of the mean, SD_run / √R (None when not measured)."""
+        return None if self.run_sd is None else self.run_sd / math.sqrt(self.repeats)
+
+    @property
+    def dominant(self) -> str:
+        """RUN when SD_run/√R exceeds the evaluation SE, else EVAL."""
+        return dominant(self.eval_se, self.run_se)
+
+
+def uncertainty(row: dict, prefix: str = "delta_ce") -> Uncertainty:
+    """The uncertainty of ``row[prefix]`` (``delta_ce``, or ``kl`` with ``kl_se``/``kl_run_sd``).
+
+    A stored ``<prefix>_total_se`` is taken as it is (the writer's own combination); otherwise it is
+    combined from the parts, missing parts counting as 0 (a verdict treats a total of 0 as unknown)."""
+    eval_se = number(row.get(f"{prefix}_se")) or 0.0
+    R = repeats(row)
+    sd = number(row.get(f"{prefix}_run_sd")) if R > 1 else None
+    stored = number(row.get(f"{prefix}_total_se"))
+    return Uncertainty(eval_se, sd, R, stored if stored is not None else combined_se(eval_se, sd, R))
+
+
+def total_se(row: dict, prefix: str = "delta_ce") -> float:
+    """The error bar of ``row[prefix]``: its combined uncertainty (:class:`Uncertainty`)."""
+    return uncertainty(row, prefix).total_se
+
+
+def rel_delta_ce_se(row: dict) -> float:
+    """The error bar of rel_delta_ce: total_se / CE(FP) (0 without CE(FP))."""
+    fp = number(row.get("ce_fp"))
+    return total_se(row) / fp if fp else 0.0
 
 
 # ------------------------------------------------------------------ paired differences
@@ -327,6 +424,36 @@ DECAY_RAISES = "decay raises the error"
 DECAY_LOWERS = "decay lowers the error"
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """A verdict on a paper's claim and how it is shown, the same on the page, in every figure and in print."""
+
+    word: str
+    """The verdict (REPRODUCED, OPPOSITE, NOT_RESOLVED)."""
+    tone: str
+    """The tone of its sentence on the page: 'yes', 'no' or 'unresolved' (report Section.sentences)."""
+    colour: str
+    """Its colour: the page's dot and words, the findings' figures."""
+    legend: str
+    """Its legend in a figure; ``{z:g}`` is the threshold."""
+
+
+VERDICTS: dict[str, Verdict] = {v.word: v for v in (
+    Verdict(REPRODUCED, "yes", "#1a7f37", "reproduced: resolved (|z| > {z:g}) with the paper's sign"),
+    Verdict(OPPOSITE, "no", "#b42318", "opposite: resolved (|z| > {z:g}) against the paper's sign"),
+    Verdict(NOT_RESOLVED, "unresolved", "#6e6e6e", "not resolved at this scale (|z| ≤ {z:g})"),
+)}
+"""The verdict words and their tones and colours: the one table (green: the paper's sign, red: against it, grey:
+not resolved)."""
+TONES: dict[str, str] = {v.tone: v.colour for v in VERDICTS.values()}
+"""Tone -> colour, for the page's sentences."""
+
+
+def verdict_of(word: str | None) -> Verdict:
+    """How the verdict ``word`` is shown (any other word, e.g. "no finding": as not resolved)."""
+    return VERDICTS.get(str(word), VERDICTS[NOT_RESOLVED])
+
+
 def claim_verdict(sign: int, expected: int) -> str:
     """A paper's claim against a resolved direction: reproduced (the paper's sign), opposite, or not resolved."""
     if sign == 0:
@@ -361,7 +488,7 @@ def decay_table(rows: Sequence[Mapping], run: str, z: float = Z) -> list[dict]:
     difference_se (the combined uncertainty), z, exceeds_uncertainty (|z| > z), verdict (decay raises / lowers
     the error / within uncertainty), dominant (windows or quantization run), paired, quant_repeats (the smaller
     R of the two rows). A cooldown branch whose control is not in the rows, or ends at other tokens, is left out."""
-    mine = [r for r in rows if r.get("kind") == "ptq" and r.get("run") == run]
+    mine = [r for r in rows if PTQ.matches(r) and r.get("run") == run]
     bits = {r.get("quantizer"): number(r.get("bits")) or 0 for r in mine}
     branches = sorted({r.get("branch") for r in mine
                        if r.get("ckpt_kind") == "cooldown" and control_of(r.get("branch")) is not None})
@@ -487,8 +614,10 @@ def bootstrap_intervals(statistics_of: Sequence[Callable[[np.ndarray], float]], 
 
 
 __all__ = [
-    "DECAY_LOWERS", "DECAY_RAISES", "NOT_RESOLVED", "OPPOSITE", "REPRODUCED", "Z", "Difference",
-    "Effect", "bootstrap_intervals", "claim_verdict", "combine", "decay_difference", "decay_table", "decay_verdict",
-    "format_estimate", "format_interval", "interval_sign", "mean_se", "paired_difference", "percentile_interval",
-    "same_windows", "se_of_mean", "stable_jitter", "verdict_sign", "window_values", "within_uncertainty", "z_of",
+    "DECAY_LOWERS", "DECAY_RAISES", "EVAL", "NOT_RESOLVED", "OPPOSITE", "REPRODUCED", "RUN", "TONES", "VERDICTS",
+    "Z", "Difference", "Effect", "Uncertainty", "Verdict", "bootstrap_intervals", "claim_verdict", "combine",
+    "combined_se", "decay_difference", "decay_table", "decay_verdict", "dominant", "format_estimate",
+    "format_interval", "interval_sign", "mean_se", "paired_difference", "percentile_interval", "rel_delta_ce",
+    "rel_delta_ce_se", "repeats", "same_windows", "se_of_mean", "stable_jitter", "total_se", "uncertainty",
+    "verdict_of", "verdict_sign", "window_values", "within_uncertainty", "z_of",
 ]

@@ -11,7 +11,9 @@ and a verdict that follows from the numbers.
   pipeline.py  run_study / run_demo: the stages, each resumable
   findings.py  pure functions: rows -> findings (effect, uncertainty parts, verdict)
   figures.py   the findings' own figures
-  section.py   the findings table as a report section (HTML)
+  families.py  the finding families as registered objects (FINDING_FAMILIES): inputs, compute, figure,
+               caption, words
+  section.py   the answer (findings in sentences, a figure and a table) as the report's lead; write_report
 
 Layering: this package may import every layer below it (config ... study,
 report); only ``quantdyn.cli`` imports it.

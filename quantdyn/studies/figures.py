@@ -14,15 +14,13 @@ from __future__ import annotations
 import math
 import textwrap
 from pathlib import Path
+from typing import Callable, Mapping
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+from matplotlib import colormaps
 from matplotlib.lines import Line2D
 
-from quantdyn.report.output import PAGE_WIDTH, save_figure
-from quantdyn.results.stats import NOT_RESOLVED, OPPOSITE, REPRODUCED, format_estimate, format_interval
+from quantdyn.report.output import PAGE_WIDTH, save_figure, subplots
+from quantdyn.results.stats import NOT_RESOLVED, VERDICTS, format_estimate, format_interval, verdict_of
 from quantdyn.runs import MAIN, is_cooldown, parse_branch
 
 _MARKERS = "osD^v<>pP*hX"
@@ -39,8 +37,8 @@ def peak_lr(detail: list[dict], out: Path) -> bool:
     if not qs:
         return False
     lrs = sorted({d["peak_lr"] for d in detail})
-    cmap = plt.get_cmap("viridis")
-    fig, axes = plt.subplots(1, len(qs), figsize=(3.8 * len(qs), 3.4), squeeze=False)
+    cmap = colormaps["viridis"]
+    fig, axes = subplots(1, len(qs), figsize=(3.8 * len(qs), 3.4), squeeze=False)
     for ax, q in zip(axes[0], qs):
         for k, lr in enumerate(lrs):
             col = cmap(k / max(1, len(lrs) - 1))
@@ -76,7 +74,7 @@ def averaging(detail: list[dict], out: Path) -> bool:
     qs = _quantizers(rows)
     if not qs:
         return False
-    fig, axes = plt.subplots(len(qs), 2, figsize=(8.5, 2.2 * len(qs) + 0.8), squeeze=False)
+    fig, axes = subplots(len(qs), 2, figsize=(8.5, 2.2 * len(qs) + 0.8), squeeze=False)
     for i, q in enumerate(qs):
         mine = [d for d in rows if d["quantizer"] == q]
         names = sorted({d["checkpoint"] for d in mine})
@@ -109,7 +107,7 @@ def sharpness(detail: list[dict], out: Path) -> bool:
     q = qs[0]
     mine = [d for d in detail if d["quantizer"] == q]
     runs = sorted({d["run"] for d in mine})[:4]
-    fig, axes = plt.subplots(3, len(runs), figsize=(3.3 * len(runs) + 0.6, 6.4), squeeze=False, sharex="col")
+    fig, axes = subplots(3, len(runs), figsize=(3.3 * len(runs) + 0.6, 6.4), squeeze=False, sharex="col")
     for c, run in enumerate(runs):
         pts = [d for d in mine if d["run"] == run]
         branches = sorted({d["branch"] for d in pts})
@@ -150,7 +148,7 @@ def predictors(findings: list[dict], out: Path) -> bool:
         return False
     labels = list(dict.fromkeys(f["comparison"].split(" over ")[0] for f in rows))
     qs = list(dict.fromkeys(f["quantizer"] for f in rows))
-    fig, ax = plt.subplots(figsize=(7.0, 0.45 * len(labels) * max(1, len(qs) / 2) + 1.2))
+    fig, ax = subplots(figsize=(7.0, 0.45 * len(labels) * max(1, len(qs) / 2) + 1.2))
     for k, q in enumerate(qs):
         for i, lab in enumerate(labels):
             f = next((x for x in rows if x["quantizer"] == q and x["comparison"].startswith(lab)), None)
@@ -172,26 +170,18 @@ def predictors(findings: list[dict], out: Path) -> bool:
     return True
 
 
-VERDICT_COLOURS = {REPRODUCED: "#1a7f37", OPPOSITE: "#b42318", NOT_RESOLVED: "#6e6e6e"}
-"""The verdict colours (the report's TONES)."""
-VERDICT_LEGEND = {REPRODUCED: "reproduced: resolved (|z| > {z:g}) with the paper's sign",
-                  OPPOSITE: "opposite: resolved (|z| > {z:g}) against the paper's sign",
-                  NOT_RESOLVED: "not resolved at this scale (|z| ≤ {z:g})"}
 LABEL_WIDTH = 44
 """Characters per line of a finding's label (labels wrap, never cut)."""
 
 
-def finding_label(f: dict, with_family: bool = False) -> str:
-    """A finding's full label: quantizer and cooldown branch for a decay finding (with the seed family when
-    several share the figure), else quantizer, metric and comparison; wrapped at LABEL_WIDTH, never cut."""
+def finding_label(f: Mapping, with_family: bool = False) -> str:
+    """A finding's label in the overview: quantizer, metric and comparison, wrapped at LABEL_WIDTH, never cut
+    (a family may label its findings otherwise: studies/families.py FindingFamily.label)."""
     q = f"{f['quantizer']} · " if f.get("quantizer") else ""
-    if f.get("family") == "decay" and f.get("branch"):
-        fam = f"{f['seed_family']} · " if with_family and f.get("seed_family") else ""
-        return fam + q + f["branch"]
     return "\n".join(textwrap.wrap(f"{q}{f['metric']}: {f['comparison']}", LABEL_WIDTH))
 
 
-def _kind(f: dict) -> str | None:
+def _mode(f: dict) -> str | None:
     """How a finding is drawn: 'rel' (percent of its reference), 'z', 'rho' (an interval), or None (no number)."""
     if f.get("effect") is None:
         return None
@@ -202,21 +192,21 @@ def _kind(f: dict) -> str | None:
     return "rel" if (f.get("baseline") or 0) > 0 else "z"
 
 
-def _numbers(f: dict, kind: str) -> str:
+def _numbers(f: dict, mode: str) -> str:
     """The right-hand label of a finding: effect ± uncertainty (nats), z; or ρ [interval]."""
-    if kind == "rho":
+    if mode == "rho":
         return format_interval(f["effect"], f["interval_lo"], f["interval_hi"])
     e, s, z = format_estimate(f["effect"], f["se"], f.get("z_threshold") or 2.0)
     unit = " nats" if f.get("metric") in ("Δ CE", "CE(quantized)") else ""
     return f"{e} ± {s}{unit}, z {z}"
 
 
-def _span(rows: list[dict], kind: str, zt: float) -> tuple[float, float]:
+def _span(rows: list[dict], mode: str, zt: float) -> tuple[float, float]:
     """The x range of a panel: every point, 0, and the bars of the resolved findings (an unresolved bar may run
     off the panel: it crosses 0 whatever its length, and drawing it whole would flatten every other row)."""
     xs = [0.0]
     for f in rows:
-        x, half = _x(f, kind, zt)
+        x, half = _x(f, mode, zt)
         xs.append(x)
         if f["verdict"] != NOT_RESOLVED and half is not None:
             xs += [x - half, x + half]
@@ -225,12 +215,12 @@ def _span(rows: list[dict], kind: str, zt: float) -> tuple[float, float]:
     return lo - pad, hi + pad
 
 
-def _x(f: dict, kind: str, zt: float) -> tuple[float, float | None]:
+def _x(f: dict, mode: str, zt: float) -> tuple[float, float | None]:
     """(x, half width of its bar) of a finding in its panel's units."""
-    if kind == "rel":
+    if mode == "rel":
         scale = 100.0 / f["baseline"]
         return f["effect"] * scale, zt * f["se"] * scale
-    if kind == "z":
+    if mode == "z":
         return f["effect"] / f["se"], None
     return f["effect"], None
 
@@ -243,46 +233,50 @@ PANEL_TEXT = {
 }
 
 
-def overview(findings: list[dict], out: Path) -> bool:
+def overview(findings: list[dict], out: Path,
+             label: Callable[[Mapping, bool], str] = finding_label,
+             panel_title: Callable[[list[dict], str], str | None] = lambda rows, mode: None) -> bool:
     """Every finding at a glance, one panel per paper's claim (and way of drawing it), one row per finding,
     coloured by verdict (a legend names every colour); full labels on the left, effect ± uncertainty in nats
-    and z on the right:
+    and z on the right. ``label(finding, name its seed family)`` and ``panel_title(a panel's findings, its way of
+    drawing: 'rel', 'z' or 'rho')`` (None: PANEL_TEXT's) let the finding families word their own
+    (studies/families.py):
 
     * effects with a reference (decay: the control's Δ CE; averaging: the decayed endpoint's) as a percentage of
       it, the bar spanning ± z × the uncertainty (a bar across 0 is not resolved), diamonds the single seeds;
     * other SE-based effects as z = effect / uncertainty, the band |z| <= z shaded;
     * correlations as ρ with their bootstrap interval.
     An unresolved bar longer than the panel runs off its edge (an arrow marks it)."""
-    drawable = [f for f in findings if _kind(f)]
+    drawable = [f for f in findings if _mode(f)]
     if not drawable:
         return False
     zt = next((f["z_threshold"] for f in drawable if f.get("z_threshold")), 2.0)
     # a claim's SE-based effects share one way of drawing: relative when every one has a reference > 0, else z
     relative = {c for c in {f["finding"] for f in drawable}
-                if all(_kind(f) == "rel" for f in drawable if f["finding"] == c and _kind(f) != "rho")}
+                if all(_mode(f) == "rel" for f in drawable if f["finding"] == c and _mode(f) != "rho")}
     panels: dict[tuple[str, str], list[dict]] = {}
     for f in drawable:
-        kind = _kind(f) if _kind(f) == "rho" or f["finding"] in relative else "z"
-        panels.setdefault((f["finding"], kind), []).append(f)
+        mode = _mode(f) if _mode(f) == "rho" or f["finding"] in relative else "z"
+        panels.setdefault((f["finding"], mode), []).append(f)
     fams = {f.get("seed_family") for f in drawable if f.get("seed_family")}
-    labels = {id(f): finding_label(f, len(fams) > 1) for f in drawable}
+    labels = {id(f): label(f, len(fams) > 1) for f in drawable}
     heights = [sum(0.2 + 0.12 * labels[id(f)].count("\n") for f in rows) + 0.8 for rows in panels.values()]
-    shown = [v for v in VERDICT_LEGEND if any(f["verdict"] == v for f in drawable)]
-    seeds = any(len(f.get("per_seed") or []) > 1 for f in drawable if _kind(f) != "rho")
-    kinds = {kind for _, kind in panels}
-    leg_h = 0.17 * math.ceil((len(shown) + bool(kinds & {"rel", "rho"}) + seeds) / 2) + 0.15
-    fig, axes = plt.subplots(len(panels), 1, figsize=(PAGE_WIDTH, sum(heights) + leg_h + 0.1), squeeze=False,
-                             gridspec_kw={"height_ratios": heights})
-    for ax, ((claim, kind), rows) in zip(axes[:, 0], panels.items()):
-        lo, hi = _span(rows, kind, zt) if kind != "rho" else (-1.05, 1.05)
-        if kind == "z":
+    shown = [v for v in VERDICTS.values() if any(f["verdict"] == v.word for f in drawable)]
+    seeds = any(len(f.get("per_seed") or []) > 1 for f in drawable if _mode(f) != "rho")
+    modes = {mode for _, mode in panels}
+    leg_h = 0.17 * math.ceil((len(shown) + bool(modes & {"rel", "rho"}) + seeds) / 2) + 0.15
+    fig, axes = subplots(len(panels), 1, figsize=(PAGE_WIDTH, sum(heights) + leg_h + 0.1), squeeze=False,
+                         gridspec_kw={"height_ratios": heights})
+    for ax, ((claim, mode), rows) in zip(axes[:, 0], panels.items()):
+        lo, hi = _span(rows, mode, zt) if mode != "rho" else (-1.05, 1.05)
+        if mode == "z":
             lo, hi = min(lo, -zt - 1), max(hi, zt + 1)
             ax.axvspan(-zt, zt, color="0.92", zorder=0)
         ax.set_xlim(lo, hi)
         for i, f in enumerate(rows):
-            c = VERDICT_COLOURS.get(f["verdict"], VERDICT_COLOURS[NOT_RESOLVED])
-            x, half = _x(f, kind, zt)
-            if kind == "rho":
+            c = verdict_of(f["verdict"]).colour
+            x, half = _x(f, mode, zt)
+            if mode == "rho":
                 ax.errorbar([x], [i], xerr=[[x - f["interval_lo"]], [f["interval_hi"] - x]], fmt="o", color=c,
                             ms=4.5, capsize=2.5, lw=1.4)
                 continue
@@ -295,7 +289,7 @@ def overview(findings: list[dict], out: Path) -> bool:
                 ax.plot([x], [i], "o", color=c, ms=4.5)
             per = f.get("per_seed") or []
             if len(per) > 1:
-                unit = 100.0 / f["baseline"] if kind == "rel" else 1.0 / f["se"]
+                unit = 100.0 / f["baseline"] if mode == "rel" else 1.0 / f["se"]
                 ax.plot([p * unit for p in per], [i] * len(per), "d", color=c, mfc="white", ms=3.5, mew=0.9,
                         alpha=0.9)
         n = len(rows)
@@ -306,23 +300,20 @@ def overview(findings: list[dict], out: Path) -> bool:
         right = ax.twinx()
         right.set_ylim(ax.get_ylim())
         right.set_yticks(range(n))
-        right.set_yticklabels([_numbers(f, kind) for f in rows], fontsize=6.5)
+        right.set_yticklabels([_numbers(f, mode) for f in rows], fontsize=6.5)
         right.tick_params(axis="y", length=0)
         refs = " / ".join(sorted({f.get("baseline_of") or "its reference" for f in rows}))
-        title, xlabel = PANEL_TEXT[kind]
-        if all(f.get("family") == "decay" for f in rows) and kind != "rho":
-            title = ("{claim}: each decayed endpoint minus its constant-LR control, as a percentage of {ref}"
-                     if kind == "rel" else "{claim}: each decayed endpoint minus its constant-LR control, as z = "
-                     "difference / uncertainty")
+        title, xlabel = PANEL_TEXT[mode]
+        title = panel_title(rows, mode) or title
         ax.set_title("\n".join(textwrap.wrap(title.format(claim=claim, ref=refs), 95)), fontsize=8.5)
         ax.set_xlabel(xlabel.format(z=zt), fontsize=7.5)
         ax.grid(alpha=0.3, axis="x")
         ax.tick_params(axis="x", labelsize=7)
-    handles = [Line2D([], [], ls="none", marker="o", color=VERDICT_COLOURS[v], ms=5,
-                      label=VERDICT_LEGEND[v].format(z=zt)) for v in shown]
-    if kinds & {"rel", "rho"}:
+    handles = [Line2D([], [], ls="none", marker="o", color=v.colour, ms=5, label=v.legend.format(z=zt))
+               for v in shown]
+    if modes & {"rel", "rho"}:
         bar = " / ".join(x for x, k in ((f"± {zt:g} × uncertainty", "rel"), ("the bootstrap interval", "rho"))
-                         if k in kinds)
+                         if k in modes)
         handles.append(Line2D([], [], color="0.3", marker="o", ms=4, lw=1.4, label=f"bar: {bar}"))
     if seeds:
         handles.append(Line2D([], [], ls="none", marker="d", color="0.3", mfc="white", ms=4, label="one seed"))

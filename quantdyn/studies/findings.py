@@ -22,8 +22,9 @@ scale", whatever its sign; beyond it, "reproduced" when its sign is the one the 
 "opposite" otherwise.  Correlations carry a percentile-bootstrap interval instead of an SE: resolved
 when the interval excludes 0.
 
-Families (FINDING_FAMILIES): decay (paper A a), peak_lr (b), averaging (c), sharpness (d),
-predictors (paper B).  Each returns (finding rows, detail tables for figures and docs).
+Families (studies/families.py FINDING_FAMILIES registers each with its inputs, figure and words): decay (paper
+A a), peak_lr (b), averaging (c), sharpness (d), predictors (paper B).  Each function returns (finding rows,
+detail tables for figures and docs).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from quantdyn.analysis.correlate import CorrelateConfig, correlate, spearman
-from quantdyn.results.schema import number, total_se, uncertainty
+from quantdyn.results.schema import ANALYSIS, FP, PTQ, number
 from quantdyn.results.stats import (  # the verdict words are the findings' too: fd.REPRODUCED ...
     NOT_RESOLVED,
     OPPOSITE,
@@ -54,11 +55,15 @@ from quantdyn.results.stats import (  # the verdict words are the findings' too:
     mean_se,
     paired_difference,
     same_windows,
+    total_se,
+    uncertainty,
     verdict_sign,
 )
 from quantdyn.runs import control_of, is_cooldown
 
 _SEED_SUFFIX = re.compile(r"-s(\d+)$")
+AVERAGED = ("lawa", "ema", "soup")
+"""The ckpt_kind of an averaged checkpoint (LAWA, EMA, a soup)."""
 
 
 # ------------------------------------------------------------------ verdicts (the rule: results/stats.py)
@@ -133,14 +138,20 @@ def dedupe(rows: Iterable[Mapping], repeats: int | None = None) -> list[dict]:
 def with_fp_se(rows: list[dict]) -> list[dict]:
     """PTQ rows with ``ce_fp_se`` from the FP row of the same checkpoint (for unpaired CE(q) differences)."""
     fp = {(r.get("checkpoint"), r.get("run"), r.get("branch"), r.get("step")): r.get("ce_fp_se")
-          for r in rows if r.get("kind") == "fp"}
+          for r in rows if FP.matches(r)}
     return [{**r, "ce_fp_se": fp.get((r.get("checkpoint"), r.get("run"), r.get("branch"), r.get("step")))}
-            if r.get("kind") == "ptq" and "ce_fp_se" not in r else r for r in rows]
+            if PTQ.matches(r) and "ce_fp_se" not in r else r for r in rows]
+
+
+def trained_runs(rows: Sequence[Mapping]) -> list[str]:
+    """The runs whose main checkpoints were trained here (ckpt_kind "checkpoint"), the ones a finding compares:
+    a public trajectory (a hub repo) is measured, never compared with another model's at another peak LR."""
+    return sorted({r["run"] for r in rows if PTQ.matches(r) and r.get("run") and r.get("ckpt_kind") == "checkpoint"})
 
 
 def quantizers_of(rows: Iterable[Mapping], wanted: Sequence[str] = ()) -> list[str]:
     """Swept quantizers, most bits first (``wanted`` restricts and orders them)."""
-    ptq = [r for r in rows if r.get("kind") == "ptq"]
+    ptq = PTQ.select(rows)
     have = {r["quantizer"]: r.get("bits") or 0 for r in ptq}
     if wanted:
         return [q for q in wanted if q in have]
@@ -148,7 +159,7 @@ def quantizers_of(rows: Iterable[Mapping], wanted: Sequence[str] = ()) -> list[s
 
 
 def _ptq(rows, run=None, branch=None, quantizer=None) -> list[dict]:
-    return [r for r in rows if r.get("kind") == "ptq" and (run is None or r.get("run") == run)
+    return [r for r in rows if PTQ.matches(r) and (run is None or r.get("run") == run)
             and (branch is None or r.get("branch") == branch) and (quantizer is None or r.get("quantizer") == quantizer)]
 
 
@@ -411,7 +422,7 @@ def averaging_findings(rows: list[dict], runs: Sequence[str], reference_branch: 
             for r in _ptq(rows, run=run, quantizer=q):
                 if r.get("tokens") != tokens or r is ref:
                     continue
-                if r.get("ckpt_kind") in ("lawa", "ema", "soup"):
+                if r.get("ckpt_kind") in AVERAGED:
                     cands[r["branch"]] = r
                 elif r.get("branch") == "main":
                     cands["main (constant LR, no averaging)"] = r
@@ -452,7 +463,7 @@ def averaging_findings(rows: list[dict], runs: Sequence[str], reference_branch: 
 # ------------------------------------------------------------------ (d) sharpness through a cooldown
 def _analysis(rows, name="hessian") -> dict[tuple, dict]:
     return {(r.get("run"), r.get("branch"), r.get("step")): r for r in rows
-            if r.get("kind") == "analysis" and r.get("analysis") == name}
+            if ANALYSIS.matches(r) and r.get("analysis") == name}
 
 
 def sharpness_findings(rows: list[dict], runs: Sequence[str], quantizers: Sequence[str] = (), z: float = 2.0,
@@ -539,7 +550,7 @@ def final_points(rows: list[dict], runs: Sequence[str], quantizer: str) -> list[
         row = {"run": run, "optimizer": end.get("optimizer"), "n_params": end.get("n_params"),
                "ce_fp": end["ce_fp"], "delta_ce": end["delta_ce"], "delta_ce_se": total_se(end)}
         for r in rows:
-            if r.get("kind") != "analysis" or r.get("run") != run or r.get("branch") != "main" \
+            if not ANALYSIS.matches(r) or r.get("run") != run or r.get("branch") != "main" \
                     or r.get("step") != end.get("step"):
                 continue
             for k, v in r.items():
@@ -682,7 +693,8 @@ def format_decay_table(tables: Sequence[Mapping], across: Sequence[Mapping] = ()
     """The decayed-minus-control comparison as text lines (what `quantdyn demo` and `quantdyn study` print):
     per run, quantizer and cooldown branch, from ``decay_table``; then, from ``seed_summary``, the mean over
     seeds. Every line gives the difference ± its combined uncertainty, z, the parts and the verdict of the
-    one rule (results/stats.py), its numbers with the digits that make z and the verdict agree."""
+    one rule (results/stats.py, as decay_table and seed_summary decided it), its numbers with the digits that
+    make z and the verdict agree."""
     if not tables:
         return []
     lines = ["", "Decayed endpoint minus its constant-LR control (same tokens); ± is the combined uncertainty",
@@ -693,7 +705,7 @@ def format_decay_table(tables: Sequence[Mapping], across: Sequence[Mapping] = ()
     body = [[str(t["run"]), str(t["quantizer"]), str(t["branch"]), f"{t['delta_ce_decayed']:.4f}",
              f"{t['delta_ce_control']:.4f}", estimate_text(t["difference"], t["difference_se"], z),
              _part(t.get("difference_eval_se")), _part(t.get("difference_run_se")), _part(t.get("stable_jitter")),
-             decay_verdict(verdict_sign(t["difference"], t["difference_se"], z), z)] for t in tables]
+             t["verdict"]] for t in tables]
     lines += _aligned(["run", "quantizer", "branch", "ΔCE decayed", "ΔCE control", "difference ± uncertainty (z)",
                        "windows", "run-to-run", "jitter", "verdict"], body, right=(3, 4, 5, 6, 7, 8))
     if across:
@@ -703,8 +715,7 @@ def format_decay_table(tables: Sequence[Mapping], across: Sequence[Mapping] = ()
                  estimate_text(a["difference"], a["difference_se"], z), _part(a.get("within_se")),
                  _part(a.get("run_se")), _part(a.get("jitter_se")), _part(a.get("between_se")),
                  f"{a['min']:+.4f} .. {a['max']:+.4f}",
-                 decay_verdict(verdict_sign(a["difference"], a["difference_se"], z), z)
-                 + ("" if a["same_sign"] else " (seeds disagree in sign)")] for a in across]
+                 a["verdict"] + ("" if a["same_sign"] else " (seeds disagree in sign)")] for a in across]
         lines += _aligned(["family", "quantizer", "branch", "k", "difference ± uncertainty (z)", "windows",
                            "run-to-run", "jitter", "between", "seeds", "verdict"], body, right=(3, 4, 5, 6, 7, 8))
     return lines

@@ -25,6 +25,7 @@ from quantdyn.evaluate.loss import window_losses
 from quantdyn.files import write_json_atomic
 from quantdyn.launch.grid import expand_grid
 from quantdyn.models.hf_io import checkpoint_hash, load_causal_lm
+from quantdyn.results.schema import PTQ
 from quantdyn.results.store import ResultStore
 from quantdyn.runs import SOUP_OF_COOLDOWNS, RunDir, has_weights, lawa_name, latest_resumable
 from quantdyn.runtime import git_sha, hardware, resolve_device
@@ -246,17 +247,17 @@ def run_study(spec: StudySpec | dict, progress: bool = True, echo: Echo = print)
     if ref is not None:
         fp_windows = {}
         for s in summary:
-            ends = [r for r in rows if r.get("kind") == "ptq" and r.get("run") == s["cfg"].name
+            ends = [r for r in rows if PTQ.matches(r) and r.get("run") == s["cfg"].name
                     and r.get("branch") == ref]
             if not ends:
                 continue
             tokens = max(r["tokens"] for r in ends)
-            cks = sorted({r["checkpoint"] for r in rows if r.get("kind") == "ptq" and r.get("run") == s["cfg"].name
+            cks = sorted({r["checkpoint"] for r in rows if PTQ.matches(r) and r.get("run") == s["cfg"].name
                           and r.get("tokens") == tokens})
             fp_windows.update(fp_window_losses(spec, s["run_dir"], cks, report_dir / "fp_windows.json"))
     notes = [f"{name} diverged: {msg}" for name, msg in diverged.items()]
     answer = section.answer(rows, runs, fams, spec.findings, ref, fp_windows, notes, spec.title, to_dict(spec))
-    page = section.write_report_with_findings(store, report_dir, answer_of=answer)
+    page = section.write_report(store, report_dir, answer_of=answer)
     echo("")
     for s in summary:
         mine = [r for r in rows if r.get("run") == s["cfg"].name]

@@ -16,6 +16,7 @@ import json
 
 from quantdyn.analysis.scaling import ScalingFitConfig, fit_by_optimizer
 from quantdyn.errors import QuantdynError
+from quantdyn.results.schema import FP, QAT, SCALING
 from quantdyn.results.store import ResultStore
 from quantdyn.runtime import provenance
 
@@ -29,9 +30,9 @@ def scaling_points(rows: list[dict], by: str = "optim.name", all_checkpoints: bo
     for r in rows:
         if r.get("branch") != "main" or r.get("n_params") is None or r.get("tokens") is None:
             continue
-        if r["kind"] == "fp" and not r.get("qat"):
+        if FP.matches(r) and not r.get("qat"):
             fp.setdefault(r["run"], []).append(r)
-        elif r["kind"] == "qat":
+        elif QAT.matches(r):
             qat.setdefault(r["run"], []).append(r)
     pts = []
     for runs, precision, loss_key in ((fp, "fp", "ce_fp"), (qat, "qat", "ce_q")):
@@ -69,7 +70,7 @@ def fit_scaling(store: str, by: str = "optim.name", all_checkpoints: bool = Fals
             d = fit.as_dict()
             key = hashlib.sha256(json.dumps([g, precision, sorted((p["N"], p["D"], p["loss"]) for p in pts
                                                                   if p["optimizer"] == g)]).encode()).hexdigest()[:24]
-            out.append({"key": key, "kind": "scaling", "by": by, "group": g, "precision": precision,
+            out.append({"key": key, "kind": SCALING.name, "by": by, "group": g, "precision": precision,
                         **{k: v for k, v in d.items() if k != "intervals"},
                         **{f"{k}_lo": v[0] for k, v in d["intervals"].items()},
                         **{f"{k}_hi": v[1] for k, v in d["intervals"].items()},

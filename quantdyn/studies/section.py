@@ -9,8 +9,9 @@ any store's (`quantdyn report`, ``qd.write_report``) alike — and the same line
     summary_lines(answer)        -> what `quantdyn demo`, `quantdyn study` and `quantdyn report` print
     lead_sections(answer, out)   -> the report's first section (verdicts, findings.png, the findings table) and
                                     the families' own figures; writes findings.json and findings.html
-    write_report_with_findings(store_or_run, out)  -> the report with its answer first (report/html.py's
-                                    write_report with this module's lead)
+    write_report(store_or_run, out)  -> the report: its answer first (report/html.py's write_page with this
+                                    module's lead); the one report writer (``qd.write_report``, `quantdyn report`,
+                                    a study's report)
 
 The verdicts are the one rule of :mod:`quantdyn.results.stats`, computed by :mod:`quantdyn.studies.findings`;
 nothing here decides one.
@@ -23,15 +24,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from quantdyn.analysis.correlate import CorrelateConfig
 from quantdyn.config import to_dict
 from quantdyn.files import write_json_atomic, write_text_atomic
-from quantdyn.report.html import Section, write_report
-from quantdyn.results.schema import number, uncertainty
-from quantdyn.results.stats import NOT_RESOLVED, OPPOSITE, REPRODUCED, decay_verdict, format_estimate, verdict_sign
-from quantdyn.runs import control_of, is_cooldown, parse_branch
-from quantdyn.studies import figures
+from quantdyn.report.html import write_page
+from quantdyn.report.sections import Section
+from quantdyn.results.schema import PTQ, number
+from quantdyn.results.stats import NOT_RESOLVED, OPPOSITE, REPRODUCED, format_estimate, uncertainty, verdict_of
+from quantdyn.runs import is_cooldown, parse_branch
 from quantdyn.studies import findings as fd
+from quantdyn.studies.families import FINDING_FAMILIES, FindingInputs, draw_figures, families_in, family_of
 from quantdyn.studies.spec import FindingsSpec
 
 COLUMNS = ("finding", "quantizer", "comparison", "metric", "effect ± uncertainty", "relative", "uncertainty parts",
@@ -45,45 +46,16 @@ CAPTION = ("Each line above is one comparison the rows allow: its effect ± its 
            "a 95 % bootstrap interval that excludes 0 or not). The figure shows the same: each bar spans ± 2 × the "
            "uncertainty, so a bar that crosses 0 is not resolved. How the uncertainty is combined: Uncertainty, at "
            "the end of the page.")
-TONE = {REPRODUCED: "yes", OPPOSITE: "no", NOT_RESOLVED: "unresolved"}
-"""The colour of a verdict on the page (report/html.py TONES)."""
 NO_FINDING = ("No finding", "these rows hold no decayed endpoint with its constant-LR control (cooldown --control), "
               "no peak-LR grid, no weight averages beside a cooldown and no Hessian or outlier analyses, so there is "
               "no claim to give a verdict on; the figures below show what was measured")
-AVERAGED = ("lawa", "ema", "soup")
 
 
 # ------------------------------------------------------------------ what the rows allow
-def families_in(rows: Sequence[Mapping]) -> tuple[str, ...]:
-    """The finding families (studies.spec FINDING_FAMILIES order) whose inputs are in ``rows``: decay (a cooldown
-    branch and its control measured in one run), peak_lr (main runs at two or more peak LRs), averaging (an
-    averaged checkpoint beside a cooldown branch), sharpness (Hessian analyses of a cooldown and its control),
-    predictors (outlier or propagation analyses)."""
-    trained = set(trained_runs(rows))
-    ptq = [r for r in rows if r.get("kind") == "ptq" and r.get("run") in trained]
-    branches = {(r.get("run"), r.get("branch")) for r in ptq}
-    analyses = [r for r in rows if r.get("kind") == "analysis"]
-    has = {
-        "decay": any(is_cooldown(b) and (run, control_of(b)) in branches for run, b in branches),
-        "peak_lr": len({number(r.get("peak_lr")) for r in ptq if r.get("branch") == "main"} - {None}) >= 2,
-        "averaging": any(r.get("ckpt_kind") in AVERAGED for r in ptq) and any(is_cooldown(b) for _, b in branches),
-        "sharpness": any(r.get("analysis") == "hessian" and is_cooldown(r.get("branch")) for r in analyses),
-        "predictors": any(k in fd.OUTLIER_METRICS or k.startswith("prop_") for r in analyses for k in r),
-    }
-    return tuple(f for f in has if has[f])
-
-
-def trained_runs(rows: Sequence[Mapping]) -> list[str]:
-    """The runs whose main checkpoints were trained here (ckpt_kind "checkpoint"), the ones a finding compares:
-    a public trajectory (a hub repo) is measured, never compared with another model's at another peak LR."""
-    return sorted({r["run"] for r in rows if r.get("kind") == "ptq" and r.get("run")
-                   and r.get("ckpt_kind") == "checkpoint"})
-
-
 def reference_branch_in(rows: Sequence[Mapping]) -> str | None:
     """The cooldown branch whose endpoint is "the decayed endpoint" of the averaging finding when no study spec
     names it: the one started latest (a study's default, StudySpec.averaging.reference_from_step)."""
-    cool = {r.get("branch") for r in rows if r.get("kind") == "ptq" and is_cooldown(r.get("branch"))}
+    cool = {r.get("branch") for r in rows if PTQ.matches(r) and is_cooldown(r.get("branch"))}
     parsed = [(p.from_step, b) for b in cool if (p := parse_branch(b)) is not None]
     return max(parsed)[1] if parsed else None
 
@@ -91,26 +63,14 @@ def reference_branch_in(rows: Sequence[Mapping]) -> str | None:
 def compute(rows: list[dict], runs: Sequence[str], families: Sequence[str], spec: FindingsSpec = FindingsSpec(),
             reference_branch: str | None = None, fp_windows: dict[str, list[float]] | None = None
             ) -> tuple[list[dict], dict]:
-    """Every finding family in ``families`` from ``rows`` (studies/findings.py), with the detail tables."""
-    cc = CorrelateConfig(n_boot=spec.n_boot, ci=spec.ci, seed=spec.bootstrap_seed)
-    qs = spec.quantizers
+    """Every finding family in ``families`` (studies/families.py) from ``rows``, with the detail tables."""
+    inputs = FindingInputs(rows, runs, spec, reference_branch, fp_windows)
     out: list[dict] = []
     details: dict = {}
-    for fam in families:
-        if fam == "decay":
-            got = fd.decay_findings(rows, runs, qs, spec.z)
-        elif fam == "peak_lr":
-            got = fd.peak_lr_findings(rows, runs, qs, spec.matched_loss_levels, spec.matched_loss_from, spec.z, cc)
-        elif fam == "averaging":
-            if reference_branch is None:
-                continue
-            got = fd.averaging_findings(rows, runs, reference_branch, quantizers=qs, z=spec.z, fp_windows=fp_windows)
-        elif fam == "sharpness":
-            got = fd.sharpness_findings(rows, runs, qs, spec.z, cc)
-        else:
-            got = fd.predictor_findings(rows, runs, qs, cc)
-        out += got[0]
-        details.update(got[1])
+    for name in families:
+        found, detail = FINDING_FAMILIES.get(name).compute(inputs)
+        out += found
+        details.update(detail)
     return out, details
 
 
@@ -144,16 +104,16 @@ def answer(rows: list[dict], runs: Sequence[str] | None = None, families: Sequen
            fp_windows: dict[str, list[float]] | None = None, notes: Sequence[str] = (), title: str = "",
            spec_dict: dict | None = None) -> Answer:
     """The findings of ``rows`` (a study passes its runs, families and spec; a store's report lets the rows
-    decide: every run trained here (:func:`trained_runs`), :func:`families_in`, the reference branch
+    decide: every run trained here (findings.trained_runs), families.families_in, the reference branch
     :func:`reference_branch_in`)."""
     rows = fd.with_fp_se(fd.dedupe(rows))
     if runs is None:
-        runs = trained_runs(rows)
+        runs = fd.trained_runs(rows)
     fams = tuple(families) if families is not None else families_in(rows)
     ref = reference_branch if reference_branch is not None else reference_branch_in(rows)
     found, details = compute(rows, runs, fams, spec, ref, fp_windows)
     tables = [t for run in runs for t in fd.decay_table(rows, run, spec.z)]
-    reps = Counter(uncertainty(r).repeats for r in rows if r.get("kind") == "ptq" and r.get("delta_ce") is not None)
+    reps = Counter(uncertainty(r).repeats for r in rows if PTQ.matches(r) and r.get("delta_ce") is not None)
     return Answer(found, details, tables, fd.seed_summary(tables, spec.z), spec.z, dict(sorted(reps.items())),
                   tuple(notes), spec_dict if spec_dict is not None else
                   {"families": list(fams), "findings": to_dict(spec), "reference_branch": ref}, title)
@@ -194,7 +154,7 @@ def verdict_sentence(f: Mapping, with_family: bool = False) -> tuple[str, str, s
     "decay raises the error (reproduced)", "yes"). The numbers carry the digits that make z agree with the verdict
     (results.stats.format_estimate). ``with_family``: name the runs the effect is averaged over (several families
     of seeds on one page)."""
-    tone = TONE.get(f["verdict"], "unresolved")
+    tone = verdict_of(f["verdict"]).tone
     q = f.get("quantizer") or ""
     head = (f"{f.get('seed_family')} · " if with_family and f.get("seed_family") else "") + (f"{q}: " if q else "")
     e = number(f.get("effect"))
@@ -208,17 +168,10 @@ def verdict_sentence(f: Mapping, with_family: bool = False) -> tuple[str, str, s
     rel = relative_text(f)
     paren = "; ".join(x for x in (rel, seeds) if x)
     amount = f"{et} ± {st}{_unit(f)}" + (f" ({paren})" if paren else "")
-    if f.get("family") == "decay" and f.get("branch"):
-        sign = verdict_sign(e, f["se"], z)
-        b = f["branch"]
-        if sign > 0:
-            what = f"the decayed endpoint {b} quantizes worse than its constant-LR control by {amount}"
-        elif sign < 0:
-            what = f"the decayed endpoint {b} quantizes better than its constant-LR control by {amount}"
-        else:
-            what = f"the decayed endpoint {b} and its constant-LR control differ by {amount}"
-        return f"{head}{what}, z = {zt}", f"{decay_verdict(sign, z)} — {f['verdict']}", tone
-    return f"{head}{f['comparison']}: {f['metric']} {amount}, z = {zt}", f["verdict"], tone
+    fam = family_of(f)
+    own = fam.sentence(f, amount, z) if fam is not None and fam.sentence is not None else None
+    what, verdict = own if own is not None else (f"{f['comparison']}: {f['metric']} {amount}", f["verdict"])
+    return f"{head}{what}, z = {zt}", verdict, tone
 
 
 def claim_heading(claim: str, found: Sequence[Mapping]) -> str:
@@ -279,38 +232,6 @@ def table_rows(found: Sequence[dict]) -> list[dict]:
     return [{c: cell(f, c) for c in COLUMNS} for f in found]
 
 
-def draw_figures(out: Path, found: list[dict], details: dict) -> dict[str, bool]:
-    """The answer's figure (findings.png) and the families' own; returns which were drawn."""
-    drawn = {"findings.png": figures.overview(found, out / "findings.png")}
-    if details.get("peak_lr"):
-        drawn["findings_peak_lr.png"] = figures.peak_lr(details["peak_lr"], out / "findings_peak_lr.png")
-    if details.get("averaging"):
-        drawn["findings_averaging.png"] = figures.averaging(details["averaging"], out / "findings_averaging.png")
-    if details.get("sharpness"):
-        drawn["findings_sharpness.png"] = figures.sharpness(details["sharpness"], out / "findings_sharpness.png")
-    if any(f.get("family") == "predictors" for f in found):
-        drawn["findings_predictors.png"] = figures.predictors(found, out / "findings_predictors.png")
-    return drawn
-
-
-FAMILY_FIGURES = {
-    "findings_peak_lr.png": ("peak_lr", "A(b) peak LR: Δ CE at matched FP loss",
-                             "Δ CE against FP loss, one colour per peak LR: each run's checkpoints faint, the values "
-                             "interpolated at the FP losses every run reaches marked (mean over seeds)."),
-    "findings_averaging.png": ("averaging", "A(c) weight averages against the decayed endpoint",
-                               "Each average (and the constant-LR main checkpoint) minus the decayed endpoint at "
-                               "equal tokens: Δ CE and CE of the quantized model, one marker per seed ± its "
-                               "uncertainty, the mean as a bar."),
-    "findings_sharpness.png": ("sharpness", "A(d) Hessian trace and top eigenvalue through the cooldowns",
-                               "Hessian trace (± SE), top eigenvalue and Δ CE against tokens: main run (black), "
-                               "cooldown branches (red), constant-LR controls (blue, dashed)."),
-    "findings_predictors.png": ("predictors", "B: which metric predicts the quantization error",
-                                "Spearman ρ of each metric with Δ CE across final checkpoints, 95 % bootstrap "
-                                "intervals, one colour per quantizer."),
-}
-"""The families' figures as report sections: file -> (detail table, title, caption)."""
-
-
 def _lead(a: Answer, drawn: Mapping[str, bool]) -> Section:
     title = TITLE + (f" — {a.title}" if a.title else "")
     if not a.found:
@@ -351,15 +272,15 @@ def lead_sections(a: Answer, out: str | Path) -> list[Section]:
     write_json_atomic(out / "findings.json", {"spec": a.spec, "findings": a.found, "notes": list(a.notes),
                                               "details": a.details})
     write_text_atomic(out / "findings.html", _findings_page(lead, drawn))
-    more = [Section(title, name, list(a.details.get(key) or []), caption)
-            for name, (key, title, caption) in FAMILY_FIGURES.items() if drawn.get(name)]
+    more = [Section(fam.figure.title, fam.figure.file, list(a.details.get(fam.name) or []), fam.figure.caption)
+            for fam in FINDING_FAMILIES.values() if fam.figure is not None and drawn.get(fam.figure.file)]
     return [lead, *more]
 
 
-def write_report_with_findings(store_or_run: str | Path, out_dir: str | Path, store: str | Path | None = None,
-                               extra_sections: Sequence = (), answer_of: Answer | None = None,
-                               echo: Callable[[str], None] | None = None) -> Path:
-    """The report of a store or a run directory (report/html.py's write_report) opening with its answer: the
+def write_report(store_or_run: str | Path, out_dir: str | Path, store: str | Path | None = None,
+                 extra_sections: Sequence = (), answer_of: Answer | None = None,
+                 echo: Callable[[str], None] | None = None) -> Path:
+    """The report of a store or a run directory (report/html.py's write_page) opening with its answer: the
     findings ``answer_of`` holds (a study's), else those the report's rows allow (:func:`answer`). ``echo``:
     where the summary lines go (:func:`summary_lines`; `quantdyn report` prints them). Returns index.html."""
     got: list[Answer] = []
@@ -368,7 +289,7 @@ def write_report_with_findings(store_or_run: str | Path, out_dir: str | Path, st
         got.append(answer_of if answer_of is not None else answer(rows))
         return lead_sections(got[0], out)
 
-    page = write_report(store_or_run, out_dir, store=store, extra_sections=extra_sections, lead=lead)
+    page = write_page(store_or_run, out_dir, store=store, extra_sections=extra_sections, lead=lead)
     if echo is not None:
         for line in summary_lines(got[0]):
             echo(line)

@@ -39,17 +39,10 @@ from quantdyn.quantize.config import parse_quantizer
 from quantdyn.runs import control_branch, cooldown_branch, lawa_name
 from quantdyn.schedules import DECAY_SHAPES
 from quantdyn.sources.trajectory import TrajectoryConfig
+from quantdyn.studies.families import FINDING_FAMILIES
 from quantdyn.studies.scales import SCALES, apply_scale
 from quantdyn.sweep.sweep import SweepConfig
 from quantdyn.train.config import RunConfig
-
-FINDING_FAMILIES = ("decay", "peak_lr", "averaging", "sharpness", "predictors")
-"""Findings a study can compute (see quantdyn/studies/findings.py):
-decay: paper A (a), decayed endpoint minus its constant-LR control;
-peak_lr: paper A (b), Δ CE of the highest minus the lowest peak LR at matched FP loss and at equal steps;
-averaging: paper A (c), LAWA and a soup of cooldown branches against the decayed endpoint at equal tokens;
-sharpness: paper A (d), Hessian trace / top eigenvalue through a cooldown and their correlation with Δ CE;
-predictors: paper B, Spearman of MMR, kurtosis and R_L with PTQ Δ CE across runs."""
 
 _DEFAULT_TRAJECTORY = TrajectoryConfig(run="runs/tiny")
 
@@ -155,8 +148,9 @@ class FindingsSpec:
     """Which findings the study computes, and how an effect counts as resolved."""
 
     compute: tuple[str, ...] = ()
-    """Finding families (decay, peak_lr, averaging, sharpness, predictors); empty = every family whose inputs
-    the study has (StudySpec.finding_families); a family named here must have them."""
+    """Finding families (studies/families.py FINDING_FAMILIES: decay, peak_lr, averaging, sharpness, predictors
+    ...); empty = every family whose inputs the study has (StudySpec.finding_families); a family named here must
+    have them."""
     quantizers: tuple[str, ...] = ()
     """Quantizers the table covers (empty = every swept quantizer)."""
     z: float = 2.0
@@ -253,35 +247,19 @@ class StudySpec:
         if av.reference_from_step and av.reference_from_step not in cd.from_steps:
             raise QuantdynError(f"averaging.reference_from_step={av.reference_from_step} is not one of "
                                 f"cooldowns.from_steps {list(cd.from_steps)}")
-        needs = self._inputs()
         for c in self.findings.compute:
-            ok, what = needs[c]
-            if not ok:
-                raise QuantdynError(f"findings.compute: {c} needs {what}")
+            if not FINDING_FAMILIES.get(c).in_spec(self):
+                raise QuantdynError(f"findings.compute: {c} needs {FINDING_FAMILIES.get(c).needs}")
         if av.lawa and cd.end_step and cd.end_step != at:
             raise QuantdynError(f"averaging: LAWA windows end at step {at} but the cooldown branches at "
                                 f"{cd.end_step}; compare at equal tokens (set averaging.at_step)")
-
-    def _inputs(self) -> dict[str, tuple[bool, str]]:
-        """Per finding family: whether this study has its inputs, and what they are."""
-        cd, av = self.cooldowns, self.averaging
-        keys = [parse_vary(v)[0] for v in self.vary]
-        return {
-            "decay": (cd.enabled and cd.control, "cooldowns with control: true"),
-            "peak_lr": ("optim.lr" in keys, "vary: [\"optim.lr=...\"] with at least two peak LRs"),
-            "averaging": (av.enabled and cd.enabled, "averaging (lawa or soup_cooldowns) and cooldowns"),
-            "sharpness": ("hessian" in self.sweep.analysis, "sweep.analysis with hessian"),
-            "predictors": (bool({"outliers", "propagation"} & set(self.sweep.analysis)),
-                           "sweep.analysis with outliers and/or propagation"),
-        }
 
     @property
     def finding_families(self) -> tuple[str, ...]:
         """The finding families this study computes: findings.compute, or every family it has the inputs for."""
         if self.findings.compute:
             return self.findings.compute
-        inputs = self._inputs()
-        return tuple(c for c in FINDING_FAMILIES if inputs[c][0])
+        return tuple(f.name for f in FINDING_FAMILIES.values() if f.in_spec(self))
 
 
 # --------------------------------------------------------------------- loading

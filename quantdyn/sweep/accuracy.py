@@ -36,6 +36,7 @@ from quantdyn.evaluate.lm_eval_tasks import (
 from quantdyn.evaluate.tasks import BUILTIN_TASKS
 from quantdyn.models.hf_io import checkpoint_hash
 from quantdyn.quantize.config import parse_quantizer, row_fields
+from quantdyn.results.schema import ACCURACY
 from quantdyn.results.schema import calib_hash as calib_identity
 from quantdyn.results.stats import mean_se
 from quantdyn.runtime import provenance, resolve_device
@@ -246,7 +247,7 @@ def accuracy_rows_for_point(
         ids = sorted(v_fp)
         acc_fp, se_fp = mean_se([v_fp[i] for i in ids])
         common = {
-            "kind": "accuracy", **base, "task": task, "task_version": version, **ident.get(task, {}),
+            "kind": ACCURACY.name, **base, "task": task, "task_version": version, **ident.get(task, {}),
             "metric": m, "n": len(ids), "num_fewshot": num_fewshot, "limit": limit, "seed": seed,
             "backend": backend, "lm_eval_version": _lm_eval_version(),
             "acc_fp": acc_fp, "acc_fp_se": se_fp, "metrics_fp": agg_fp, "calib_hash": calib_hash or None,
@@ -289,7 +290,7 @@ def format_accuracy_table(rows: Iterable[dict]) -> str:
     Columns: task, metric, n, quantizer, FP, quantized, drop (FP − quantized)
     with its paired standard error; FP-only rows leave the last ones blank.
     """
-    rows = [r for r in rows if r.get("kind") == "accuracy"]
+    rows = ACCURACY.select(rows)
     if not rows:
         return "(no accuracy rows)"
     header = ("task", "metric", "n", "shots", "quantizer", "FP %", "quant %", "drop %", "± se")

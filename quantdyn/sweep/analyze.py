@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from quantdyn.config import from_dict
+from quantdyn.results.schema import ANALYSIS
 from quantdyn.results.store import ResultStore
 from quantdyn.runs import RunDir
 from quantdyn.sweep.sweep import SweepConfig, run_sweep
@@ -24,7 +25,7 @@ def analyze(
         run_sweep(cfg, progress=progress)
     wanted = {str(Path(c).resolve()) for c in checkpoints}
     for r in ResultStore(store).rows():
-        if r.get("kind") != "analysis":
+        if not ANALYSIS.matches(r):
             continue
         p = Path(r["checkpoint"]).resolve()
         if str(p) in wanted or any(str(p).startswith(w + "/") for w in wanted):

@@ -17,7 +17,7 @@ from quantdyn.errors import QuantdynError
 from quantdyn.models.hf_io import checkpoint_hash
 from quantdyn.quantize.config import parse_quantizer
 from quantdyn.results.schema import calib_hash as calib_identity
-from quantdyn.results.schema import row_key
+from quantdyn.results.schema import INTERPOLATION, row_key
 from quantdyn.results.stats import mean_se
 from quantdyn.runs import RunDir, alpha_name, in_checkpoints, interpolation_name
 from quantdyn.runtime import provenance, resolve_device
@@ -104,7 +104,7 @@ def interpolate_checkpoints(
         h = checkpoint_hash(str(path))
         fp_ce = m.fp_window_ce
         base = {
-            "kind": "interpolation", "alpha": alpha, "run": run_name, "branch": out.name, "checkpoint": str(path),
+            "kind": INTERPOLATION.name, "alpha": alpha, "run": run_name, "branch": out.name, "checkpoint": str(path),
             "checkpoint_hash": h, "endpoint_a": str(a), "endpoint_b": str(b), "ce_fp": float(fp_ce.mean()),
             "ce_fp_se": mean_se(fp_ce)[1], "eval_hash": eval_hash, "calib_hash": calib, "data_key": td.data_hash,
             **provenance(),

@@ -28,6 +28,7 @@ from quantdyn.errors import QuantdynError
 from quantdyn.export import push_to_hub as push
 from quantdyn.models.hf_io import checkpoint_hash
 from quantdyn.quantize.config import QuantConfig, parse_quantizer, quant_preset
+from quantdyn.results.schema import PTQ
 from quantdyn.runtime import git_sha, provenance, resolve_device
 from quantdyn.sources.hub import open_checkpoint
 
@@ -239,7 +240,7 @@ def quantize_one(
     for qc in qcs:
         v = m.quantizations[qc.name]
         rows.append({
-            "kind": "ptq", "checkpoint": model_ref, "checkpoint_hash": ckpt_hash,
+            "kind": PTQ.name, "checkpoint": model_ref, "checkpoint_hash": ckpt_hash,
             **ptq_fields(qc.name, qc, m, cfg, threads, repeats, repeat_vary),
             "calib_data": calib_data, "calib_samples": n_calib_samples, "calib_seq_len": calib_seq_len,
             "eval_data": eval_data or calib_data, "eval_hash": evald.token_hash("val", eval_seq_len, n_windows),

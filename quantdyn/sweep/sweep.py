@@ -35,6 +35,7 @@ from quantdyn.errors import QuantdynError, unknown_name
 from quantdyn.models.hf_io import checkpoint_hash, load_causal_lm
 from quantdyn.progress import progress as counted
 from quantdyn.quantize.config import parse_quantizer
+from quantdyn.results.schema import ANALYSIS, FP, PTQ, QAT
 from quantdyn.results.schema import calib_hash as calib_identity
 from quantdyn.results.schema import row_key
 from quantdyn.results.stats import mean_se
@@ -117,8 +118,9 @@ class SweepConfig:
     directory is on tmpfs) | memory | disk."""
     logits_budget_mb: int = 16
     """Largest logits tensor of one variant (MiB): the evaluation head works in slices of windows that fit it."""
-    layer_diagnostics: bool = True
-    """RTN also runs the calibration set, for per-layer loss diagnostics; false skips those passes."""
+    layer_diagnostics: bool = False
+    """Per-layer output errors for every quantizer, and for that calibration passes of RTN (its layer_loss_sum);
+    off by default: they cost a calibration forward per RTN variant and the products (MeasureConfig)."""
     analysis: tuple[str, ...] = ()
     """Extra per-checkpoint metrics: hessian, outliers, propagation."""
     analysis_budget: AnalysisConfig = field(default_factory=AnalysisConfig)
@@ -145,9 +147,12 @@ class SweepConfig:
     eval_group: int = 8
     """Quantizers measured in one streamed pass over a checkpoint, sharing the FP forward (each adds one
     activation stream, not a model copy; more quantizers take several passes)."""
-    noise_floor: bool = True
-    """Measure each checkpoint's bf16 noise floor with its FP row (one extra block pass, engine/noise_floor.py):
-    the fp row stores it (floor_<field>), every ptq row says whether its Δ CE sits inside it."""
+    noise_floor: bool | None = None
+    """Measure each checkpoint's bf16 noise floor with its FP row (engine/noise_floor.py): the fp row stores it
+    (floor_<field>), every ptq row says whether its Δ CE sits inside it. None (default): where the blocks compute in
+    float32, where it costs one extra block pass; not where they compute in bf16/fp16 (a bf16 checkpoint on a GPU or
+    a CPU with bf16 units), where its blocks run in float32 and cost more than the rest of the measurement
+    (BENCHMARKS.md, "The floor"): true measures it there too."""
     detailed_metrics: bool = True
     """KL percentiles and reverse KL, top-K agreement, Δp, correlation, KL by confidence and per-block error maps
     in every row (MeasureConfig.detailed_metrics); false: only CE, mean KL and top-1 agreement."""
@@ -334,7 +339,7 @@ def _stored_floor(ctx: _SweepContext, fp_key: str) -> dict:
     """The noise floor an fp row already stored carries ({} when it has none: written before the floor)."""
     if ctx.stored_floors is None:
         ctx.stored_floors = {r["key"]: {k: v for k, v in r.items() if k.startswith("floor_")}
-                             for r in ctx.store.rows() if r.get("kind") == "fp"}
+                             for r in ctx.store.rows() if FP.matches(r)}
     return ctx.stored_floors.get(fp_key, {})
 
 
@@ -406,26 +411,26 @@ def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
                     if label in collect else None) if collect else None
         m = measure(weights, variants, ctx.eval_ids, calib, device=ctx.device, cfg=ctx.mcfg, on_layer=on_layer,
                     on_block=(lambda line: ctx.block_echo(f"{p.ref}: pass {g + 1}/{len(groups)} {line}"))
-                    if ctx.block_echo else None, noise_floor=cfg.noise_floor and g == 0 and fp_pending)
+                    if ctx.block_echo else None, noise_floor=cfg.noise_floor if g == 0 and fp_pending else False)
         if g == 0 and fp_pending:
             floor = floor_fields(m.noise_floor)
         base["n_params"] = m.n_params
         rows = []
         if g == 0 and fp_pending:
             fp_ce = m.fp_window_ce
-            rows.append({"key": fp_key, "kind": "fp", **base, "ce_fp": float(fp_ce.mean()),
+            rows.append({"key": fp_key, "kind": FP.name, **base, "ce_fp": float(fp_ce.mean()),
                          "ce_fp_se": mean_se(fp_ce)[1],
                          "n_windows": len(fp_ce), "compute_dtype": m.dtype, **floor, **provenance()})
         if "__qat__" in variants:
             tr = variants["__qat__"]
             qc = tr.cfg
-            rows.append({"key": qat_key, "kind": "qat", **base, "quantizer": tr.name, "method": f"qat-{qc.method}",
+            rows.append({"key": qat_key, "kind": QAT.name, **base, "quantizer": tr.name, "method": f"qat-{qc.method}",
                          "bits": qc.w_bits, "a_bits": qc.a_bits or 0, "quant_config": to_dict(qc),
                          **m.metrics["__qat__"], "t_load": t_load, "compute_dtype": m.dtype, **provenance()})
         threads = cfg.quantize_threads if ctx.device.type == "cpu" else 0
         for label in group:
             if q_keys[label] not in ctx.done:
-                rows.append({"key": q_keys[label], "kind": "ptq", **base,
+                rows.append({"key": q_keys[label], "kind": PTQ.name, **base,
                              **ptq_fields(label, ctx.qcfgs[label], m, ctx.mcfg, threads, cfg.quant_repeats,
                                           cfg.repeat_vary, floor), "t_load": t_load,
                              **provenance()})
@@ -445,7 +450,7 @@ def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
             continue
         vals = analysis_rows(name, weights, ctx.data, ctx.calib_draws[0], ctx.eval_ids, ctx.prop_q, cfg.analysis_budget,
                              device=ctx.device, mcfg=ctx.mcfg)
-        written += len(ctx.store.append_new([{"key": key, "kind": "analysis", "analysis": name, **base, **vals,
+        written += len(ctx.store.append_new([{"key": key, "kind": ANALYSIS.name, "analysis": name, **base, **vals,
                                                **provenance()}]))
     return written, skipped
 
