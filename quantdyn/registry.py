@@ -93,7 +93,7 @@ class Registry(Generic[T]):
         return list(self._entries.values())
 
     def __contains__(self, name: object) -> bool:
-        return name in self._entries or self._family(name) is not None
+        return self._family(name) is not None or name in self._entries  # a family name loads nothing
 
     def __iter__(self) -> Iterator[str]:
         return iter(sorted(self._entries))

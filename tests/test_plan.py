@@ -175,3 +175,16 @@ def test_registry_families_make_entries_on_first_use_and_are_not_listed():
         r.add_family("fam:", len, str)
     with pytest.raises(QuantdynError, match="unknown thing 'plan'"):
         r.get("plan")
+
+
+def test_declaring_the_plan_families_loads_no_quantizer_and_no_torch():
+    """plan: and auto@ are declared with QUANTIZERS (quantize/config.py) without importing their module or the
+    built-in quantizers: label parsing of every other label stays torch-free (tests/test_quiet_start.py)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from quantdyn.quantize.config import QUANTIZERS, parse_quantizer; parse_quantizer('gptq4'); "
+            "print('auto@4:q4_0,q8_0' in QUANTIZERS, 'plan:x.json' in QUANTIZERS, QUANTIZERS.loaded, "
+            "'torch' in sys.modules, 'quantdyn.quantize.plan' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["True", "True", "False", "False", "False"], out.stderr[-2000:]

@@ -87,3 +87,16 @@ def test_sensitivity_map_and_decay_gains(tmp_path):
     assert top["stable_jitter"] is not None  # the stable phase's scatter is part of the uncertainty
     found = sections(rows, tmp_path)
     assert [f[1] for f in found] == ["sensitivity_r.png", "sensitivity_decay_r.png"]
+
+
+def test_the_map_is_a_registered_report_section_asked_only_with_sensitivity_rows(tmp_path):
+    import quantdyn.report.contents  # noqa: F401  (registers the report's sections)
+    from quantdyn.report.palette import Palette
+    from quantdyn.report.sections import REPORT_SECTIONS, Page, page_sections
+
+    section = REPORT_SECTIONS.get("sensitivity")
+    assert section.kind is SENSITIVITY
+    rows = _sens_rows()
+    page = Page(rows, tmp_path, Palette.for_rows(rows))
+    assert [s.figure for s in page_sections(page)] == ["sensitivity_r.png", "sensitivity_decay_r.png"]
+    assert not section.applies(Page([r for r in rows if not SENSITIVITY.matches(r)], tmp_path, page.palette))

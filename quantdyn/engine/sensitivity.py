@@ -26,7 +26,7 @@ From s every estimate follows without touching the model again: a tensor alone (
 with all their interactions (½ mean (Σ s)²: a block's attention, its MLP, the whole model at one type) and any
 plan. Cost: one forward pass, ``draws`` backward passes through every block (each: a forward with graph and a
 backward), one pass for the statistics, and the candidate types' quantizations; measured against one ordinary
-measurement in bench/sensitivity_cost.py. It is validated against true single-tensor measurements (a whole
+measurement in bench/allocation.py. It is validated against true single-tensor measurements (a whole
 ``measure`` per tensor, with every other tensor in f16) in tests/test_sensitivity.py.
 
 The proxies beside it, for each (tensor, type): ``layer_loss`` = ½ tr(ΔW H ΔWᵀ) with H = 2/n Σ x xᵀ of the FP
