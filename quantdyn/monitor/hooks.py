@@ -36,8 +36,8 @@ def monitor_for(cfg: RunConfig, data: TokenData | None = None) -> PTQMonitor | N
         eval_ids=lambda: source().eval_windows(T, mon.eval_windows),
         calib_ids=lambda: source().calib_windows(mon.calib_samples, T, seed=0),
         every=mon.every,
-        n_eval_windows=mon.eval_windows,
-        n_calib_samples=mon.calib_samples,
+        eval_windows=mon.eval_windows,
+        calib_samples=mon.calib_samples,
     )
 
 
