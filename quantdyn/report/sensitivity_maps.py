@@ -36,9 +36,14 @@ def _of_run(rows: list[dict], run: str) -> list[dict]:
     return [r for r in SENSITIVITY.select(rows) if r.get("run") == run]
 
 
+def _group_order(group: str) -> tuple[int, str]:
+    """'10.mlp' -> (10, 'mlp'): groups in block order (block 10 after block 2)."""
+    block, _, kind = group.partition(".")
+    return int(block), kind
+
+
 def _groups(rows: list[dict]) -> list[str]:
-    names = {r["tensor"] for r in rows if r.get("scope") == "group"}
-    return sorted(names, key=lambda g: (int(g.split(".")[0]), g.split(".", 1)[1]))
+    return sorted({r["tensor"] for r in rows if r.get("scope") == "group"}, key=_group_order)
 
 
 def _types(rows: list[dict]) -> list[str]:
@@ -156,7 +161,7 @@ def decay_gain_figure(table: list[dict], run: str, out: Path) -> bool:
     fig, axes = subplots(1, len(branches), figsize=(PAGE_WIDTH, min(MAX_HEIGHT, 1.2 + 0.18 * n_groups)),
                          squeeze=False)
     for ax, b in zip(axes[0], branches):
-        rs = sorted([r for r in table if r["branch"] == b and r["type"] == t0], key=lambda r: r["group"])
+        rs = sorted([r for r in table if r["branch"] == b and r["type"] == t0], key=lambda r: _group_order(r["group"]))
         y = np.arange(len(rs))
         rel = [r["difference"] / r["kl_control"] if r["kl_control"] else np.nan for r in rs]
         err = [2 * r["difference_se"] / r["kl_control"] if r["kl_control"] else np.nan for r in rs]
