@@ -182,7 +182,7 @@ def fp_window_losses(spec: StudySpec, run_dir: Path, checkpoints: list[str], cac
         key = f"{checkpoint_hash(ck)}:{eh}"
         if key not in stored:
             model = load_causal_lm(ck, device=device)
-            stored[key] = [round(float(v), 7) for v in window_losses(model, ids, batch_size=sw.batch_size)]
+            stored[key] = [round(float(v), 7) for v in window_losses(model, ids, batch_size=sw.engine.batch_size)]
             changed = True
         out[ck] = stored[key]
     if changed:
