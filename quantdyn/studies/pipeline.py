@@ -29,6 +29,7 @@ from quantdyn.results.schema import PTQ
 from quantdyn.results.store import ResultStore
 from quantdyn.runs import SOUP_OF_COOLDOWNS, RunDir, has_weights, lawa_name, latest_resumable
 from quantdyn.runtime import git_sha, hardware, resolve_device
+from quantdyn.sources.presets import as_hub_ref
 from quantdyn.sources.trajectory import TrajectoryConfig
 from quantdyn.studies import findings as fd
 from quantdyn.studies import section
@@ -52,6 +53,8 @@ def plan_runs(spec: StudySpec) -> list[RunConfig]:
     out = []
     for name, d in combos:
         cfg = from_dict(RunConfig, d)
+        if cfg.model.hf:  # a preset point: the hub id@revision it names
+            cfg = replace(cfg, model=replace(cfg.model, hf=as_hub_ref(cfg.model.hf)))
         if spec.seeds:
             out += [replace(cfg, seed=int(s), name=f"{name}-s{s}") for s in spec.seeds]
         else:
