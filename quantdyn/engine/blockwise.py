@@ -25,8 +25,9 @@ from quantdyn.errors import QuantdynError
 from quantdyn.models.adapters import get_weight, set_weight
 from quantdyn.models.gpt import GPT
 from quantdyn.quantize.config import QUANTIZERS, QuantConfig, TensorSite, config_for_tensor, grid_bits_per_weight
-from quantdyn.quantize.gptq import ActStats, stats_update
+from quantdyn.quantize.gptq import ActStats
 from quantdyn.quantize.primitives import QuantResult, num_threads
+from quantdyn.quantize.rotation import fold_stats, hadamard_seed, quantize_rotated, rotated_act_quant
 
 BlockArgs = tuple[tuple, dict]
 """The arguments of one block call besides the hidden states: (positional rest, keyword)."""
@@ -201,18 +202,23 @@ def quantize_layer(name: str, module: nn.Module, stats: ActStats | None, cfg: Qu
 
     A format that chooses per tensor (llama.cpp's mixes and shape fallbacks) resolves ``cfg`` for ``site``
     first; the choice lands in ``res.diagnostics`` (``quantizer_method`` and the format's notes). A format
-    with activation quantization (W8A8) also gets a forward pre-hook on ``module`` that fake-quantizes its input."""
+    with activation quantization (W8A8) also gets a forward pre-hook on ``module`` that fake-quantizes its input.
+    With ``+had`` the weight is quantized as Q(W R) from the rotated statistics and the module holds Q(W R) Rᵀ
+    (quantize/rotation.py); activation quantization then quantizes x R."""
     W = get_weight(module).detach().to(torch.float32, copy=True)  # one copy (bf16 -> fp32 is already one)
     act_quant = QUANTIZERS.get(cfg.method).act_quant
     cfg, notes = config_for_tensor(cfg, site or TensorSite(name, 0, 1, tuple(W.shape)))
     fn = QUANTIZERS.get(cfg.method).fn
+    seed = hadamard_seed(cfg)
     with num_threads(threads):
-        res = fn(W, stats, cfg)
+        res = fn(W, stats, cfg) if seed is None else quantize_rotated(fn, W, stats, cfg, name)
     if not torch.isfinite(res.weight).all():
         raise QuantdynError(f"quantizing '{name}' produced NaN/Inf; raise damp_percent or check the calibration data")
     res.diagnostics.update(notes)
     set_weight(module, res.weight)
     if act_quant is not None:
+        if seed is not None:
+            act_quant = rotated_act_quant(act_quant, seed)
         module.register_forward_pre_hook(lambda m, args: (act_quant(args[0]).to(args[0].dtype), *args[1:]))
     return res, W
 
@@ -265,7 +271,7 @@ def quantize_block(block: nn.Module, groups: list[list[tuple[str, nn.Module]]], 
         stats: dict[str, ActStats | None] = {name: None for name, _ in grp}
         if inputs is not None:
             with time_phase(timer, "calib_forward"):
-                shared = _collect_stats(block, grp, inputs, args_of, need_abs, stats)
+                shared = _collect_stats(block, grp, inputs, args_of, need_abs, stats, hadamard_seed(cfg))
             for name, first in shared.items():
                 stats[name] = stats[first]
         for name, m in grp:
@@ -284,7 +290,8 @@ def quantize_block(block: nn.Module, groups: list[list[tuple[str, nn.Module]]], 
 
 
 def _collect_stats(block: nn.Module, grp: list[tuple[str, nn.Module]], inputs: Sequence[torch.Tensor],
-                   args_of: Callable[[int], BlockArgs], need_abs: bool, stats: dict) -> dict[str, str]:
+                   args_of: Callable[[int], BlockArgs], need_abs: bool, stats: dict,
+                   rotation_seed: int | None = None) -> dict[str, str]:
     """Run the block on every calibration batch, folding each layer's input into ``stats[name]``; returns
     {layer: earlier layer} for the layers whose input was, in every batch, the same tensor object as that
     earlier layer's (their statistics are that layer's, accumulated once)."""
@@ -303,7 +310,7 @@ def _collect_stats(block: nn.Module, grp: list[tuple[str, nn.Module]], inputs: S
                                 "calibration batch but not in another; the block's forward is not deterministic")
         if same_as is None:
             seen[id(inp[0])] = (inp[0], name)
-            stats[name] = stats_update(stats[name], x, need_abs=need_abs)
+            stats[name] = fold_stats(stats[name], x, need_abs, rotation_seed)
 
     handles = [m.register_forward_hook(lambda mod, inp, out, name=name: hook(mod, inp, out, name)) for name, m in grp]
     try:

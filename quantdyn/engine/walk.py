@@ -58,7 +58,7 @@ from quantdyn.errors import QuantdynError
 from quantdyn.evaluate.quant_error import HiddenError
 from quantdyn.models.adapters import model_type_of
 from quantdyn.quantize.config import QUANTIZERS, BlockTransform, QuantConfig, TensorSite, parse_quantizer
-from quantdyn.quantize.gptq import stats_update
+from quantdyn.quantize.rotation import fold_stats, hadamard_seed
 from quantdyn.quantize.primitives import QuantResult, num_threads
 
 log = logging.getLogger("quantdyn")
@@ -356,7 +356,7 @@ def walk(
                 if label in qcal:
                     with timer("calib_forward"):
                         for i in range(len(qcal[label])):
-                            stats = stats_update(stats, norm(qcal[label][i]), need_abs=qc.method == "awq")
+                            stats = fold_stats(stats, norm(qcal[label][i]), qc.method == "awq", hadamard_seed(qc))
                 with timer("quantize_layers"):
                     site = TensorSite(adapter.head, -1, len(blocks), tuple(qhead.weight.shape))
                     res, W = quantize_layer(adapter.head, qhead, stats, qc, cfg.layer_threads, site)

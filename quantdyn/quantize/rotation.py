@@ -38,12 +38,15 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import time
 from functools import lru_cache
+from typing import Callable
 
 import torch
 
 from quantdyn.errors import QuantdynError
 from quantdyn.quantize.gptq import ActStats, stats_update
+from quantdyn.quantize.primitives import QuantResult
 
 # ----------------------------------------------------------------------------- Hadamard matrices
 
@@ -260,3 +263,40 @@ def fold_stats(stats: ActStats | None, x: torch.Tensor, need_abs: bool, seed: in
     out = stats_update(stats, x, need_abs=False)
     a = rotate(x.reshape(-1, x.shape[-1]).float(), seed).abs().sum(0, dtype=torch.float64)
     return dataclasses.replace(out, abs_sum=a if stats is None else stats.abs_sum + a)
+
+
+# ----------------------------------------------------------------------------- a rotated layer
+
+
+def hadamard_seed(cfg) -> int | None:
+    """The sign seed of a config's per-layer rotation (``+had``), None without one."""
+    return cfg.rotation_seed if cfg.hadamard else None
+
+
+def quantize_rotated(fn: Callable[..., QuantResult], W: torch.Tensor, stats: ActStats | None, cfg,
+                     where: str) -> QuantResult:
+    """``fn`` (a registered quantizer) applied to W R with the rotated statistics; the result's ``weight`` is
+    rotated back, Q(W R) Rᵀ: the layer's function (x R) Q(W R)ᵀ as one weight, with no online rotation
+    (QuantResult.rotation_seed says its codes are of W R). ``where`` names the layer in errors."""
+    seed = cfg.rotation_seed
+    m = check_width(W.shape[1], where)
+    t0 = time.perf_counter()
+    Wr = rotate(W, seed)
+    stats_r = rotate_stats(stats, seed)
+    t_rot = time.perf_counter() - t0
+    res = fn(Wr, stats_r, cfg)
+    t0 = time.perf_counter()
+    weight = rotate(res.weight.to(W.dtype), seed, inverse=True)
+    t_rot += time.perf_counter() - t0
+    notes = {"rotation": "had", "rotation_seed": seed, "hadamard_factor": m, "rotation_seconds": t_rot}
+    return dataclasses.replace(res, weight=weight, rotation_seed=seed, diagnostics={**res.diagnostics, **notes})
+
+
+def rotated_act_quant(act_quant: Callable[[torch.Tensor], torch.Tensor], seed: int
+                      ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Activation fake quantization of the rotated input: x -> A(x R) Rᵀ. With the module holding Q(W R) Rᵀ the
+    layer computes A(x R) Q(W R)ᵀ, what a deployment computes with its online rotation."""
+    def aq(x: torch.Tensor) -> torch.Tensor:
+        xr = rotate(x.float(), seed)
+        return rotate(act_quant(xr).float(), seed, inverse=True)
+    return aq
