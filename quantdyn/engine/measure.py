@@ -45,6 +45,7 @@ from quantdyn.evaluate.quant_error import TOP_K, ErrorTokens, FPLogits, FPTokens
 from quantdyn.models.weights import CheckpointWeights
 from quantdyn.quantize.config import QuantConfig, parse_quantizer
 from quantdyn.quantize.primitives import QuantResult
+from quantdyn.quantize.residual_rotation import check_rotations
 from quantdyn.sources.hub import open_checkpoint
 
 log = logging.getLogger("quantdyn")
@@ -226,6 +227,7 @@ def measure(
     if propagation_ids is not None:
         probes["prop"] = propagation_ids
     source = _source(model, compute_dtype_of(cfg.dtype), device)
+    check_rotations(source.model, variants.values())  # +had widths, +r1 architectures: one line before any work
     stream_budget = check_budget(source, parse_bytes(cfg.max_memory))
     threads = cfg.quantize_threads if device.type == "cpu" else None
     wcfg = WalkConfig(calib_batch_size=cfg.calib_batch_size, probe_batch_size=cfg.batch_size,

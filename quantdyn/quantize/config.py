@@ -454,7 +454,7 @@ def _split_rotation(text: str, spec: str) -> tuple[str, dict[str, Any]]:
             fields["rotation_seed"] = int(m[1])
         else:
             raise QuantdynError(f"unknown rotation '+{t}' in quantizer '{spec}'{did_you_mean(t, ['had', 'r1', 'seed'])}"
-                                f"; write <quantizer>+had (Hadamard on every layer's input), +r1 (residual stream), "
+                                f"; rotations come last: <quantizer>+had (Hadamard on every layer's input), +r1 (residual stream), "
                                 f"+seed<N> (the signs' seed), e.g. rtn4+had, gptq3+had+r1+seed1")
     if tokens and not base:
         raise QuantdynError(f"quantizer '{spec}' has a rotation but no quantizer before it; write e.g. rtn4+had")
