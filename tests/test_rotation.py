@@ -281,3 +281,11 @@ def test_quantize_refuses_in_one_line_and_writes_nothing(hf_models, tmp_path, cl
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert re.search(msg, r.stderr), r.stderr
         assert not (tmp_path / "o").exists()
+
+
+def test_sweep_refuses_a_rotation_the_model_cannot_take_before_any_work(tiny_checkpoint, tmp_path, cli):
+    store = tmp_path / "store"
+    r = cli("sweep", "--checkpoint", str(tiny_checkpoint), "--quantizers", "rtn4,rtn4+r1", "--store", str(store),
+            "--quiet")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "quantdyn-gpt normalises with LayerNorm" in r.stderr and not store.exists()
