@@ -1,6 +1,7 @@
 """GPTQ speed: quantdyn vs a textbook column-by-column GPTQ vs the reference.
 
     .venv/bin/python bench/gptq_speed.py [--reference-dir /tmp/gptqref] [--quick]
+    .venv/bin/python bench/gptq_speed.py --batched          # gptq_batch against one gptq() per weight
     python3 bench/gptq_speed.py --device cuda --model-sizes 160m,1b --n-calib 128 --seq-len 2048   # a GPU
 
 Per layer (pythia-70m shapes, W random, H from correlated random inputs):
@@ -13,9 +14,14 @@ pythia-70m-shaped quantdyn GPT at 1 and 2 threads. Everything is printed as
 seconds and ratios from one run of this script (per-layer numbers: best of
 ``--repeat`` calls; on a shared machine they are noisy).
 
+``--batched``: several weights in one column loop (``gptq_batch``: gptq4 and gptq3 of Pythia-160M's layers, each
+with its own Hessian; SmolLM-135M's q/k/v and gate/up, which share one) against one ``gptq`` call per weight, with
+a check that the codes are the same.
+
 ``--device cuda``: the per-layer times on the GPU (threads do not apply; the textbook version is
 skipped), then whole-model GPTQ 4-bit g128 of each ``--model-sizes`` shape (Pythia shapes with
-random weights, the model kept on the GPU) with its seconds and the GPU's peak memory.
+random weights, the model kept on the GPU) with its seconds and the GPU's peak memory; the batched cases above,
+each also with the column loop as CUDA graphs.
 """
 from __future__ import annotations
 
@@ -169,6 +175,77 @@ def bench_model_device(args, device: torch.device, size: str, graph: bool = Fals
     return out
 
 
+BATCH_CASES = {
+    # pythia-160m's four linears, gptq4 and gptq3 of each, each quantizer with its own Hessian (in a sweep every
+    # quantizer calibrates on its own stream): two stacks of one weight side by side (WalkConfig.batch_quantizers)
+    "160m qkv x2q": [(2304, 768)], "160m dense x2q": [(768, 768)], "160m h_to_4h x2q": [(3072, 768)],
+    "160m 4h_to_h x2q": [(768, 3072)],
+    # SmolLM-135M's q/k/v and gate/up: one input, one Hessian (stacked rows), for gptq4 and gptq3
+    "135m q/k/v x2q": [(576, 576), (192, 576), (192, 576)], "135m gate/up x2q": [(1536, 576), (1536, 576)],
+}
+
+
+def batch_problems(shapes: list[tuple[int, int]], device: torch.device) -> list[tuple]:
+    """gptq4 and gptq3 of weights of ``shapes`` that share one input (one Hessian per quantizer)."""
+    C = shapes[0][1]
+    _, H4 = layer_inputs(8, C, seed=1)
+    _, H3 = layer_inputs(8, C, seed=2)
+    Ws = [layer_inputs(R, C, seed=10 + i)[0] for i, (R, _) in enumerate(shapes)]
+    return [(W.to(device), H.to(device), QuantConfig(bits=b, group_size=128)) for H, b in ((H4, 4), (H3, 3))
+            for W in Ws]
+
+
+def bench_batched(args, device: torch.device) -> list[dict]:
+    """Seconds of one gptq() call per weight against one gptq_batch call for all of them (the same bits, checked),
+    and on a GPU each with the column loop as CUDA graphs. On a CPU at one thread (the engine's default)."""
+    from quantdyn.quantize.gptq import gptq_batch
+
+    graphs = device.type == "cuda"
+    cases = dict(list(BATCH_CASES.items())[:2]) if args.quick else BATCH_CASES
+    print(f"\nbatched GPTQ on {device} (best of {args.repeat}, seconds): one gptq() per weight | one gptq_batch call"
+          + (" | the same with CUDA graphs" if graphs else ""))
+    rows = []
+    for name, shapes in cases.items():
+        problems = batch_problems(shapes, device)
+        gptq_batch(problems[:1])  # warm-up
+
+        def each(graph: bool):
+            out = [gptq(*p, cuda_graph=graph) for p in problems]
+            _sync(device)
+            return out
+
+        def batched(graph: bool):
+            out = gptq_batch(problems, cuda_graph=graph)
+            _sync(device)
+            return out
+        with num_threads(1) if device.type == "cpu" else contextlib.nullcontext():
+            t_each = t_batch = cpu_each = cpu_batch = float("inf")
+            for _ in range(args.repeat):  # interleaved; on a CPU also the thread's CPU seconds (steadier when shared)
+                c0 = time.thread_time()
+                t, ref = timed(lambda: each(False))
+                c1 = time.thread_time()
+                t_each, cpu_each = min(t_each, t), min(cpu_each, c1 - c0)
+                t, got = timed(lambda: batched(False))
+                t_batch, cpu_batch = min(t_batch, t), min(cpu_batch, time.thread_time() - c1)
+            row = {"case": name, "weights": len(problems), "device": str(device), "each_s": t_each, "batch_s": t_batch,
+                   "batch_over_each": t_batch / t_each,
+                   "same_codes": all(torch.equal(a.codes, b.codes) for a, b in zip(got, ref))}
+            if device.type == "cpu":
+                row |= {"each_cpu_s": cpu_each, "batch_cpu_s": cpu_batch, "batch_over_each_cpu": cpu_batch / cpu_each}
+            if graphs:
+                t_each_g, _ = timed(lambda: each(True), args.repeat)
+                t_batch_g, got_g = timed(lambda: batched(True), args.repeat)
+                row |= {"each_graph_s": t_each_g, "batch_graph_s": t_batch_g, "each_over_batch_graph": t_each / t_batch_g,
+                        "same_codes_graph": all(torch.equal(a.codes, b.codes) for a, b in zip(got_g, ref))}
+        print(f"{name:>18} {len(problems):>2} weights  {t_each:8.3f} | {t_batch:8.3f} ({t_batch / t_each:.2f}x)"
+              + (f", CPU {cpu_each:.3f} | {cpu_batch:.3f} ({cpu_batch / cpu_each:.2f}x)" if device.type == "cpu" else "")
+              + (f" | {row['each_graph_s']:8.3f} | {row['batch_graph_s']:8.3f} (eager each / batched graph "
+                 f"{row['each_over_batch_graph']:.1f}x)" if graphs else "") + f"  same codes: {row['same_codes']}",
+              flush=True)
+        rows.append(row)
+    return rows
+
+
 def bench_layers(args, ref) -> list[dict]:
     cfg = QuantConfig(bits=4, group_size=128)
     rows = []
@@ -246,6 +323,8 @@ def main() -> None:
     p.add_argument("--cuda-graph", action="store_true", help="--device cuda: the whole models with GPTQ's column "
                    "loop as CUDA graphs (QUANTDYN_GPTQ_CUDA_GRAPH=1; per layer both ways are timed anyway)")
     p.add_argument("--calib-batch", type=int, default=8, help="calibration sequences per forward")
+    p.add_argument("--batched", action="store_true", help="only the batched column loop (gptq_batch) against one "
+                   "gptq() per weight (on --device cuda it runs anyway, with and without CUDA graphs)")
     args = p.parse_args()
     if args.quick:
         args.n_calib, args.seq_len, args.repeat, args.no_textbook = 4, 64, 1, True
@@ -255,6 +334,8 @@ def main() -> None:
     if args.device == "cuda" or args.model_sizes:
         device = torch.device(args.device)
         figures = {"layers": bench_layers_device(args, device)}
+        if args.batched or device.type == "cuda":
+            figures["batched"] = bench_batched(args, device)
         if not args.no_model:
             sizes = (args.model_sizes or "70m").split(",")
             graph = device.type == "cuda" and args.cuda_graph
@@ -262,6 +343,11 @@ def main() -> None:
         from common import record
 
         record("gptq_speed", figures, args)
+        return
+    if args.batched:  # the batched column loop against one call per weight, on this CPU
+        from common import record
+
+        record("gptq_speed", {"batched": bench_batched(args, torch.device("cpu"))}, args)
         return
     ref = load_reference(args.reference_dir) if args.reference_dir else None
     figures = {"layers": bench_layers(args, ref)}

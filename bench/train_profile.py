@@ -211,6 +211,17 @@ def main(argv: list[str] | None = None) -> int:
     fpt = flops_per_token(mcfg, a.seq)
     t_start = time.perf_counter()
     results = []
+    from common import _git_sha, results_path, write_results
+
+    doc = {"device": gpu, "git_sha": _git_sha(), "preset": a.preset, "seq": a.seq, "flops_per_token": fpt,
+           "peak_tflops": peak, "compile": not a.no_compile, "dry_run": a.dry_run, "variants": results}
+    root = Path(a.results_dir) if a.results_dir else None
+    path = results_path(root, name="train_profile", suffix="dry" if a.dry_run else "")
+
+    def save() -> None:  # after every variant: a run stopped at its time limit keeps what it measured
+        write_results("train_profile", doc, out=path)
+        if os.environ.get("OUT"):  # the device tool's folder: what comes back from a GPU machine
+            shutil.copy(path, Path(os.environ["OUT"]) / path.name)
     for name in names:
         if a.budget_s and time.perf_counter() - t_start > a.budget_s:
             results.append({"variant": name, "status": "not started (budget)"})
@@ -219,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                         profile_steps=a.profile_steps if name == a.profile_variant else 0)
         r["mfu"] = fpt * r["tokens_per_s"] / (peak * 1e12) if peak else None
         results.append(r)
+        save()
         mfu = f"  MFU {100 * r['mfu']:.1f} %" if r["mfu"] else ""
         print(f"{name:24s} batch {r['batch']:3d}: {r['tokens_per_s']:10.0f} tokens/s, {r['step_ms']:.1f} ms/step"
               f"{mfu}  (warm-up incl. compile {r['warmup_s']:.0f} s, peak {r['peak_gpu_gib'] or 0:.1f} GiB)",
@@ -231,15 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"    {gname:26s} {ms:8.2f} ms  {100 * ms / max(p['busy_ms_per_step'], 1e-9):5.1f} %")
             for k in p["top_kernels"][:12]:
                 print(f"    {k['ms_per_step']:8.2f} ms  x{k['calls_per_step']:5.0f}  [{k['group']}] {k['name'][:90]}")
-    from common import _git_sha, results_path, write_results
-
-    doc = {"device": gpu, "git_sha": _git_sha(), "preset": a.preset, "seq": a.seq, "flops_per_token": fpt,
-           "peak_tflops": peak, "compile": not a.no_compile, "dry_run": a.dry_run, "variants": results}
-    root = Path(a.results_dir) if a.results_dir else None
-    path = write_results("train_profile", doc, out=results_path(root, name="train_profile",
-                                                                 suffix="dry" if a.dry_run else ""))
-    if os.environ.get("OUT"):  # the device tool's folder: what comes back from a GPU machine
-        shutil.copy(path, Path(os.environ["OUT"]) / path.name)
+    save()
     print(f"wrote {path}")
     return 0
 

@@ -9,7 +9,7 @@ import torch
 
 from quantdyn.errors import QuantdynError
 from quantdyn.quantize import QuantConfig, num_threads
-from quantdyn.quantize.gptq import gptq, group_aware_perm, hessian_update, stats_from
+from quantdyn.quantize.gptq import gptq, gptq_batch, group_aware_perm, hessian_update, stats_from
 from quantdyn.quantize.primitives import dequantize_weight, fake_quantize, find_params, layer_loss
 from quantdyn.quantize.rtn import rtn
 
@@ -255,3 +255,103 @@ def test_graphed_block_buffers_give_the_eager_bits(kw, monkeypatch):
         for name in ("codes", "weight", "scales", "zeros", "g_idx"):
             assert torch.equal(getattr(blocks, name), getattr(eager, name)), name
         assert blocks.loss == eager.loss
+
+
+# ----------------------------------------------------------------------------- several weights in one column loop
+def _same_result(a, b) -> bool:
+    return (all(torch.equal(getattr(a, n), getattr(b, n)) for n in ("codes", "weight", "scales", "zeros", "g_idx"))
+            and a.loss == b.loss and a.diagnostics == b.diagnostics
+            and (a.perm is None) == (b.perm is None) and (a.perm is None or torch.equal(a.perm, b.perm)))
+
+
+def _loops(monkeypatch):
+    """Record the stacks of every column loop gptq_batch runs: [[rows of each stack's members], ...]."""
+    import quantdyn.quantize.gptq as gptq_mod
+
+    seen = []
+    real = gptq_mod._gptq_loop
+    monkeypatch.setattr(gptq_mod, "_gptq_loop", lambda stacks, *a: seen.append(
+        [[m.R for m in st.members] for st in stacks]) or real(stacks, *a))
+    return seen
+
+
+# one Hessian shared by weights of different heights with different per-row settings (q/k/v of two quantizers)
+BATCH_SETTINGS = [
+    [dict(bits=4, group_size=128), dict(bits=3, group_size=64), dict(bits=2, group_size=0, sym=False)],
+    [dict(bits=4, group_size=128, mse=True), dict(bits=3, group_size=32, static_groups=True), dict(bits=8)],
+    [dict(bits=4, group_size=64, act_order=True), dict(bits=3, group_size=128, act_order=True, static_groups=True),
+     dict(bits=4, group_size=0, act_order=True)],
+    [dict(bits=3, group_size=128, act_group_aware=True), dict(bits=4, group_size=128, act_group_aware=True),
+     dict(bits=2, group_size=128, act_group_aware=True, sym=False)],
+]
+
+
+@pytest.mark.parametrize("settings", BATCH_SETTINGS)
+@pytest.mark.parametrize("C", [384, 448])  # 448: a last, partial block of 64 columns
+def test_batch_gives_every_weight_its_own_bits(settings, C, monkeypatch):
+    """gptq_batch stacks the weights that share a Hessian (and its column order and damping) and runs stacks of
+    equal height side by side in one column loop; each weight must come out bit for bit as gptq() alone gives it
+    (codes, dequantized weight, grids, loss, diagnostics), whatever its neighbours' bits, groups or grids."""
+    if any(kw.get("act_group_aware") for kw in settings) and C % 128:
+        C = 512
+    W1, H1 = correlated(64, C, seed=1)
+    H1[9, :] = H1[:, 9] = 0  # a dead column
+    W2, H2 = correlated(64, C, seed=2)
+    g = torch.Generator().manual_seed(7)
+    k1, v1, k2, v2 = (torch.randn(24, C, generator=g) * 0.3 for _ in range(4))
+    problems = []
+    for H, ws in ((H1, (W1, k1, v1)), (H2, (W2, k2, v2))):  # two Hessians: two stacks of equal height
+        for W in ws:
+            for kw in settings[:2]:
+                problems.append((W, H, QuantConfig(**kw)))
+        problems.append((ws[0], H, QuantConfig(**settings[2])))  # a third setting on one weight of each
+    seen = _loops(monkeypatch)
+    batched = gptq_batch(problems)
+    monkeypatch.undo()
+    for (W, H, cfg), got in zip(problems, batched):
+        assert _same_result(got, gptq(W, H, cfg)), (cfg.name, W.shape)
+    # one loop: a stack per Hessian (its weights' rows in the order given), the two side by side
+    assert seen == [[[64, 64, 24, 24, 24, 24, 64]] * 2], seen
+
+
+def test_batch_keeps_the_golden_codes():
+    """The reference's codes for every golden case (tests/README.md), with the case's weight stacked beside a
+    3-bit copy of itself on the same Hessian and a second stack (a copy of the Hessian) side by side."""
+    cases, _ = _golden_cases()
+    for c, t in cases:
+        cfg = QuantConfig(bits=c["bits"], sym=c["sym"], group_size=c["group_size"], act_order=c["act_order"],
+                          static_groups=c["static_groups"], mse=c["mse"], damp_percent=c["damp_percent"],
+                          block_size=c["block_size"])
+        other = QuantConfig(bits=3 if c["bits"] != 3 else 4, sym=c["sym"], group_size=c["group_size"],
+                            act_order=c["act_order"], damp_percent=c["damp_percent"], block_size=c["block_size"])
+        H2 = t["H"].clone()
+        with num_threads(1):
+            out = gptq_batch([(t["W"], t["H"], cfg), (t["W"], t["H"], other), (t["W"].flip(0), H2, cfg),
+                              (t["W"], H2, other)])
+        assert int((out[0].codes != t["codes"]).sum()) == 0, c
+        assert torch.equal(out[0].weight, gptq(t["W"], t["H"], cfg).weight), c
+
+
+@pytest.mark.parametrize("kw", [dict(bits=4, group_size=128), dict(bits=4, group_size=0),
+                                dict(bits=4, group_size=128, mse=True), dict(bits=4, group_size=128, act_order=True)])
+def test_graphed_block_buffers_give_the_eager_bits_for_a_batch(kw, monkeypatch):
+    """The CUDA-graph column loop over a batch (two stacks of q/k/v-like weights of gptq4 and gptq3 beside them),
+    run without capturing on a CPU: the eager batch's bits exactly, the last partial block eager."""
+    import quantdyn.quantize.gptq as gptq_mod
+
+    g = torch.Generator().manual_seed(5)
+    C = 1000
+    X = torch.randn(2048, C, generator=g) * torch.linspace(0.2, 3.0, C)
+    H1, H2 = 2 * X.t() @ X / X.shape[0], 2 * X[:1024].t() @ X[:1024] / 1024
+    Ws = [torch.randn(r, C, generator=g) * 0.05 for r in (48, 16, 16)]
+    problems = [(W, H, QuantConfig(**{**kw, "bits": b})) for H in (H1, H2) for b in (4, 3) for W in Ws]
+    eager = gptq_batch(problems, cuda_graph=True)  # on a CPU the graph path is never taken by itself
+    runs = []
+    monkeypatch.setattr(gptq_mod, "_graph_capture_possible", lambda W: True)
+    real_run = gptq_mod._GraphedBlock.run
+    monkeypatch.setattr(gptq_mod._GraphedBlock, "run", lambda self, *a: runs.append(1) or real_run(self, *a))
+    graphed = gptq_batch(problems, cuda_graph=True)
+    monkeypatch.undo()
+    assert len(runs) == C // 128 - 1  # one loop: every full block after the first
+    for a, b in zip(graphed, eager):
+        assert _same_result(a, b)

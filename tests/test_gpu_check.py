@@ -26,6 +26,8 @@ def _run(args, tmp_path, env=None):
 
 @pytest.mark.e2e
 def test_dry_run_runs_every_step_without_the_absent_packages(tmp_path):
+    """Both parts of the runbook (the default --part ab), on tiny shapes, on a Python without the packages the GPU
+    machine lacks: every step ok (the race skips itself without GPTQModel), its figures where it records them."""
     r = _run(["--device", "cpu", "--dry-run"], tmp_path, env=absent_env())
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     files = sorted((tmp_path / "results").glob("*.json"))
@@ -34,17 +36,18 @@ def test_dry_run_runs_every_step_without_the_absent_packages(tmp_path):
     assert data["mode"] == "dry-run" and data["machine"]["torch"] and "transformers" in data["machine"]
     assert data["load_avg"] and data["git_sha"]
     b = data["benches"]
-    assert list(b) == list(gpu_check.STEPS) and all(s["status"] == "ok" for s in b.values()), \
+    assert list(b) == [*gpu_check.PARTS["a"], *gpu_check.PARTS["b"]] and all(s["status"] == "ok" for s in b.values()), \
         {k: v["status"] for k, v in b.items()}
     assert "skipped" in b["tests"]["summary"]  # tests/gpu collect and skip with their reason on a CPU
-    large = b["train_throughput"]["figures"]["pythia160m"]
-    assert large["dtype"] == "bfloat16" and large["fused_adamw"] and large["quantdyn_tokens_per_s"] > 0
     assert b["gptq_speed"]["figures"]["models"][0]["layers"] == 24  # pythia-14m: 6 blocks x 4 linears
-    llama = b["sweep_memory"]["figures"]["llama7b_runs"][0]
-    assert llama["quantizers"] == ["rtn4", "rtn3"] and set(llama["engine"]["delta_ce"]) == {"rtn4", "rtn3"}
+    batched = b["gptq_speed"]["figures"]["batched"]
+    assert batched and all(c["same_codes"] and c["batch_s"] > 0 for c in batched)
     assert b["sweep_cost"]["figures"]["large"]["n"] == 2
+    assert "skipped" in b["race"]["output"] or "written" in b["race"]["output"]
+    profile = json.loads(next(p for p in files if p.name.startswith("train_profile-")).read_text())
+    assert [v["variant"] for v in profile["variants"]] == ["base", "loss_compiled"]
     # the table, and the files handed back: at most 8, flat, names the device tool accepts
-    assert "step" in r.stdout and "sweep_cost" in r.stdout.split("step ", 1)[-1]
+    assert "step" in r.stdout and "train_profile" in r.stdout.split("step ", 1)[-1]
     out = sorted((tmp_path / "out").iterdir())
     assert {p.name for p in out} == {p.name for p in files} and len(out) <= gpu_check.OUT_FILES
     assert all(re.fullmatch(r"[A-Za-z0-9._-]+", p.name) and p.is_file() for p in out)
@@ -80,8 +83,21 @@ def test_every_step_has_a_gpu_and_a_dry_run_command_and_an_estimate():
             assert cmd[0] == sys.executable and (cmd[1] == "-m" or (ROOT / cmd[1]).is_file()), cmd
     assert set(gpu_check.ESTIMATE_S) == set(gpu_check.CAP_S) == set(gpu_check.STEPS)
     assert all(gpu_check.ESTIMATE_S[s] <= gpu_check.CAP_S[s] for s in gpu_check.STEPS)
-    # the expected total fits the default budget, which leaves a 10-minute command room for set-up and transfers
-    assert sum(gpu_check.ESTIMATE_S.values()) <= 540 < 600
+    # each part (one runbook command of at most 6 minutes) fits the default budget, which leaves the command room
+    # for the set-up line and the transfers
+    for part in gpu_check.PARTS.values():
+        assert sum(gpu_check.ESTIMATE_S[s] for s in part) <= gpu_check.DEFAULT_BUDGET_S < 360
+
+
+def test_the_race_leaves_the_profile_its_turn():
+    """In part b the race's limit (and its own --budget-s) leaves the profile's expected time; the profile gets
+    what is left, and stops starting variants a minute before its limit."""
+    args, limit = gpu_check.own_budget("race", 318, ["train_profile"], dry_run=False)
+    assert limit == 318 - gpu_check.ESTIMATE_S["train_profile"]
+    assert args == ["--budget-s", f"{limit - gpu_check.RACE_MARGIN_S:.0f}"]
+    args, limit = gpu_check.own_budget("train_profile", 150, [], dry_run=False)
+    assert limit == 150 and args == ["--budget-s", "80"]
+    assert gpu_check.own_budget("tests", 318, ["gptq_speed", "sweep_cost"], False) == ([], 150)
 
 
 def test_copy_out_keeps_the_newest_eight_files(tmp_path):

@@ -61,6 +61,9 @@ def quantize(
                                    "half the free memory).", rich_help_panel=ENGINE),
     threads: int = typer.Option(1, "--threads", help="torch threads while quantizing on CPU (1: codes independent of "
                                 "the core count; 0: torch's setting).", rich_help_panel=ENGINE),
+    layer_diagnostics: bool = typer.Option(False, "--layer-diagnostics", help="Also each layer's output error "
+                                           "(and for that a calibration pass of RTN-like quantizers: slower).",
+                                           rich_help_panel=ENGINE),
     as_json: bool = typer.Option(False, "--json", help="Print each quantizer's result row as one JSON object per "
                                  "line instead of the table."),
     quiet: bool = opt.quiet("No progress lines; the result table and errors only."),
@@ -101,7 +104,8 @@ def quantize(
                           calib_seq_len=calib_seq_len, eval_data=eval_data, n_eval_tokens=eval_tokens,
                           eval_seq_len=eval_seq_len, tokenizer=tokenizer, out=out, export=export,
                           export_options=options, push_to_hub=push_to_hub, device=device,
-                          measure_cfg=MeasureConfig(quantize_threads=threads, dtype=dtype, max_memory=max_memory),
+                          measure_cfg=MeasureConfig(quantize_threads=threads, dtype=dtype, max_memory=max_memory,
+                                                    layer_diagnostics=layer_diagnostics),
                           repeats=repeats, repeat_vary=repeat_vary, progress=not (as_json or quiet))
     if as_json:
         for row in result.rows:

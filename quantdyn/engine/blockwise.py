@@ -15,6 +15,7 @@ whole model with them.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -25,8 +26,8 @@ from quantdyn.errors import QuantdynError
 from quantdyn.models.adapters import get_weight, set_weight
 from quantdyn.models.gpt import GPT
 from quantdyn.quantize.config import QUANTIZERS, QuantConfig, TensorSite, config_for_tensor, grid_bits_per_weight
-from quantdyn.quantize.gptq import ActStats
-from quantdyn.quantize.primitives import QuantResult, num_threads
+from quantdyn.quantize.gptq import ActStats, gptq_batch, stats_update
+from quantdyn.quantize.primitives import QuantResult, all_finite, num_threads
 from quantdyn.quantize.rotation import fold_stats, hadamard_seed, quantize_rotated, rotated_act_quant
 
 BlockArgs = tuple[tuple, dict]
@@ -192,7 +193,7 @@ def capture_inputs(model: nn.Module, blocks: nn.ModuleList, ids: torch.Tensor, d
 def check_finite_weights(groups: list[list[tuple[str, nn.Module]]], prefix: str) -> None:
     for grp in groups:
         for name, m in grp:
-            if not torch.isfinite(m.weight).all():
+            if not all_finite(m.weight):
                 raise QuantdynError(f"weight '{prefix}.{name}' contains NaN or Inf; fix the checkpoint before quantizing")
 
 
@@ -205,39 +206,52 @@ def quantize_layer(name: str, module: nn.Module, stats: ActStats | None, cfg: Qu
     with activation quantization (W8A8) also gets a forward pre-hook on ``module`` that fake-quantizes its input.
     With ``+had`` the weight is quantized as Q(W R) from the rotated statistics and the module holds Q(W R) Rᵀ
     (quantize/rotation.py); activation quantization then quantizes x R."""
-    W = get_weight(module).detach().to(torch.float32, copy=True)  # one copy (bf16 -> fp32 is already one)
-    act_quant = QUANTIZERS.get(cfg.method).act_quant
-    cfg, notes = config_for_tensor(cfg, site or TensorSite(name, 0, 1, tuple(W.shape)))
+    W, cfg, notes = _layer_weight(module, cfg, site or TensorSite(name, 0, 1, tuple(get_weight(module).shape)))
     fn = QUANTIZERS.get(cfg.method).fn
-    seed = hadamard_seed(cfg)
     with num_threads(threads):
-        res = fn(W, stats, cfg) if seed is None else quantize_rotated(fn, W, stats, cfg, name)
-    if not torch.isfinite(res.weight).all():
-        raise QuantdynError(f"quantizing '{name}' produced NaN/Inf; raise damp_percent or check the calibration data")
-    res.diagnostics.update(notes)
-    set_weight(module, res.weight)
-    if act_quant is not None:
-        if seed is not None:
-            act_quant = rotated_act_quant(act_quant, seed)
-        module.register_forward_pre_hook(lambda m, args: (act_quant(args[0]).to(args[0].dtype), *args[1:]))
+        res = fn(W, stats, cfg) if hadamard_seed(cfg) is None else quantize_rotated(fn, W, stats, cfg, name)
+    _apply_result(name, module, res, cfg, notes)
     return res, W
 
 
+def _layer_weight(module: nn.Module, cfg: QuantConfig, site: TensorSite) -> tuple[torch.Tensor, QuantConfig, dict]:
+    """The layer's weight as float32 (one copy), and the configuration that quantizes it (config_for_tensor)."""
+    W = get_weight(module).detach().to(torch.float32, copy=True)  # one copy (bf16 -> fp32 is already one)
+    cfg, notes = config_for_tensor(cfg, site)
+    return W, cfg, notes
+
+
+def _apply_result(name: str, module: nn.Module, res: QuantResult, cfg: QuantConfig, notes: dict) -> None:
+    """Put a quantizer's result into the layer (and its activation hook, for formats that quantize inputs)."""
+    if not all_finite(res.weight):
+        raise QuantdynError(f"quantizing '{name}' produced NaN/Inf; raise damp_percent or check the calibration data")
+    res.diagnostics.update(notes)
+    set_weight(module, res.weight)
+    act_quant = QUANTIZERS.get(cfg.method).act_quant
+    if act_quant is not None:
+        if hadamard_seed(cfg) is not None:  # +had: the rotated input x R is what a deployment quantizes
+            act_quant = rotated_act_quant(act_quant, hadamard_seed(cfg))
+        module.register_forward_pre_hook(lambda m, args: (act_quant(args[0]).to(args[0].dtype), *args[1:]))
+
+
 def layer_row(block_idx: int, name: str, full: str, W: torch.Tensor, res: QuantResult, stats: ActStats | None,
-              cfg: QuantConfig) -> dict:
-    """The per-layer diagnostics row: shapes, quantizer loss, output error ½ tr(ΔW H ΔWᵀ) and its relative size."""
+              cfg: QuantConfig, output_error: bool = True) -> dict:
+    """The per-layer diagnostics row: shapes, quantizer loss, output error ½ tr(ΔW H ΔWᵀ) and its relative size
+    (``output_error``: computed where statistics exist; else None: two out x in x in products saved)."""
     row = dict(block=block_idx, layer=full, name=name, out_features=W.shape[0], in_features=W.shape[1],
                method=cfg.method, bits=res.bits, group_size=cfg.group_size, loss=res.loss,
                seconds=res.seconds, n_samples=None, tokens=None, output_error=None, rel_error=None,
                bits_per_weight=(res.bits_per_weight if res.bits_per_weight is not None
                                 else grid_bits_per_weight(cfg, W.shape[0], W.shape[1])))
-    if stats is not None:  # two out x in temporaries at a time (dW and dW H), multiplied in place
+    if stats is not None:
+        row.update(n_samples=stats.n, tokens=stats.tokens)
+    if stats is not None and output_error:  # two out x in temporaries at a time (dW and dW H), multiplied in place
         H = stats.H.to(W)
         dW = W - res.weight.to(W)
         err = 0.5 * float((dW @ H).mul_(dW).sum())
         del dW
         ref = 0.5 * float((W @ H).mul_(W).sum())
-        row.update(n_samples=stats.n, tokens=stats.tokens, output_error=err, rel_error=err / ref if ref > 0 else None)
+        row.update(output_error=err, rel_error=err / ref if ref > 0 else None)
     for k, v in res.diagnostics.items():
         row[k] = v
     return row
@@ -247,14 +261,33 @@ LayerCallback = Callable[[str, QuantResult, nn.Module], None]
 """Called with (full layer name, result, module) after each layer is quantized."""
 
 
+@dataclass
+class BlockJob:
+    """One quantizer's share of quantizing one block (:func:`quantize_blocks`)."""
+
+    block: nn.Module
+    """The block (a copy of the model's) whose linear layers are quantized in place."""
+    groups: list[list[tuple[str, nn.Module]]]
+    """Its layers in true-sequential groups (adapter.linear_groups)."""
+    inputs: Sequence[torch.Tensor] | None
+    """Its calibration hidden states per batch (None: no statistics, only for calibration-free quantizers)."""
+    args_of: Callable[[int], BlockArgs] | None
+    """The other arguments of calibration batch ``i``."""
+    cfg: QuantConfig
+    """The quantizer."""
+    on_layer: LayerCallback | None = None
+    """Called with (full layer name, result, module) after each layer is quantized."""
+
+
 def quantize_block(block: nn.Module, groups: list[list[tuple[str, nn.Module]]], block_idx: int, prefix: str,
                    inputs: Sequence[torch.Tensor] | None, args_of: Callable[[int], BlockArgs], cfg: QuantConfig,
                    layer_threads: int | None = None, on_layer: LayerCallback | None = None,
-                   n_blocks: int = 0, timer: PhaseTimer | None = None) -> list[dict]:
-    """Quantize the linear layers of one block in place; returns one diagnostics row per layer.
+                   n_blocks: int = 0, timer: PhaseTimer | None = None, diagnostics: bool = True) -> list[dict]:
+    """Quantize the linear layers of one block in place; returns one diagnostics row per layer (``diagnostics``:
+    with each layer's output error where statistics exist, see layer_row).
 
-    ``inputs`` are the block's calibration hidden states per batch (None: no statistics, only
-    for calibration-free quantizers); ``args_of(i)`` the other arguments of batch ``i``.
+    ``inputs`` are the block's calibration hidden states per batch (None: no statistics, only for
+    calibration-free quantizers); ``args_of(i)`` the other arguments of batch ``i``.
     ``groups`` are the block's layers in true-sequential groups (flattened into one unless
     ``cfg.true_sequential``). ``n_blocks`` (the model's) lets formats choose a type per tensor. ``timer`` gets
     the calibration forwards, the quantizer calls and the rows' diagnostics.
@@ -262,31 +295,119 @@ def quantize_block(block: nn.Module, groups: list[list[tuple[str, nn.Module]]], 
     Memory: the statistics (GPTQ's fp32 Hessian, in_features² floats per layer) exist for one group at a
     time — the whole block without ``true_sequential`` — and each layer's is dropped as soon as that layer
     is quantized. Layers that receive the very same input tensor (q/k/v, gate/up) share one statistics
-    object: it is accumulated once (the same values: the same tensor folded in the same order)."""
-    if not cfg.true_sequential:
-        groups = [[x for grp in groups for x in grp]]
-    need_abs = cfg.method == "awq"
-    rows: list[dict] = []
-    for grp in groups:
-        stats: dict[str, ActStats | None] = {name: None for name, _ in grp}
-        if inputs is not None:
-            with time_phase(timer, "calib_forward"):
-                shared = _collect_stats(block, grp, inputs, args_of, need_abs, stats, hadamard_seed(cfg))
-            for name, first in shared.items():
-                stats[name] = stats[first]
-        for name, m in grp:
+    object: it is accumulated once (the same values: the same tensor folded in the same order), and with GPTQ
+    they are quantized in one column loop (``gptq_batch``: the same bits as one at a time)."""
+    return quantize_blocks([BlockJob(block, groups, inputs, args_of, cfg, on_layer)], block_idx, prefix,
+                           layer_threads, n_blocks, timer, diagnostics)[0]
+
+
+def gptq_batchable(cfg: QuantConfig) -> bool:
+    """Whether ``cfg`` quantizes with GPTQ (its layers can share column loops: quantize/gptq.py gptq_batch).
+    Not with ``+had``: a rotated layer goes through quantize_layer (quantize_rotated), one at a time."""
+    return QUANTIZERS.get(cfg.method).fn is QUANTIZERS.get("gptq").fn and hadamard_seed(cfg) is None
+
+
+def quantize_blocks(jobs: Sequence[BlockJob], block_idx: int, prefix: str, layer_threads: int | None = None,
+                    n_blocks: int = 0, timer: PhaseTimer | None = None, diagnostics: bool = True) -> list[list[dict]]:
+    """:func:`quantize_block` for several quantizers of the same block at once (one row list per job).
+
+    Per true-sequential group, every job's statistics are collected first; then the group's layers are quantized
+    in sets: GPTQ layers that share a statistics object (q/k/v, gate/up) in every job, across all the jobs, in
+    one ``gptq_batch`` call (one column loop: on a GPU the loop is bound by kernel launches, so k weights cost
+    about what one costs); every other layer on its own. Each job's work is what quantize_block would do for it
+    alone, so its codes and rows are the same; what changes is that the jobs' statistics (and blocks) exist
+    together. The jobs must share the group structure (the same true_sequential)."""
+    plans = [job.groups if job.cfg.true_sequential else [[x for grp in job.groups for x in grp]] for job in jobs]
+    if len({tuple(tuple(n for n, _ in grp) for grp in p) for p in plans}) != 1:
+        raise ValueError("quantize_blocks: the jobs' layer groups differ (true_sequential must agree)")
+    rows: list[dict[str, dict]] = [{} for _ in jobs]
+    for gi, grp0 in enumerate(plans[0]):
+        stats_of: list[dict[str, ActStats | None]] = []
+        for job, plan in zip(jobs, plans):
+            stats: dict[str, ActStats | None] = {name: None for name, _ in plan[gi]}
+            if job.inputs is not None:
+                with time_phase(timer, "calib_forward"):
+                    shared = _collect_stats(job.block, plan[gi], job.inputs, job.args_of, job.cfg.method == "awq", stats,
+                                             hadamard_seed(job.cfg))
+                for name, first in shared.items():
+                    stats[name] = stats[first]
+            stats_of.append(stats)
+        names = [name for name, _ in grp0]
+        done: set[str] = set()
+        for name in names:
+            if name in done:
+                continue
+            layer_set = [name]
+            if all(gptq_batchable(job.cfg) and st[name] is not None for job, st in zip(jobs, stats_of)):
+                layer_set += [n for n in names if n not in done and n != name
+                              and all(st[n] is st[name] for st in stats_of)]
+            done.update(layer_set)
+            _quantize_set(jobs, [dict(p[gi]) for p in plans], stats_of, layer_set, block_idx, prefix, layer_threads,
+                          n_blocks, timer, rows, diagnostics)
+    return [[r[name] for grp in plans[0] for name, _ in grp] for r in rows]
+
+
+#: weight entries (rows x columns, all weights together) above which a set's GPTQ layers are not put in one loop: the
+#: loop holds four float32 buffers of that size besides the weights and results (1 GiB at 2^26), so a Llama-7B
+#: block's q/k/v (5.0e7) still share a loop but its gate/up (9.0e7) go one by one, and a block's transient memory
+#: stays near what its down projection's Hessian needs anyway (BENCHMARKS.md, "Real size")
+GPTQ_BATCH_ENTRIES = 1 << 26
+
+
+def _chunks(items: list, jobs: Sequence[BlockJob]) -> list[list]:
+    """The set's layers in loops: all together, else each job's together, else one by one (GPTQ_BATCH_ENTRIES)."""
+    def entries(chunk):
+        return sum(site.shape[0] * site.shape[1] for *_, site in chunk)
+    if not all(gptq_batchable(jobs[j].cfg) for j, *_ in items):
+        return [[it] for it in items]
+    if entries(items) <= GPTQ_BATCH_ENTRIES:
+        return [items]
+    per_job = [[it for it in items if it[0] == j] for j in range(len(jobs))]
+    return [c for c in per_job if c] if all(entries(c) <= GPTQ_BATCH_ENTRIES for c in per_job) \
+        else [[it] for it in items]
+
+
+def _quantize_set(jobs: Sequence[BlockJob], modules: list[dict[str, nn.Module]], stats_of: list[dict],
+                  layer_set: list[str], block_idx: int, prefix: str, layer_threads: int | None, n_blocks: int,
+                  timer: PhaseTimer | None, rows: list[dict[str, dict]], diagnostics: bool) -> None:
+    """Quantize ``layer_set`` of every job (in one gptq_batch call where the set holds GPTQ layers that may share a
+    column loop and fit GPTQ_BATCH_ENTRIES, else in fewer-layer calls), then their rows, callbacks and freed
+    statistics."""
+    items = []  # (job index, layer name, module, site)
+    for j, job in enumerate(jobs):
+        for name in layer_set:
+            m = modules[j][name]
+            items.append((j, name, m, TensorSite(name, block_idx, n_blocks or block_idx + 1, tuple(get_weight(m).shape))))
+    for chunk in _chunks(items, jobs):
+        batch = len(chunk) > 1
+        results = []
+        with time_phase(timer, "quantize_layers"):
+            if batch:
+                inputs = [_layer_weight(m, jobs[j].cfg, site) for j, name, m, site in chunk]
+                batch = all(gptq_batchable(cfg) for _, cfg, _ in inputs)  # a format may resolve to another method
+            if batch:
+                with num_threads(layer_threads):
+                    out = gptq_batch([(W, stats_of[j][name], cfg) for (j, name, *_), (W, cfg, _) in zip(chunk, inputs)])
+                for (j, name, m, site), (W, cfg, notes), res in zip(chunk, inputs, out):
+                    _apply_result(f"{prefix}.{block_idx}.{name}", m, res, cfg, notes)
+                    results.append((res, W))
+                del inputs, out
+        for k, (j, name, m, site) in enumerate(chunk):
             full = f"{prefix}.{block_idx}.{name}"
-            site = TensorSite(name, block_idx, n_blocks or block_idx + 1, tuple(get_weight(m).shape))
-            with time_phase(timer, "quantize_layers"):
-                res, W = quantize_layer(full, m, stats[name], cfg, layer_threads, site)
+            cfg = jobs[j].cfg
+            if not batch:
+                with time_phase(timer, "quantize_layers"):
+                    res, W = quantize_layer(full, m, stats_of[j][name], cfg, layer_threads, site)
+            else:
+                res, W = results[k]
+                results[k] = None
             with time_phase(timer, "diagnostics"):
-                rows.append(layer_row(block_idx, name, full, W, res, stats[name], cfg))
+                rows[j][name] = layer_row(block_idx, name, full, W, res, stats_of[j][name], cfg, diagnostics)
             del W
-            if on_layer is not None:
-                on_layer(full, res, m)
+            if jobs[j].on_layer is not None:
+                jobs[j].on_layer(full, res, m)
             del res
-            stats[name] = None  # the last layer sharing a statistics object frees it
-    return rows
+            stats_of[j][name] = None  # the last layer sharing a statistics object frees it
 
 
 def _collect_stats(block: nn.Module, grp: list[tuple[str, nn.Module]], inputs: Sequence[torch.Tensor],

@@ -63,9 +63,11 @@ class MeasureConfig:
     quantize_threads: int = 1
     """torch threads while calibrating and quantizing on CPU: 1 makes the codes independent of the machine's
     core count (BLAS rounds differently with more threads); 0 = torch's setting (faster)."""
-    layer_diagnostics: bool = True
-    """Calibration-free quantizers (RTN) also run the calibration set for per-layer loss/output error;
-    false skips those passes (their rows then lack layer_loss_sum)."""
+    layer_diagnostics: bool = False
+    """Per-layer output errors 1/2 tr(dW H dW^T) (``output_error``, ``rel_error`` in the layer rows) for every
+    quantizer, and for that calibration passes of the calibration-free ones (RTN: their rows' layer_loss_sum).
+    Off by default: they cost a calibration forward per RTN variant and two out x in x in products per layer
+    (BENCHMARKS.md, "The floor"); GPTQ's own loss is in its rows either way."""
     dtype: str = "auto"
     """Compute dtype: auto | float32 | bfloat16 | float16. auto: the checkpoint's own (bf16 stays bf16), except
     bf16/fp16 on a CPU without native units for it, which computes in float32 (faster there:
@@ -194,7 +196,7 @@ def measure(
     propagation_ids: torch.Tensor | None = None,
     on_layer: Callable[[str, str, QuantResult, nn.Module], None] | None = None,
     on_block: Callable[[str], None] | None = None,
-    noise_floor: bool = False,
+    noise_floor: bool | None = False,
     **old,
 ) -> Measurement:
     """Quantize ``model`` with each of ``quantizers`` and measure every one against full precision on
@@ -208,7 +210,9 @@ def measure(
     inside the same walk). The model is left untouched (an in-memory model included).
     ``on_layer(label, layer, result, module)`` sees every quantized layer (to pack or export codes);
     ``on_block(line)`` gets a line per block (``progress=`` before 0.2). ``noise_floor``: also measure the bf16
-    noise floor (``Measurement.noise_floor``; one extra block pass per block)."""
+    noise floor (``Measurement.noise_floor``; one extra block pass per block, in float32 when the blocks compute in
+    bf16/fp16); None: only where the blocks compute in float32 (there it costs one block pass; in bf16 an fp32 pass,
+    2.3x a whole bf16 measurement of one quantizer on a CPU with bf16 units: BENCHMARKS.md, "The floor")."""
     if "progress" in old:
         warnings.warn("measure(progress=callable) is now measure(on_block=callable)", DeprecationWarning, stacklevel=3)
         on_block = on_block or old.pop("progress")
@@ -217,8 +221,6 @@ def measure(
     t_start = time.perf_counter()
     device = torch.device(device)
     variants = _variants(quantizers)
-    if noise_floor and eval_windows is not None:
-        variants[NOISE_FLOOR_LABEL] = BF16NoiseFloor()
     probes: dict[str, torch.Tensor] = {}
     if eval_windows is not None:
         if not isinstance(eval_windows, torch.Tensor) or eval_windows.dim() != 2 or eval_windows.shape[1] < 2:
@@ -228,10 +230,15 @@ def measure(
         probes["prop"] = propagation_ids
     source = _source(model, compute_dtype_of(cfg.dtype), device)
     check_rotations(source.model, variants.values())  # +had widths, +r1 architectures: one line before any work
+    if noise_floor is None:  # auto: where the floor costs one block pass (float32 blocks), not an fp32 pass more
+        noise_floor = source.dtype == torch.float32
+    if noise_floor and eval_windows is not None:
+        variants[NOISE_FLOOR_LABEL] = BF16NoiseFloor()
     stream_budget = check_budget(source, parse_bytes(cfg.max_memory))
     threads = cfg.quantize_threads if device.type == "cpu" else None
     wcfg = WalkConfig(calib_batch_size=cfg.calib_batch_size, probe_batch_size=cfg.batch_size,
                       calib_threads=threads if threads else None, calibrate_all=cfg.layer_diagnostics,
+                      layer_diagnostics=cfg.layer_diagnostics,
                       max_memory=stream_budget, spill_dir=cfg.spill_dir or None, streams=cfg.streams,
                       block_errors="eval" if eval_windows is not None and cfg.detailed_metrics else None)
     t0 = time.perf_counter()

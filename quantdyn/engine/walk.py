@@ -41,13 +41,15 @@ import torch
 import torch.nn as nn
 
 from quantdyn.engine.blockwise import (
+    BlockJob,
     CapturedInputs,
     capture_inputs,
     check_calibration,
     check_finite_weights,
     first_block_inputs,
     layer_row,
-    quantize_block,
+    gptq_batchable,
+    quantize_blocks,
     quantize_layer,
     run_block,
     vocab_size_of,
@@ -84,6 +86,9 @@ class WalkConfig:
     calibrate_all: bool = True
     """Collect calibration statistics for calibration-free quantizers too (RTN), for their per-layer
     loss and output-error diagnostics; False skips their calibration passes."""
+    layer_diagnostics: bool = True
+    """Each layer row's output error 1/2 tr(dW H dW^T) and its reference where statistics exist (two out x in x in
+    products per layer); False leaves them None."""
     max_memory: int = 0
     """Bytes the activation streams may take in memory (0 = half the free RAM / GPU memory); above it
     they spill to disk."""
@@ -97,6 +102,11 @@ class WalkConfig:
     block_errors: str | None = None
     """A probe set whose hidden states are compared after every block, each variant's against FP's
     (``evaluate.quant_error.HiddenError``: relative Frobenius error, cosine error, SQNR); None = none."""
+    batch_quantizers: bool | None = None
+    """Quantize a block for all GPTQ quantizers together: each set of layers in one column loop for all of them
+    (``quantize/gptq.py`` ``gptq_batch``; the same codes as one at a time). On a GPU, where the column loop is
+    bound by kernel launches, k quantizers then cost about what one costs. Their block copies and statistics
+    exist together (one more block and its Hessians per quantizer), so None (the default) does it on a GPU only."""
 
     def __post_init__(self):
         if self.calib_batch_size < 1 or self.probe_batch_size < 1:
@@ -278,6 +288,7 @@ def walk(
             c.hiddens = []
         variants = {label: VariantQuantization(qc, n_calibration=int(calib_of[label].shape[0]) if label in qcal else 0)
                     for label, qc in qcfgs.items()}
+        batches = _quantizer_batches(qcfgs, cfg, device)
         probe_seconds = 0.0
         block_errors: dict[str, dict[str, list[float]]] = {}
 
@@ -294,27 +305,34 @@ def walk(
             groups = adapter.linear_groups(block)
             check_finite_weights(groups, f"{prefix}.{b}")
             probe_args = {name: (lambda i, b=b, c=c: c.args(b, i)) for name, c in caps.items()}
-            for label, qc in qcfgs.items():
+            for batch in batches:  # one quantizer, or GPTQ quantizers quantized together (batch_quantizers)
                 t0 = time.perf_counter()
-                qblock = block if cfg.in_place else copy.deepcopy(block)
-                qgroups = groups if cfg.in_place else adapter.linear_groups(qblock)
-                if qc.r1 and not cfg.in_place:  # +r1: this copy rotated, between the model's basis (residual_rotation)
-                    qblock = residual_rotated_block(qblock, model_type_of(model), qc.rotation_seed)
-                hook = (lambda full, res, m, label=label: on_layer(label, full, res, m)) if on_layer else None
-                cal_args = (lambda i, b=b, c=cal_of[label]: c.args(b, i)) if label in cal_of else None
+                jobs: dict[str, BlockJob] = {}
+                for label in batch:
+                    qblock = block if cfg.in_place else copy.deepcopy(block)
+                    qgroups = groups if cfg.in_place else adapter.linear_groups(qblock)
+                    if qcfgs[label].r1 and not cfg.in_place:  # +r1: this copy rotated, between the model's basis
+                        qblock = residual_rotated_block(qblock, model_type_of(model), qcfgs[label].rotation_seed)
+                    hook = (lambda full, res, m, label=label: on_layer(label, full, res, m)) if on_layer else None
+                    cal_args = (lambda i, b=b, c=cal_of[label]: c.args(b, i)) if label in cal_of else None
+                    jobs[label] = BlockJob(qblock, qgroups,
+                                           qcal.get(label), cal_args, qcfgs[label], hook)
                 with num_threads(cfg.calib_threads or None):
-                    rows = quantize_block(qblock, qgroups, b, prefix, qcal.get(label), cal_args, qc,
-                                          cfg.layer_threads, hook, n_blocks=len(blocks), timer=timer)
-                    if label in qcal:  # statistics of the FP model's activations where the method asks (imatrix)
-                        fp_stats = QUANTIZERS.get(qc.method).fp_calibration and not cfg.in_place
-                        with timer("calib_forward"):
-                            run_block(block if fp_stats else qblock, qcal[label], cal_args)
-                variants[label].rows += rows
-                variants[label].seconds += time.perf_counter() - t0
-                t0 = time.perf_counter()
-                forward_variant(label, b, block, qblock, probe_args)
-                probe_seconds += time.perf_counter() - t0
-                del qblock
+                    rows_of = quantize_blocks(list(jobs.values()), b, prefix, cfg.layer_threads,
+                                              n_blocks=len(blocks), timer=timer, diagnostics=cfg.layer_diagnostics)
+                    for label, job in jobs.items():
+                        if label in qcal:  # statistics of the FP model's activations where the method asks (imatrix)
+                            fp_stats = QUANTIZERS.get(job.cfg.method).fp_calibration and not cfg.in_place
+                            with timer("calib_forward"):
+                                run_block(block if fp_stats else job.block, qcal[label], job.args_of)
+                share = (time.perf_counter() - t0) / len(batch)  # a batch's quantizers share its time equally
+                for label, rows in zip(jobs, rows_of):
+                    variants[label].rows += rows
+                    variants[label].seconds += share
+                    t0 = time.perf_counter()
+                    forward_variant(label, b, block, jobs[label].block, probe_args)
+                    probe_seconds += time.perf_counter() - t0
+                del jobs
                 if device.type == "cpu":
                     trim_heap()  # before the next quantizer: this one's Hessians and temporaries are freed
             for label, tr in transforms.items():
@@ -367,7 +385,8 @@ def walk(
                     site = TensorSite(adapter.head, -1, len(blocks), tuple(qhead.weight.shape))
                     res, W = quantize_layer(adapter.head, qhead, stats, head_qc, cfg.layer_threads, site)
                 with timer("diagnostics"):
-                    v.rows.append(layer_row(-1, adapter.head, adapter.head, W, res, stats, qc))
+                    v.rows.append(layer_row(-1, adapter.head, adapter.head, W, res, stats, qc,
+                                            output_error=cfg.layer_diagnostics))
             if on_layer is not None:
                 on_layer(label, adapter.head, res, qhead)
             v.head = None if cfg.in_place else qhead
@@ -384,6 +403,17 @@ def walk(
         raise
     finally:
         model.train(was_training)
+
+
+def _quantizer_batches(qcfgs: Mapping[str, QuantConfig], cfg: WalkConfig, device: torch.device) -> list[list[str]]:
+    """The labels quantized together per block (``WalkConfig.batch_quantizers``): the GPTQ quantizers with the
+    same true-sequential setting in one batch each, every other quantizer alone; in the order given."""
+    together = cfg.batch_quantizers if cfg.batch_quantizers is not None else device.type == "cuda"
+    batches: dict[object, list[str]] = {}
+    for label, qc in qcfgs.items():
+        key = ("gptq", qc.true_sequential) if together and not cfg.in_place and gptq_batchable(qc) else label
+        batches.setdefault(key, []).append(label)
+    return list(batches.values())
 
 
 def _compare_streams(fp: Stream, variants: dict[str, Stream], out: dict[str, dict[str, list[float]]]) -> None:

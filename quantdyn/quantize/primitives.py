@@ -120,12 +120,20 @@ def check_bits(bits: int) -> int:
     return 2**bits - 1
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every entry of ``t`` is finite, exactly, at a fraction of ``torch.isfinite(t).all()``'s cost on a
+    CPU (one reduction, no boolean tensor; the engine checks every weight and calibration batch): a NaN or an
+    infinity makes the sum NaN or infinite, so a finite sum means finite entries; only a sum that overflowed (or a
+    non-finite entry) takes the element-wise check."""
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
 def check_weight(W: torch.Tensor, what: str = "weight") -> None:
     if W.dim() != 2:
         raise QuantdynError(f"{what} must be a 2-D (out_features, in_features) matrix, got shape {tuple(W.shape)}")
     if W.numel() == 0:
         raise QuantdynError(f"{what} is empty (shape {tuple(W.shape)}); nothing to quantize")
-    if not torch.isfinite(W).all():
+    if not all_finite(W):
         raise QuantdynError(f"{what} contains NaN or Inf; fix the checkpoint before quantizing")
 
 

@@ -118,8 +118,9 @@ class SweepConfig:
     directory is on tmpfs) | memory | disk."""
     logits_budget_mb: int = 16
     """Largest logits tensor of one variant (MiB): the evaluation head works in slices of windows that fit it."""
-    layer_diagnostics: bool = True
-    """RTN also runs the calibration set, for per-layer loss diagnostics; false skips those passes."""
+    layer_diagnostics: bool = False
+    """Per-layer output errors for every quantizer, and for that calibration passes of RTN (its layer_loss_sum);
+    off by default: they cost a calibration forward per RTN variant and the products (MeasureConfig)."""
     analysis: tuple[str, ...] = ()
     """Extra per-checkpoint metrics: hessian, outliers, propagation."""
     analysis_budget: AnalysisConfig = field(default_factory=AnalysisConfig)
@@ -146,9 +147,12 @@ class SweepConfig:
     eval_group: int = 8
     """Quantizers measured in one streamed pass over a checkpoint, sharing the FP forward (each adds one
     activation stream, not a model copy; more quantizers take several passes)."""
-    noise_floor: bool = True
-    """Measure each checkpoint's bf16 noise floor with its FP row (one extra block pass, engine/noise_floor.py):
-    the fp row stores it (floor_<field>), every ptq row says whether its Δ CE sits inside it."""
+    noise_floor: bool | None = None
+    """Measure each checkpoint's bf16 noise floor with its FP row (engine/noise_floor.py): the fp row stores it
+    (floor_<field>), every ptq row says whether its Δ CE sits inside it. None (default): where the blocks compute in
+    float32, where it costs one extra block pass; not where they compute in bf16/fp16 (a bf16 checkpoint on a GPU or
+    a CPU with bf16 units), where its blocks run in float32 and cost more than the rest of the measurement
+    (BENCHMARKS.md, "The floor"): true measures it there too."""
     detailed_metrics: bool = True
     """KL percentiles and reverse KL, top-K agreement, Δp, correlation, KL by confidence and per-block error maps
     in every row (MeasureConfig.detailed_metrics); false: only CE, mean KL and top-1 agreement."""
@@ -402,7 +406,7 @@ def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
                     if label in collect else None) if collect else None
         m = measure(weights, variants, ctx.eval_ids, calib, device=ctx.device, cfg=ctx.mcfg, on_layer=on_layer,
                     on_block=(lambda line: ctx.block_echo(f"{p.ref}: pass {g + 1}/{len(groups)} {line}"))
-                    if ctx.block_echo else None, noise_floor=cfg.noise_floor and g == 0 and fp_pending)
+                    if ctx.block_echo else None, noise_floor=cfg.noise_floor if g == 0 and fp_pending else False)
         if g == 0 and fp_pending:
             floor = floor_fields(m.noise_floor)
         base["n_params"] = m.n_params

@@ -42,3 +42,27 @@ def test_graphed_column_loop_gives_the_eager_bits(spec, shape, monkeypatch, no_t
     assert torch.equal(graphed.scales, eager.scales) and torch.equal(graphed.zeros, eager.zeros)
     assert torch.equal(graphed.g_idx, eager.g_idx)
     assert graphed.loss == eager.loss
+
+
+@pytest.mark.parametrize("spec", [dict(group_size=128), dict(group_size=0), dict(group_size=128, act_order=True),
+                                  dict(group_size=128, mse=True)])
+def test_batched_column_loop_gives_each_weight_its_own_bits(spec, monkeypatch, no_tf32):
+    """gptq_batch on the GPU: q/k/v-like weights sharing a Hessian, gptq4 and gptq3 stacked, and a second
+    Hessian's stack side by side — each weight's bits equal gptq() of it alone (the same element-wise kernels and
+    one GEMM per weight), eager and as CUDA graphs, and the graphs were replayed."""
+    from quantdyn.quantize.gptq import gptq_batch
+
+    W, H = _layer(256, 1024)
+    _, H2 = _layer(256, 1024, seed=1)
+    parts = [W[:128], W[128:192], W[192:]]
+    problems = [(w, h, QuantConfig(method="gptq", bits=b, **spec)) for h in (H, H2) for b in (4, 3) for w in parts]
+    alone = [gptq(*p, cuda_graph=False) for p in problems]
+    replays = []
+    real_run = gptq_mod._GraphedBlock.run
+    monkeypatch.setattr(gptq_mod._GraphedBlock, "run", lambda self, *a: replays.append(1) or real_run(self, *a))
+    for graph in (False, True):
+        got = gptq_batch(problems, cuda_graph=graph)
+        for a, b in zip(got, alone):
+            assert torch.equal(a.codes, b.codes) and torch.equal(a.weight, b.weight)
+            assert torch.equal(a.scales, b.scales) and torch.equal(a.zeros, b.zeros) and a.loss == b.loss
+    assert len(replays) == 1024 // 128 - 1  # one loop for all twelve weights
