@@ -83,3 +83,24 @@ def test_the_family_is_registered_and_the_study_file_computes_it():
     assert FINDING_FAMILIES.get("rotations").in_spec(spec)
     assert [p for p, _ in rf.rotation_pairs(list(spec.sweep.quantizers))] == ["gptq3", "rtn4", "nvfp4", "w4a4"]
     assert len(spec.seeds) >= 2 and spec.cooldowns.control and "rotations" in spec.findings.compute
+
+
+def test_rotation_gains_pair_each_checkpoint_window_by_window():
+    rng = np.random.default_rng(3)
+    plain_w = rng.normal(0.05, 0.01, 60)
+    rows = []
+    for ck, shift in (("a", -0.004), ("b", 0.0), ("c", 0.003)):
+        for q, wd in (("rtn4", plain_w), ("rtn4+had", plain_w + shift + rng.normal(0, 5e-4, 60))):
+            rows.append({"kind": "ptq", "run": "demo", "branch": "main", "step": ord(ck), "quantizer": q,
+                         "checkpoint_hash": ck, "eval_hash": "e", "delta_ce": float(wd.mean()),
+                         "delta_ce_se": 0.001, "window_delta": list(wd)})
+    rows.append({**rows[0], "checkpoint_hash": "only-plain"})  # no rotated twin: no line
+    gains = rf.rotation_gains(rows, [("rtn4", "rtn4+had")])
+    assert [g["step"] for g in gains] == [ord("a"), ord("b"), ord("c")]
+    for g, (plain, rot) in zip(gains, zip(rows[0:6:2], rows[1:6:2])):
+        diff = np.asarray(rot["window_delta"]) - np.asarray(plain["window_delta"])
+        assert g["paired"] and g["difference"] == pytest.approx(float(diff.mean()), abs=1e-12)
+        assert g["difference_se"] == pytest.approx(statistics.stdev(diff) / math.sqrt(diff.size))
+    assert [g["sign"] for g in gains] == [-1, 0, 1]  # lower, within its uncertainty, higher
+    _, detail = rf.rotation_findings(_study(0.0), ["cd-s0"], ["rtn4", "rtn4+had"])
+    assert detail["rotation_gains"] == []  # rows without a checkpoint hash do not pair
