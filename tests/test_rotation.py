@@ -21,7 +21,7 @@ from quantdyn.errors import QuantdynError
 from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config
 from quantdyn.quantize.config import QUANTIZERS, format_labels, parse_quantizer
 from quantdyn.quantize.formats import int4_per_token
-from quantdyn.quantize.gptq import stats_from
+from quantdyn.quantize.gptq import gptq, gptq_batch, stats_from
 from quantdyn.quantize.primitives import QuantResult
 from quantdyn.quantize.residual_rotation import check_rotations, rotate_model
 from quantdyn.quantize.rotation import (
@@ -29,6 +29,7 @@ from quantdyn.quantize.rotation import (
     hadamard_factor,
     hadamard_matrix,
     quantize_rotated,
+    quantize_rotated_batch,
     rotate,
     rotate_stats,
     signs,
@@ -151,6 +152,25 @@ def test_quantizers_see_the_rotated_statistics():
     quantize_rotated(spy, W, stats_from(X), parse_quantizer("gptq4+had+seed1"), "layer")
     want = stats_from(rotate(X, 1)).H
     assert torch.allclose(seen["H"], want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+def test_rotated_layers_sharing_a_hessian_batch_on_one_rotated_hessian():
+    """The engine's batched GPTQ (q/k/v sharing one Hessian) with +had: both rotated layers get the same rotated
+    Hessian object (so they still share one column loop), a plain layer its own unrotated one, and every result is
+    what quantize_rotated / gptq give one at a time, bit for bit."""
+    st = stats_from(_inputs())
+    g = torch.Generator().manual_seed(6)
+    Ws = [torch.randn(8, 64, generator=g) for _ in range(3)]
+    cfgs = [parse_quantizer("gptq3+had+seed1")] * 2 + [parse_quantizer("gptq3")]
+    seen = []
+    out = quantize_rotated_batch(lambda ps: seen.append(ps) or gptq_batch(ps), list(zip(Ws, [st] * 3, cfgs)),
+                                 ["q", "k", "v"])
+    (ps,) = seen
+    assert ps[0][1] is ps[1][1] and ps[0][1] is not st and ps[2][1] is st
+    for W, c, res in zip(Ws, cfgs, out):
+        ref = quantize_rotated(gptq, W, st, c, "x") if c.hadamard else gptq(W, st, c)
+        assert torch.equal(res.codes, ref.codes) and torch.equal(res.weight, ref.weight)
+        assert res.rotation_seed == (1 if c.hadamard else None)
 
 
 def test_w4a4_with_had_quantizes_the_rotated_activations():

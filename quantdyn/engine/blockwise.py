@@ -28,7 +28,13 @@ from quantdyn.models.gpt import GPT
 from quantdyn.quantize.config import QUANTIZERS, QuantConfig, TensorSite, config_for_tensor, grid_bits_per_weight
 from quantdyn.quantize.gptq import ActStats, gptq_batch, stats_update
 from quantdyn.quantize.primitives import QuantResult, all_finite, num_threads
-from quantdyn.quantize.rotation import fold_stats, hadamard_seed, quantize_rotated, rotated_act_quant
+from quantdyn.quantize.rotation import (
+    fold_stats,
+    hadamard_seed,
+    quantize_rotated,
+    quantize_rotated_batch,
+    rotated_act_quant,
+)
 
 BlockArgs = tuple[tuple, dict]
 """The arguments of one block call besides the hidden states: (positional rest, keyword)."""
@@ -302,9 +308,9 @@ def quantize_block(block: nn.Module, groups: list[list[tuple[str, nn.Module]]], 
 
 
 def gptq_batchable(cfg: QuantConfig) -> bool:
-    """Whether ``cfg`` quantizes with GPTQ (its layers can share column loops: quantize/gptq.py gptq_batch).
-    Not with ``+had``: a rotated layer goes through quantize_layer (quantize_rotated), one at a time."""
-    return QUANTIZERS.get(cfg.method).fn is QUANTIZERS.get("gptq").fn and hadamard_seed(cfg) is None
+    """Whether ``cfg`` quantizes with GPTQ (its layers can share column loops: quantize/gptq.py gptq_batch; with
+    ``+had`` on their rotated weights and Hessians, quantize/rotation.py quantize_rotated_batch)."""
+    return QUANTIZERS.get(cfg.method).fn is QUANTIZERS.get("gptq").fn
 
 
 def quantize_blocks(jobs: Sequence[BlockJob], block_idx: int, prefix: str, layer_threads: int | None = None,
@@ -387,7 +393,9 @@ def _quantize_set(jobs: Sequence[BlockJob], modules: list[dict[str, nn.Module]],
                 batch = all(gptq_batchable(cfg) for _, cfg, _ in inputs)  # a format may resolve to another method
             if batch:
                 with num_threads(layer_threads):
-                    out = gptq_batch([(W, stats_of[j][name], cfg) for (j, name, *_), (W, cfg, _) in zip(chunk, inputs)])
+                    out = quantize_rotated_batch(gptq_batch, [(W, stats_of[j][name], cfg)
+                                                              for (j, name, *_), (W, cfg, _) in zip(chunk, inputs)],
+                                                 [f"{prefix}.{block_idx}.{name}" for _, name, *_ in chunk])
                 for (j, name, m, site), (W, cfg, notes), res in zip(chunk, inputs, out):
                     _apply_result(f"{prefix}.{block_idx}.{name}", m, res, cfg, notes)
                     results.append((res, W))

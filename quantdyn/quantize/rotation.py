@@ -278,18 +278,43 @@ def quantize_rotated(fn: Callable[..., QuantResult], W: torch.Tensor, stats: Act
     """``fn`` (a registered quantizer) applied to W R with the rotated statistics; the result's ``weight`` is
     rotated back, Q(W R) Rᵀ: the layer's function (x R) Q(W R)ᵀ as one weight, with no online rotation
     (QuantResult.rotation_seed says its codes are of W R). ``where`` names the layer in errors."""
-    seed = cfg.rotation_seed
-    m = check_width(W.shape[1], where)
-    t0 = time.perf_counter()
-    Wr = rotate(W, seed)
-    stats_r = rotate_stats(stats, seed)
-    t_rot = time.perf_counter() - t0
-    res = fn(Wr, stats_r, cfg)
-    t0 = time.perf_counter()
-    weight = rotate(res.weight.to(W.dtype), seed, inverse=True)
-    t_rot += time.perf_counter() - t0
-    notes = {"rotation": "had", "rotation_seed": seed, "hadamard_factor": m, "rotation_seconds": t_rot}
-    return dataclasses.replace(res, weight=weight, rotation_seed=seed, diagnostics={**res.diagnostics, **notes})
+    return quantize_rotated_batch(lambda problems: [fn(*p) for p in problems], [(W, stats, cfg)], [where])[0]
+
+
+def quantize_rotated_batch(batch_fn: Callable[[list], list[QuantResult]], problems: list[tuple], where: list[str]
+                           ) -> list[QuantResult]:
+    """:func:`quantize_rotated` for several (W, statistics, config) problems solved by one call of ``batch_fn``
+    (the engine's ``gptq_batch``: layers that share a Hessian in one column loop). A problem whose config has no
+    ``+had`` passes unchanged; statistics shared by problems with the same seed are rotated once (so they stay
+    one object, and share a loop, after the rotation)."""
+    prepared, meta, rotated_stats = [], [], {}
+    for (W, stats, cfg), name in zip(problems, where):
+        seed = hadamard_seed(cfg)
+        if seed is None:
+            prepared.append((W, stats, cfg))
+            meta.append(None)
+            continue
+        m = check_width(W.shape[1], name)
+        t0 = time.perf_counter()
+        key = (id(stats), seed)
+        if key not in rotated_stats:
+            rotated_stats[key] = rotate_stats(stats, seed)
+        prepared.append((rotate(W, seed), rotated_stats[key], cfg))
+        meta.append((seed, m, time.perf_counter() - t0))
+    del rotated_stats
+    out = []
+    for res, (W, _, _), mt in zip(batch_fn(prepared), problems, meta):
+        if mt is None:
+            out.append(res)
+            continue
+        seed, m, t_rot = mt
+        t0 = time.perf_counter()
+        weight = rotate(res.weight.to(W.dtype), seed, inverse=True)
+        notes = {"rotation": "had", "rotation_seed": seed, "hadamard_factor": m,
+                 "rotation_seconds": t_rot + time.perf_counter() - t0}
+        out.append(dataclasses.replace(res, weight=weight, rotation_seed=seed,
+                                       diagnostics={**res.diagnostics, **notes}))
+    return out
 
 
 def rotated_act_quant(act_quant: Callable[[torch.Tensor], torch.Tensor], seed: int
