@@ -26,8 +26,9 @@ A width with no such factorisation (an odd width, 2·odd, or e.g. 4·43·... whe
 supported construction and is refused naming the layer (:func:`check_width`). Prime powers with exponent ≤ 3 are
 supported (GF(pᵏ) arithmetic with a brute-force irreducible polynomial).
 
-Applying R costs O(n log n) per row, never an n × n product: the signs, Sylvester's fast Walsh-Hadamard
-transform along the power-of-two factor, a dense m × m product along the other (:func:`rotate`).
+Applying R to a wide tensor costs O(n log n) per row, never an n × n product: the signs, Sylvester's fast
+Walsh-Hadamard transform along the power-of-two factor, a dense m × m product along the other (:func:`rotate`);
+up to DENSE_MAX_WIDTH features one product with the dense R is faster on a CPU and is used instead.
 
 Calibration statistics are rotated, not recollected: GPTQ's H = 2/N Σ x xᵀ of the rotated inputs is Rᵀ H R
 (:func:`rotate_stats`); AWQ's mean |x| is not a function of H, so the engine sums |x R| of the calibration inputs
@@ -215,12 +216,26 @@ def hadamard_product(x: torch.Tensor, transpose: bool = False) -> torch.Tensor:
     return y.reshape(x.shape)
 
 
+DENSE_MAX_WIDTH = 512
+"""Widths up to this are rotated by one product with the dense R (cached per width, seed, device and dtype): on a
+CPU one GEMM beats the transform's log2(n) passes there (2,048 rows: 3.3x faster at n = 128, 1.4x at 512, but 2x
+slower at 2,048; BENCHMARKS.md, "Rotations before quantization"). Wider ones use the fast transform."""
+
+
+@lru_cache(maxsize=32)
+def _dense_on(n: int, seed: int, device: str, dtype: torch.dtype) -> torch.Tensor:
+    return (hadamard_matrix(n, seed) / math.sqrt(n)).to(device=device, dtype=dtype)
+
+
 def rotate(x: torch.Tensor, seed: int, inverse: bool = False) -> torch.Tensor:
     """x R (or x Rᵀ with ``inverse``) along the last dimension, R = D H / sqrt(n) (module docstring).
 
     A weight W (out, in) rotated on its input features is ``rotate(W, seed)`` = W R; an activation x (..., in)
     ``rotate(x, seed)`` = x R; ``rotate(rotate(x, s), s, inverse=True)`` is x again up to float rounding."""
     n = x.shape[-1]
+    if n <= DENSE_MAX_WIDTH and check_width(n, "a tensor"):
+        R = _dense_on(n, int(seed), str(x.device), x.dtype)
+        return x @ (R.t() if inverse else R)
     s = _signs_on(n, int(seed), str(x.device), x.dtype)
     if not inverse:
         return hadamard_product(x * s) / math.sqrt(n)
