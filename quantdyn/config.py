@@ -175,6 +175,11 @@ def from_dict(cls: type[C], data: dict[str, Any] | None, where: str = "") -> C:
         raise QuantdynError(f"{where or cls.__name__}: {e}") from None
 
 
+OMIT_DEFAULT = {"omit_default": True}
+"""Metadata of a dataclass field that :func:`to_dict` leaves out while it holds its default: a field added to a
+config whose hash keys stored rows (QuantConfig) keeps every earlier config's hash."""
+
+
 def shared_fields(cfg: Any, cls, but: tuple[str, ...] = ()) -> dict[str, Any]:
     """The fields of config ``cfg`` that config class ``cls`` has under the same name (less ``but``): how a
     setting travels down a layer unrenamed (e.g. MeasureConfig -> WalkConfig)."""
@@ -184,9 +189,10 @@ def shared_fields(cfg: Any, cls, but: tuple[str, ...] = ()) -> dict[str, Any]:
 
 
 def to_dict(cfg: Any) -> Any:
-    """Dataclass (possibly nested) -> plain JSON/YAML-ready dict."""
+    """Dataclass (possibly nested) -> plain JSON/YAML-ready dict (fields marked OMIT_DEFAULT only when set)."""
     if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
-        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
+                if not (f.metadata.get("omit_default") and getattr(cfg, f.name) == f.default)}
     if isinstance(cfg, (list, tuple)):
         return [to_dict(v) for v in cfg]
     if isinstance(cfg, dict):

@@ -143,7 +143,11 @@ def test_presets_round_trip(preset, bits, group):
 
 def test_no_field_was_added():
     # a new QuantConfig field changes every config hash (rows are keyed by it); the pinned hashes catch that,
-    # this says why
+    # this says why. The rotation fields are the exception that proves it: marked OMIT_DEFAULT, they stay out of
+    # the hash while unset, so every unrotated config keeps its pinned hash
     assert [f.name for f in dataclasses.fields(QuantConfig)] == [
         "method", "bits", "group_size", "sym", "mse", "damp_percent", "damp_auto_increment", "act_order",
-        "act_group_aware", "static_groups", "true_sequential", "block_size", "awq_grid", "awq_clip", "quantize_head"]
+        "act_group_aware", "static_groups", "true_sequential", "block_size", "awq_grid", "awq_clip", "quantize_head",
+        "hadamard", "r1", "rotation_seed"]
+    added = [f for f in dataclasses.fields(QuantConfig) if f.name in ("hadamard", "r1", "rotation_seed")]
+    assert all(f.metadata.get("omit_default") for f in added)

@@ -18,9 +18,10 @@ import typer
 
 QUANTIZERS_HELP = ("Quantizer labels, comma-separated: <method><bits>[g<group>][-<preset or flag>...], e.g. "
                    "gptq3,rtn4g64,gptq4-gptqmodel, or a deployment format: GGUF q8_0, q6_k, q5_k_m, q4_k_m, "
-                   "q4_0, q3_k_m, q2_k ... (each also -imatrix), fp8, fp8-channel, w8a8-fp8, nf4, mxfp4, nvfp4, "
-                   "or a per-tensor plan: plan:FILE (quantdyn allocate), auto@BUDGET:TYPE,... (allocated per "
-                   "checkpoint; list it last) (docs/quantizers.md).")
+                   "q4_0, q3_k_m, q2_k ... (each also -imatrix), fp8, fp8-channel, w8a8-fp8, w4a4, nf4, mxfp4, "
+                   "nvfp4 (docs/quantizers.md); any of them rotated first with +had or +r1, e.g. rtn4+had "
+                   "(docs/rotations.md); or a per-tensor plan: plan:FILE (quantdyn allocate), auto@BUDGET:TYPE,... "
+                   "(allocated per checkpoint; list it last).")
 STORE_HELP = "Results store directory."
 DEVICE_HELP = "Where to compute: auto | cpu | cuda | cuda:N."
 

@@ -28,6 +28,13 @@ from quantdyn.models.gpt import GPT
 from quantdyn.quantize.config import QUANTIZERS, QuantConfig, TensorSite, config_for_tensor, grid_bits_per_weight
 from quantdyn.quantize.gptq import ActStats, gptq_batch, stats_update
 from quantdyn.quantize.primitives import QuantResult, all_finite, num_threads
+from quantdyn.quantize.rotation import (
+    fold_stats,
+    hadamard_seed,
+    quantize_rotated,
+    quantize_rotated_batch,
+    rotated_act_quant,
+)
 
 BlockArgs = tuple[tuple, dict]
 """The arguments of one block call besides the hidden states: (positional rest, keyword)."""
@@ -202,10 +209,13 @@ def quantize_layer(name: str, module: nn.Module, stats: ActStats | None, cfg: Qu
 
     A format that chooses per tensor (llama.cpp's mixes and shape fallbacks) resolves ``cfg`` for ``site``
     first; the choice lands in ``res.diagnostics`` (``quantizer_method`` and the format's notes). A format
-    with activation quantization (W8A8) also gets a forward pre-hook on ``module`` that fake-quantizes its input."""
+    with activation quantization (W8A8) also gets a forward pre-hook on ``module`` that fake-quantizes its input.
+    With ``+had`` the weight is quantized as Q(W R) from the rotated statistics and the module holds Q(W R) Rᵀ
+    (quantize/rotation.py); activation quantization then quantizes x R."""
     W, cfg, notes = _layer_weight(module, cfg, site or TensorSite(name, 0, 1, tuple(get_weight(module).shape)))
+    fn = QUANTIZERS.get(cfg.method).fn
     with num_threads(threads):
-        res = QUANTIZERS.get(cfg.method).fn(W, stats, cfg)
+        res = fn(W, stats, cfg) if hadamard_seed(cfg) is None else quantize_rotated(fn, W, stats, cfg, name)
     res = _apply_result(name, module, res, cfg, notes)
     return res, W
 
@@ -228,6 +238,8 @@ def _apply_result(name: str, module: nn.Module, res: QuantResult, cfg: QuantConf
     set_weight(module, res.weight)
     act_quant = QUANTIZERS.get(cfg.method).act_quant
     if act_quant is not None:
+        if hadamard_seed(cfg) is not None:  # +had: the rotated input x R is what a deployment quantizes
+            act_quant = rotated_act_quant(act_quant, hadamard_seed(cfg))
         module.register_forward_pre_hook(lambda m, args: (act_quant(args[0]).to(args[0].dtype), *args[1:]))
     return res
 
@@ -300,7 +312,8 @@ def quantize_block(block: nn.Module, groups: list[list[tuple[str, nn.Module]]], 
 
 
 def gptq_batchable(cfg: QuantConfig) -> bool:
-    """Whether ``cfg`` quantizes with GPTQ (its layers can share column loops: quantize/gptq.py gptq_batch)."""
+    """Whether ``cfg`` quantizes with GPTQ (its layers can share column loops: quantize/gptq.py gptq_batch; with
+    ``+had`` on their rotated weights and Hessians, quantize/rotation.py quantize_rotated_batch)."""
     return QUANTIZERS.get(cfg.method).fn is QUANTIZERS.get("gptq").fn
 
 
@@ -324,7 +337,8 @@ def quantize_blocks(jobs: Sequence[BlockJob], block_idx: int, prefix: str, layer
             stats: dict[str, ActStats | None] = {name: None for name, _ in plan[gi]}
             if job.inputs is not None:
                 with time_phase(timer, "calib_forward"):
-                    shared = _collect_stats(job.block, plan[gi], job.inputs, job.args_of, job.cfg.method == "awq", stats)
+                    shared = _collect_stats(job.block, plan[gi], job.inputs, job.args_of, job.cfg.method == "awq", stats,
+                                             hadamard_seed(job.cfg))
                 for name, first in shared.items():
                     stats[name] = stats[first]
             stats_of.append(stats)
@@ -383,7 +397,9 @@ def _quantize_set(jobs: Sequence[BlockJob], modules: list[dict[str, nn.Module]],
                 batch = all(gptq_batchable(cfg) for _, cfg, _ in inputs)  # a format may resolve to another method
             if batch:
                 with num_threads(layer_threads):
-                    out = gptq_batch([(W, stats_of[j][name], cfg) for (j, name, *_), (W, cfg, _) in zip(chunk, inputs)])
+                    out = quantize_rotated_batch(gptq_batch, [(W, stats_of[j][name], cfg)
+                                                              for (j, name, *_), (W, cfg, _) in zip(chunk, inputs)],
+                                                 [f"{prefix}.{block_idx}.{name}" for _, name, *_ in chunk])
                 for (j, name, m, site), (W, cfg, notes), res in zip(chunk, inputs, out):
                     results.append((_apply_result(f"{prefix}.{block_idx}.{name}", m, res, cfg, notes), W))
                 del inputs, out
@@ -406,7 +422,8 @@ def _quantize_set(jobs: Sequence[BlockJob], modules: list[dict[str, nn.Module]],
 
 
 def _collect_stats(block: nn.Module, grp: list[tuple[str, nn.Module]], inputs: Sequence[torch.Tensor],
-                   args_of: Callable[[int], BlockArgs], need_abs: bool, stats: dict) -> dict[str, str]:
+                   args_of: Callable[[int], BlockArgs], need_abs: bool, stats: dict,
+                   rotation_seed: int | None = None) -> dict[str, str]:
     """Run the block on every calibration batch, folding each layer's input into ``stats[name]``; returns
     {layer: earlier layer} for the layers whose input was, in every batch, the same tensor object as that
     earlier layer's (their statistics are that layer's, accumulated once)."""
@@ -425,7 +442,7 @@ def _collect_stats(block: nn.Module, grp: list[tuple[str, nn.Module]], inputs: S
                                 "calibration batch but not in another; the block's forward is not deterministic")
         if same_as is None:
             seen[id(inp[0])] = (inp[0], name)
-            stats[name] = stats_update(stats[name], x, need_abs=need_abs)
+            stats[name] = fold_stats(stats[name], x, need_abs, rotation_seed)
 
     handles = [m.register_forward_hook(lambda mod, inp, out, name=name: hook(mod, inp, out, name)) for name, m in grp]
     try:

@@ -48,6 +48,7 @@ from quantdyn.models.weights import CheckpointWeights
 from quantdyn.quantize.config import QuantConfig, parse_quantizer
 from quantdyn.quantize.primitives import QuantResult
 from quantdyn.quantize.plan import is_auto
+from quantdyn.quantize.residual_rotation import check_rotations
 from quantdyn.sources.hub import open_checkpoint
 
 log = logging.getLogger("quantdyn")
@@ -235,6 +236,7 @@ def measure(
     if propagation_ids is not None:
         probes["prop"] = propagation_ids
     source = _source(model, compute_dtype_of(cfg.dtype), device)
+    check_rotations(source.model, variants.values())  # +had widths, +r1 architectures: one line before any work
     if noise_floor is None:  # auto: where the floor costs one block pass (float32 blocks), not an fp32 pass more
         noise_floor = source.dtype == torch.float32
     if noise_floor and eval_windows is not None:

@@ -31,6 +31,7 @@ streams instead of one model copy per quantizer.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -60,7 +61,8 @@ from quantdyn.errors import QuantdynError
 from quantdyn.evaluate.quant_error import HiddenError
 from quantdyn.models.adapters import model_type_of
 from quantdyn.quantize.config import QUANTIZERS, BlockTransform, QuantConfig, TensorSite, parse_quantizer
-from quantdyn.quantize.gptq import stats_update
+from quantdyn.quantize.residual_rotation import check_rotations, residual_rotated_block, rotate_model
+from quantdyn.quantize.rotation import fold_stats, hadamard_seed
 from quantdyn.quantize.primitives import QuantResult, num_threads
 
 log = logging.getLogger("quantdyn")
@@ -308,9 +310,12 @@ def walk(
                 jobs: dict[str, BlockJob] = {}
                 for label in batch:
                     qblock = block if cfg.in_place else copy.deepcopy(block)
+                    qgroups = groups if cfg.in_place else adapter.linear_groups(qblock)
+                    if qcfgs[label].r1 and not cfg.in_place:  # +r1: this copy rotated, between the model's basis
+                        qblock = residual_rotated_block(qblock, model_type_of(model), qcfgs[label].rotation_seed)
                     hook = (lambda full, res, m, label=label: on_layer(label, full, res, m)) if on_layer else None
                     cal_args = (lambda i, b=b, c=cal_of[label]: c.args(b, i)) if label in cal_of else None
-                    jobs[label] = BlockJob(qblock, groups if cfg.in_place else adapter.linear_groups(qblock),
+                    jobs[label] = BlockJob(qblock, qgroups,
                                            qcal.get(label), cal_args, qcfgs[label], hook)
                 with num_threads(cfg.quantize_threads or None):
                     rows_of = quantize_blocks(list(jobs.values()), b, prefix, cfg.layer_threads,
@@ -369,14 +374,16 @@ def walk(
             else:
                 qhead = copy.deepcopy(head)
             stats = None
+            # +r1 in a measurement: the head sees the stream in the model's basis and gets R on its input (+had)
+            head_qc = dataclasses.replace(qc, hadamard=True) if qc.r1 and not cfg.in_place else qc
             with num_threads(cfg.quantize_threads or None):
                 if label in qcal:
                     with timer("calib_forward"):
                         for i in range(len(qcal[label])):
-                            stats = stats_update(stats, norm(qcal[label][i]), need_abs=qc.method == "awq")
+                            stats = fold_stats(stats, norm(qcal[label][i]), qc.method == "awq", hadamard_seed(head_qc))
                 with timer("quantize_layers"):
                     site = TensorSite(adapter.head, -1, len(blocks), tuple(qhead.weight.shape))
-                    res, W = quantize_layer(adapter.head, qhead, stats, qc, cfg.layer_threads, site)
+                    res, W = quantize_layer(adapter.head, qhead, stats, head_qc, cfg.layer_threads, site)
                 with timer("diagnostics"):
                     v.rows.append(layer_row(-1, adapter.head, adapter.head, W, res, stats, qc,
                                             output_error=cfg.layer_diagnostics))
@@ -484,6 +491,9 @@ def quantize_model(
     qc = parse_quantizer(cfg)
     if batch_size < 1:
         raise QuantdynError(f"batch_size={batch_size} must be >= 1")
+    check_rotations(model, [qc])
+    if qc.r1:  # in place, the whole model is rotated offline first (embedding, blocks, head): residual_rotation
+        rotate_model(model, qc.rotation_seed)
     source = InMemoryModel(model)
     dev = torch.device(device) if device is not None else source.home
     packed: dict[str, torch.Tensor] = {}

@@ -53,13 +53,22 @@ llm-compressor, served by vLLM, read by transformers with the compressed-tensors
     The loaded model is the same either way: transformers has no packed-int kernels for these
     layers, and the compressed route also decompresses the whole model on its first forward.
 
+Rotations (``+had``, quantize/rotation.py) are exported as compressed-tensors only, the way llm-compressor writes
+its QuIP transforms and vLLM reads them: the codes are those of W R, and ``quantization_config.transform_config``
+holds one scheme ``had`` of type ``random-hadamard`` applied at the ``input`` of every quantized layer (online,
+x -> x M / sqrt(n)); its matrix M = D H (±1, what compressed-tensors stores unnormalized) is the tensor
+``<layer>.had_input.weight``, stored once per width under the first quantized layer of that width, as
+llm-compressor saves transform weights that all layers of a width share (tied) and as vLLM loads them (one shared
+tensor per scheme and size). GPTQ and GGUF have no place for a rotation and refuse ``+had``; ``+r1`` (the
+residual stream, folded into the embedding, norms and head) is not exported at all.
+
 Neither format has per-input-channel scales, so quantdyn's AWQ (scales s per linear, divided
 back out of the weight) cannot be exported; neither loader quantizes the output head
 through these configs, so ``quantize_head`` is refused too.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
 import torch
@@ -69,6 +78,7 @@ from quantdyn.config import config_hash, to_dict
 from quantdyn.errors import QuantdynError
 from quantdyn.export.packing import pack_rows
 from quantdyn.quantize.config import QUANTIZERS, QuantConfig
+from quantdyn.quantize.rotation import hadamard_matrix
 from quantdyn.registry import Registry
 
 GPTQ_BITS = (2, 3, 4, 8)
@@ -91,6 +101,9 @@ class ExportSettings:
     """GPTQ only: 'gptq' or 'gptq_v2'."""
     desc_act: bool
     """GPTQ only: whether g_idx may be a permutation of groups (act-order)."""
+    transform_owners: frozenset[str] | None = None
+    """compressed-tensors with ``+had``: the layers that carry their width's transform matrix (the first
+    quantized layer of each width); None: every layer carries its own."""
 
 
 @dataclass(frozen=True)
@@ -304,6 +317,17 @@ def _ct_layer(name: str, out_f: int, in_f: int, qcfg: QuantConfig) -> None:
                             f"that divides {in_f}, per channel (group 0), or export gptq")
 
 
+CT_TRANSFORM = "had"
+"""The transform scheme's name in transform_config: its matrix is ``<layer>.had_input.weight``."""
+
+
+def _ct_transform(name: str, in_f: int, qcfg: QuantConfig, st: ExportSettings) -> dict[str, torch.Tensor]:
+    """The ``+had`` transform matrix a layer carries (module docstring), or nothing."""
+    if not qcfg.hadamard or (st.transform_owners is not None and name not in st.transform_owners):
+        return {}
+    return {f"{name}.{CT_TRANSFORM}_input.weight": hadamard_matrix(in_f, qcfg.rotation_seed).to(st.scale_dtype)}
+
+
 def _ct_tensors(name: str, q: dict[str, torch.Tensor], qcfg: QuantConfig, st: ExportSettings) -> dict:
     codes, scales, g_idx = q["codes"], q["scales"], q["g_idx"]
     bits = qcfg.bits
@@ -327,7 +351,7 @@ def _ct_tensors(name: str, q: dict[str, torch.Tensor], qcfg: QuantConfig, st: Ex
         # (ceil(out*bits/32), groups): the library packs the signed zero point z - 2^(bits-1) plus the same
         # offset -- the unsigned z -- along the output dim (module docstring)
         out[f"{name}.weight_zero_point"] = pack_rows(zeros.t().contiguous(), bits).t().contiguous()
-    return out
+    return {**out, **_ct_transform(name, in_f, qcfg, st)}
 
 
 def _ct_config(qcfg: QuantConfig, layers: list[str], st: ExportSettings) -> dict:
@@ -359,6 +383,11 @@ def _ct_config(qcfg: QuantConfig, layers: list[str], st: ExportSettings) -> dict
         "sparsity_config": {},
         "quantdyn": _provenance(qcfg),
     }
+    if qcfg.hadamard:  # compressed-tensors' TransformConfig, as llm-compressor serializes it (module docstring)
+        config["transform_config"] = {"config_groups": {CT_TRANSFORM: {
+            "type": "random-hadamard", "randomize": False, "requires_grad": False, "head_dim": None,
+            "precision": "torch.float32",
+            "apply": [{"targets": sorted(layers), "location": "input", "inverse": False, "ignore": []}]}}}
     if not qcfg.sym:
         # transformers cannot load packed zero points into the modules it builds compressed; it loads them
         # through the library's decompressor with this key (module docstring)
@@ -381,7 +410,23 @@ def check_exportable(fmt: str, qcfg: QuantConfig, model_type: str = "", model_dt
     format cannot hold too (what only the codes can tell -- a GPTQ v1 zero point of 0 -- is refused when the
     layer is added)."""
     f = EXPORT_FORMATS.get(fmt)
+    check_rotation_exportable(fmt, qcfg)
     settings = f.check(qcfg, model_type, model_dtype, options)
     for name, (out_f, in_f) in (layers or {}).items():
         f.check_layer(name, int(out_f), int(in_f), qcfg)
+    if qcfg.hadamard and layers:
+        first: dict[int, str] = {}
+        for name, (_, in_f) in layers.items():
+            first.setdefault(int(in_f), name)
+        settings = replace(settings, transform_owners=frozenset(first.values()))
     return settings
+
+
+def check_rotation_exportable(fmt: str, qcfg: QuantConfig) -> None:
+    """One line when ``fmt`` cannot hold ``qcfg``'s rotation (module docstring: Rotations)."""
+    if qcfg.r1:
+        raise QuantdynError("+r1 models are not exported: the residual stream's rotation would have to be folded into "
+                            "the embedding, norms and head of the written checkpoint; export +had (compressed-tensors)")
+    if qcfg.hadamard and fmt != "compressed-tensors":
+        raise QuantdynError(f"{fmt} checkpoints have no place for a rotation; export {qcfg.name} as "
+                            f"compressed-tensors, whose transform_config holds the Hadamard transform")

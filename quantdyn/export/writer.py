@@ -38,7 +38,14 @@ from typing import Any, Mapping
 import torch
 
 from quantdyn.errors import QuantdynError
-from quantdyn.export.formats import EXPORT_FORMATS, SCALE_DTYPES, ExportFormat, check_exportable, permuted_groups
+from quantdyn.export.formats import (
+    EXPORT_FORMATS,
+    SCALE_DTYPES,
+    ExportFormat,
+    check_exportable,
+    check_rotation_exportable,
+    permuted_groups,
+)
 from quantdyn.export.plans import check_int_plan, ct_groups, gptq_dynamic, is_plan, layer_config, llmcompressor_recipe
 from quantdyn.export.shards import DEFAULT_SHARD_BYTES, Shards, cpu_tensor
 from quantdyn.files import atomic_dir
@@ -282,5 +289,6 @@ def open_export(fmt: str, out_dir: str | Path, source_config: dict, qcfg: QuantC
     """
     own = EXPORT_FORMATS.get(fmt).open_writer
     if own is not None:  # a single-file format (GGUF)
+        check_rotation_exportable(fmt, parse_quantizer(qcfg))
         return own(out_dir, source_config, qcfg, model_type, **options)
     return ExportWriter(fmt, out_dir, source_config, qcfg, model_type, **options)

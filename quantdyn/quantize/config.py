@@ -29,6 +29,13 @@ quantization with an importance matrix from the calibration activations), ``fp8`
 is ``head``/``nohead`` (``q4_k_m-head``). GGUF tensors whose rows do not fit the block take
 llama.cpp's fallback type (recorded in the layer rows).
 
+Rotations
+---------
+``+had`` after any label rotates every quantized layer's input features by a randomized Hadamard transform
+first (``gptq3+had``, ``nvfp4+had``, ``w8a8-fp8+had``); ``+r1`` rotates the residual stream (RMSNorm models);
+``+seed<N>`` seeds the random signs (default 0), e.g. ``rtn4+had+r1+seed1``. Canonical order: had, r1, seed.
+The rotation fields stay out of a config's hash while unset, so the hashes of unrotated configs are unchanged.
+
 Presets
 -------
 ``reference``  IST-DASLab/gptq (``llama.py``/``opt.py`` argument defaults, commit
@@ -63,7 +70,7 @@ from importlib import import_module
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
-from quantdyn.config import config_hash, from_dict, to_dict
+from quantdyn.config import OMIT_DEFAULT, config_hash, from_dict, to_dict
 from quantdyn.errors import QuantdynError, did_you_mean, unknown_name
 from quantdyn.registry import LazyRegistry, Registry
 
@@ -111,6 +118,16 @@ class QuantConfig:
     """AWQ: search a per-(row, group) clipping range after scaling (llm-awq auto_clip)."""
     quantize_head: bool = False
     """Also quantize the output head (lm_head); embeddings always stay full precision."""
+    hadamard: bool = dataclasses.field(default=False, metadata=OMIT_DEFAULT)
+    """Rotate the input features of every quantized layer by a randomized Hadamard transform R first (label
+    ``+had``; quantize/rotation.py): the weight is quantized as Q(W R), the layer computes (x R) Q(W R)ᵀ, and
+    activation quantization (w8a8-fp8, w4a4) quantizes x R. Full precision is unchanged (R Rᵀ = I)."""
+    r1: bool = dataclasses.field(default=False, metadata=OMIT_DEFAULT)
+    """Rotate the residual stream (QuaRot's R1; label ``+r1``; quantize/residual_rotation.py), fused into the
+    embedding, the layers that read and write the stream and the head: exact for RMSNorm pre-norm models
+    (llama, qwen2) only; others are refused."""
+    rotation_seed: int = dataclasses.field(default=0, metadata=OMIT_DEFAULT)
+    """Seed of the rotations' random signs (label ``+seed<N>``), >= 0; recorded in every row."""
 
     def __post_init__(self):
         canonical = QUANTIZERS.canonical(self.method) if isinstance(self.method, str) else None
@@ -161,6 +178,7 @@ class QuantConfig:
             raise QuantdynError("quantizer act_group_aware needs group_size > 0")
         if self.static_groups and not self.group_size:
             raise QuantdynError("quantizer static_groups needs group_size > 0")
+        _check_rotation(self)
 
     @property
     def name(self) -> str:
@@ -294,8 +312,8 @@ def catalogue_of_registry() -> dict[str, Any]:
     return {"quantizers": {n: (s._asdict() if s is not None else None) for n, s in specs.items()}}
 
 
-_FORMAT_FREE = ("quantize_head",)
-"""The only QuantConfig field a deployment format leaves to the user."""
+_FORMAT_FREE = ("quantize_head", "hadamard", "r1", "rotation_seed")
+"""The QuantConfig fields a deployment format leaves to the user (the head, the rotations)."""
 
 
 def _check_format_fields(cfg: "QuantConfig", spec: FormatSpec) -> None:
@@ -402,7 +420,7 @@ def canonical_label(cfg: "QuantConfig") -> str:
     """The one label of ``cfg``; ``parse_quantizer(canonical_label(cfg)) == cfg``."""
     spec = label_catalogue().get(cfg.method).format
     if spec is not None:
-        return spec.label + ("-head" if cfg.quantize_head else "")
+        return spec.label + ("-head" if cfg.quantize_head else "") + rotation_suffix(cfg)
     defaults = {f.name: f.default for f in dataclasses.fields(QuantConfig)}
     head = f"{cfg.method}{cfg.bits}" + ("" if cfg.group_size == _DEFAULT_GROUP else f"g{cfg.group_size}")
     best = ""
@@ -418,7 +436,59 @@ def canonical_label(cfg: "QuantConfig") -> str:
         label = "-".join([head, *tokens])
         if not best or len(label) < len(best):
             best = label
-    return best
+    return best + rotation_suffix(cfg)
+
+
+# ----------------------------------------------------------------------------- rotations (+had, +r1, +seed<N>)
+
+_ROTATION_TOKENS = ("had", "r1")
+"""The rotation tokens after '+', in canonical order: field hadamard, field r1."""
+
+
+def rotation_suffix(cfg: "QuantConfig") -> str:
+    """'+had', '+had+r1+seed3', ... ('' without a rotation): the part of the label after the quantizer's."""
+    tokens = [t for t, on in zip(_ROTATION_TOKENS, (cfg.hadamard, cfg.r1)) if on]
+    if cfg.rotation_seed:
+        tokens.append(f"seed{cfg.rotation_seed}")
+    return "".join(f"+{t}" for t in tokens)
+
+
+def rotation_of(cfg: "QuantConfig") -> str | None:
+    """'had', 'r1', 'had+r1' or None: which rotations ``cfg`` applies (the rows' ``rotation`` field)."""
+    return "+".join(t for t, on in zip(_ROTATION_TOKENS, (cfg.hadamard, cfg.r1)) if on) or None
+
+
+def _split_rotation(text: str, spec: str) -> tuple[str, dict[str, Any]]:
+    """('rtn4', {hadamard: True, rotation_seed: 3}) from 'rtn4+had+seed3'; (text, {}) without '+'."""
+    base, *tokens = text.split("+")
+    fields: dict[str, Any] = {}
+    for t in tokens:
+        m = re.fullmatch(r"seed(\d+)", t)
+        if t == "had":
+            fields["hadamard"] = True
+        elif t == "r1":
+            fields["r1"] = True
+        elif m is not None:
+            fields["rotation_seed"] = int(m[1])
+        else:
+            raise QuantdynError(f"unknown rotation '+{t}' in quantizer '{spec}'{did_you_mean(t, ['had', 'r1', 'seed'])}"
+                                f"; rotations come last: <quantizer>+had (Hadamard on every layer's input), +r1 (residual stream), "
+                                f"+seed<N> (the signs' seed), e.g. rtn4+had, gptq3+had+r1+seed1")
+    if tokens and not base:
+        raise QuantdynError(f"quantizer '{spec}' has a rotation but no quantizer before it; write e.g. rtn4+had")
+    return base, fields
+
+
+def _check_rotation(cfg: "QuantConfig") -> None:
+    for name in ("hadamard", "r1"):
+        if not isinstance(getattr(cfg, name), bool):
+            raise QuantdynError(f"quantizer {name}={getattr(cfg, name)!r} must be true or false")
+    seed = _integer(cfg.rotation_seed)
+    if seed is None or seed < 0:
+        raise QuantdynError(f"quantizer rotation_seed={cfg.rotation_seed!r} must be an integer >= 0")
+    object.__setattr__(cfg, "rotation_seed", seed)
+    if seed and not (cfg.hadamard or cfg.r1):
+        raise QuantdynError(f"quantizer rotation_seed={seed} seeds a rotation, but none is asked for; add +had or +r1")
 
 
 def quant_preset(name: str, **overrides: Any) -> QuantConfig:
@@ -432,7 +502,9 @@ def _parse_short(spec: str) -> dict[str, Any]:
     """'gptq4g64-gptqmodel-mse' -> field dict (preset first, then flags, then method/bits/group)."""
     if QUANTIZERS.canonical(spec.strip()) is not None:  # plan:FILE, auto@BUDGET:TYPES (paths keep their case)
         return {"method": spec.strip()}
-    text = spec.strip().lower()
+    text, rotation = _split_rotation(spec.strip().lower(), spec)
+    if rotation:
+        return {**_parse_short(text), **rotation}
     fmt = _format_head(text)
     if fmt is not None:
         return _parse_format(spec, *fmt)
@@ -524,8 +596,10 @@ def row_fields(label: str, qc: QuantConfig) -> dict:
     """The quantizer columns of a result row: the canonical label (one spelling per configuration, so gptq4 and
     gptq4g128 group together), the spec as the user wrote it, the full config and its hash (rows are keyed by
     the hash, never by a label)."""
+    rotation = {"rotation": rotation_of(qc), "rotation_seed": qc.rotation_seed} if rotation_of(qc) else {}
     return {"quantizer": qc.name, "quantizer_spec": label, "method": qc.method, "bits": qc.bits,
-            "group_size": qc.group_size, "quant_config": to_dict(qc), "quant_config_hash": config_hash(qc)}
+            "group_size": qc.group_size, "quant_config": to_dict(qc), "quant_config_hash": config_hash(qc),
+            **rotation}
 
 
 def config_for_tensor(cfg: QuantConfig, site: TensorSite) -> tuple[QuantConfig, dict]:

@@ -16,6 +16,9 @@ result also carries the layer loss ½ tr(ΔW H ΔWᵀ) like RTN's.
   (``gguf_mixes.fallback_type``); the layer row records ``gguf_type`` and ``gguf_fallback_from``.
 * ``w8a8-fp8`` is ``fp8-channel`` weights plus FP8 per-token activations (``QuantMethod.act_quant``),
   applied by the engine to the input of every quantized layer.
+* ``w4a4`` is rtn4's weights (4-bit asymmetric, group 128, round to nearest) plus 4-bit integer per-token
+  activations (:func:`int4_per_token`): QuaRot's W4A4 setting without its rotations; ``w4a4+had`` quantizes the
+  rotated activations x R (quantize/rotation.py), the setting where rotations matter most.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from quantdyn.quantize import gguf, gguf_mixes
 from quantdyn.quantize.config import QUANTIZERS, FormatSpec, QuantConfig, QuantMethod, TensorSite
 from quantdyn.quantize.gptq import ActStats
 from quantdyn.quantize.primitives import QuantResult, layer_loss
+from quantdyn.quantize.rtn import rtn
 
 
 def imatrix_from_stats(stats: ActStats) -> torch.Tensor:
@@ -125,6 +129,24 @@ def _rows_of(block: int, label: str) -> Callable[[QuantConfig, TensorSite], tupl
     return for_tensor
 
 
+# ----------------------------------------------------------------------------- W4A4
+
+
+def int4_per_token(x: torch.Tensor) -> torch.Tensor:
+    """Activations (..., features) fake-quantized to symmetric 4-bit integers with a dynamic scale per token
+    (row): scale = max |x| / 7, codes round(x / scale) in [-7, 7] (no clipping search: QuaRot's per-token
+    symmetric activation grid with clip ratio 1). Returns float32 of x's shape."""
+    X = x.to(torch.float32)
+    scale = X.abs().amax(-1, keepdim=True) / 7.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.clamp(torch.round(X / scale), -7, 7) * scale
+
+
+def _w4a4_weights(W: torch.Tensor, stats: ActStats | None, cfg: QuantConfig) -> QuantResult:
+    """rtn4's weights (the format fixes 4 bits, group 128; the rest are QuantConfig's defaults: asymmetric)."""
+    return rtn(W, cfg, stats.H if stats is not None else None)
+
+
 # ----------------------------------------------------------------------------- registration
 
 
@@ -148,6 +170,7 @@ def _register() -> None:
                                               FormatSpec("fp8-channel", 8, 0), _rows_of(0, "fp8-channel")))
     QUANTIZERS.add("w8a8_fp8", QuantMethod(_float_fn(ff.fp8_per_channel, 8), False, FormatSpec("w8a8-fp8", 8, 0),
                                            _rows_of(0, "w8a8-fp8"), act_quant=ff.fp8_per_token))
+    QUANTIZERS.add("w4a4", QuantMethod(_w4a4_weights, False, FormatSpec("w4a4", 4, 128), act_quant=int4_per_token))
     QUANTIZERS.add("nf4", QuantMethod(_float_fn(ff.nf4, 4), False, FormatSpec("nf4", 4, ff.NF4_BLOCK),
                                       _rows_of(ff.NF4_BLOCK, "nf4")))
     QUANTIZERS.add("mxfp4", QuantMethod(_float_fn(ff.mxfp4, 4), False, FormatSpec("mxfp4", 4, 32),

@@ -70,6 +70,9 @@ class QuantResult:
     """Column order used by act-order / group-aware reordering (None = natural order)."""
     awq_scales: torch.Tensor | None = None
     """AWQ per-input-channel scales s (in,): codes quantize W·diag(s)."""
+    rotation_seed: int | None = None
+    """Set when the input features were rotated first (``+had``, quantize/rotation.py): codes, scales, zeros
+    quantize W R, and ``weight`` is their dequantized value rotated back, Q(W R) Rᵀ (the layer's function)."""
     format: str | None = None
     """Deployment formats: the stored type (``q4_K``, ``fp8_e4m3``, ``nf4``, ``mxfp4``, ``nvfp4``); None for the
     integer grid above."""

@@ -131,6 +131,9 @@ QUANTIZER_FIELDS = _table("""
                                     weighted by size (the head too when quantized).
     format_fallbacks   dict | None  GGUF tensors whose rows did not fit their block type and took llama.cpp's
                                     fallback type: {layer: "q4_K->q5_0"}; None when none did.
+    rotation           str | None   Rotation before quantizing (docs/rotations.md): had (every quantized layer's input,
+                                    label +had), r1 (the residual stream, +r1) or had+r1; absent on unrotated rows.
+    rotation_seed      int | None   Seed of the rotation's random signs (label +seed<N>; 0 by default).
 """)
 ERRORS_FIELDS = _table("""
     ce_fp                 float         Mean next-token cross-entropy of the full-precision model on the evaluation

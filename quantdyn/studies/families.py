@@ -34,6 +34,7 @@ from quantdyn.results.schema import ANALYSIS, PTQ, number
 from quantdyn.results.stats import decay_verdict, verdict_sign
 from quantdyn.runs import control_of, is_cooldown
 from quantdyn.studies import findings as fd
+from quantdyn.studies import rotation_findings as rot
 
 if TYPE_CHECKING:  # annotations only: spec.py imports this module
     from quantdyn.studies.spec import FindingsSpec, StudySpec
@@ -231,6 +232,30 @@ register_family(FindingFamily(
         "Spearman ρ of each metric with Δ CE across final checkpoints, 95 % bootstrap intervals, one colour per "
         "quantizer.",
         draw=lambda found, detail, out: _figures().predictors(found, out))))
+
+register_family(FindingFamily(
+    name="rotations", about="issue 37, the LR-decay effect with a rotation before quantizing minus without it",
+    needs="cooldowns with control: true and sweep.quantizers with a rotated quantizer beside its plain twin "
+          "(rtn4 and rtn4+had)",
+    in_spec=lambda spec: (spec.cooldowns.enabled and spec.cooldowns.control
+                          and bool(rot.rotation_pairs(list(spec.sweep.quantizers)))),
+    in_rows=lambda rows: _decay_in_rows(rows) and bool(rot.rotation_pairs(
+        sorted({str(r.get("quantizer")) for r in _trained_ptq(rows)}))),
+    compute=lambda i: rot.rotation_findings(i.rows, i.runs, i.spec.quantizers, i.spec.z),
+    sentence=rot.rotation_sentence, label=rot.rotation_label,
+    figure=FamilyFigure(
+        "findings_rotations.png", "Does a rotation remove the LR-decay effect?",
+        "The decay effect (Δ CE of the decayed endpoint minus its constant-LR control) of each quantizer without "
+        "(grey) and with a Hadamard rotation before quantizing (the verdict's colour), ± 2 × its uncertainty; beside "
+        "them what the rotation does to it.",
+        draw=lambda found, detail, out: _rotation_figure().rotations(found, out))))
+
+
+def _rotation_figure():
+    """studies/rotation_figure.py, imported when its figure is drawn (matplotlib)."""
+    from quantdyn.studies import rotation_figure
+
+    return rotation_figure
 
 
 # ------------------------------------------------------------------ what the answer asks of the families

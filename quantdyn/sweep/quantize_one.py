@@ -28,6 +28,7 @@ from quantdyn.errors import QuantdynError
 from quantdyn.export import push_to_hub as push
 from quantdyn.models.hf_io import checkpoint_hash
 from quantdyn.quantize.config import QuantConfig, parse_quantizer, quant_preset
+from quantdyn.quantize.residual_rotation import check_rotations
 from quantdyn.results.schema import PTQ
 from quantdyn.runtime import git_sha, provenance, resolve_device
 from quantdyn.sources.hub import open_checkpoint
@@ -147,6 +148,10 @@ def check_request(qcs: Sequence[QuantConfig], *, out, export, export_options, pu
                             f"{n['eval_seq_len']} {eval_seq_len}")
     if calib_samples < 1:
         raise QuantdynError(f"{n['calib_samples']} {calib_samples} must be >= 1 (the calibration set is empty)")
+    if out is not None and any(q.r1 for q in qcs):
+        raise QuantdynError(f"{n['out']} does not write +r1 models: a measurement rotates each block's copy, and a "
+                            f"written checkpoint would need its embedding, norms and head rotated too; measure +r1 "
+                            f"without {n['out']} (quantize/residual_rotation.rotate_model rotates a model in memory)")
 
 
 def quantize_one(
@@ -205,6 +210,7 @@ def quantize_one(
     dev = resolve_device(device)
     weights = open_checkpoint(model_ref)  # validated before any data is prepared
     source = LazyModel(weights, compute_dtype_of(cfg.dtype), dev)
+    check_rotations(source.model, qcs)  # +had widths, +r1 architectures: before any data is prepared
     check_budget(source, parse_bytes(cfg.max_memory))  # a budget too small for the model: refused before the data
     check_quantizers_fit(qcs, source)  # a plan made for another model, an auto@ budget out of reach: before any work
     # the writer first: what an export cannot hold is refused before any data is tokenized

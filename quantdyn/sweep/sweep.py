@@ -28,6 +28,7 @@ import torch
 
 from quantdyn.config import config_hash, from_dict, to_dict
 from quantdyn.data.prepare import DataConfig, TokenData, prepare_data
+from quantdyn.engine.lazy_model import LazyModel
 from quantdyn.engine.measure import MeasureConfig, measure
 from quantdyn.engine.rows import REPEAT_VARY, calibration_draws, floor_fields, ptq_fields, ptq_what, repeat_labels
 from quantdyn.engine.sensitivity import SensitivityConfig, check_quantizers_fit, measure_sensitivity
@@ -35,6 +36,7 @@ from quantdyn.errors import QuantdynError, unknown_name
 from quantdyn.models.hf_io import checkpoint_hash, load_causal_lm
 from quantdyn.progress import progress as counted
 from quantdyn.quantize.config import parse_quantizer
+from quantdyn.quantize.residual_rotation import check_rotations
 from quantdyn.results.schema import ANALYSIS, FP, PTQ, QAT
 from quantdyn.results.schema import calib_hash as calib_identity
 from quantdyn.results.schema import row_key
@@ -237,6 +239,7 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True,
         raise QuantdynError("the propagation analysis needs quantizers: set quantizers or propagation_quantizers")
     mcfg = cfg.engine
     points = plan_points(cfg.trajectory)
+    _check_rotations(points, list(qcfgs.values()))
     say = echo or log.warning
     for name, reason in points.skipped:
         say(f"skipped revision {name}: {reason}")
@@ -286,6 +289,17 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True,
             repo, _, rev = p.ref.partition("@")
             evict_revision(repo, rev)
     return {"written": written, "skipped": skipped, "checkpoints": len(mine), "seconds": timings, "failed": failed}
+
+
+def _check_rotations(points, qcfgs) -> None:
+    """A rotation the model cannot take (+had on a width without a Hadamard matrix, +r1 on a LayerNorm model) is one
+    line before any work: checked on the first local checkpoint's skeleton (the others share its architecture;
+    a hub checkpoint not yet downloaded is checked when it is measured)."""
+    if not any(q.hadamard or q.r1 for q in qcfgs):
+        return
+    first = next((p for p in points if p.is_local), None)
+    if first is not None:
+        check_rotations(LazyModel(open_checkpoint(first.ref)).model, qcfgs)
 
 
 @dataclass
