@@ -40,8 +40,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 3. one checkpoint, quantized and measured with two quantizers in one pass (the `quantize` command as a call)
     final = sorted((run / "checkpoints").iterdir())[-1]
-    res = qd.quantize_checkpoint(str(final), ["gptq3g32", "rtn4"], n_calib_samples=8, calib_seq_len=64,
-                                 n_eval_tokens=4096, eval_seq_len=64, progress=False)
+    res = qd.quantize_checkpoint(str(final), ["gptq3g32", "rtn4"], calib_samples=8, calib_seq_len=64,
+                                 eval_tokens=4096, eval_seq_len=64, progress=False)
     for label, x in res.metrics.items():
         print(f"final checkpoint, {label}: Δ CE {x['delta_ce']:+.4f} ± {x['delta_ce_total_se']:.4f}")
 

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> tuple[Trainer, PTQMonitor]:
         disable_tqdm=True, dataloader_num_workers=0, seed=0)
     monitor = PTQMonitor(["rtn4", "gptq3"], eval_ids=data.split("val"), calib_ids=data.split("calib"),
                          every=args.every, loggers=[CSVLogger(args.out / "ptq.csv", truncate_after=0)],
-                         seq_len=64, n_eval_windows=16, n_calib_samples=8)
+                         seq_len=64, eval_windows=16, calib_samples=8)
     trainer = Trainer(model=model, args=targs, train_dataset=train)
     PTQMonitorCallback(monitor).add_to(trainer)  # first, so the Trainer's report_to integrations see the metrics
     trainer.train()

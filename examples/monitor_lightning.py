@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> tuple[object, PTQMonitor]:
     loader = torch.utils.data.DataLoader(windows, batch_size=16, shuffle=False)
 
     monitor = PTQMonitor(["rtn4", "gptq3"], eval_ids=data.split("val"), calib_ids=data.split("calib"),
-                         every=args.every, seq_len=64, n_eval_windows=16, n_calib_samples=8)
+                         every=args.every, seq_len=64, eval_windows=16, calib_samples=8)
     logger = CSVLogger(str(args.out), name="lightning_logs", version=0)
     trainer = L.Trainer(max_steps=args.steps, accelerator="cpu", devices=1, logger=logger,
                         log_every_n_steps=min(10, args.steps), callbacks=[PTQMonitorCallback(monitor)],

@@ -54,9 +54,9 @@ def main(argv: list[str] | None = None) -> PTQMonitor:
         loggers.append(TensorBoardLogger(args.out / "tensorboard", truncate_after=0))
     monitor = PTQMonitor(
         ["rtn4", "rtn3", "gptq3"],
-        eval_ids=data.split("val"),           # a token stream: cut into n_eval_windows windows of seq_len
+        eval_ids=data.split("val"),           # a token stream: cut into eval_windows windows of seq_len
         calib_ids=data.split("calib"),        # seeded windows of seq_len for GPTQ's Hessians
-        every=args.every, loggers=loggers, seq_len=64, n_eval_windows=16, n_calib_samples=8,
+        every=args.every, loggers=loggers, seq_len=64, eval_windows=16, calib_samples=8,
     )
 
     tokens = torch.from_numpy(np.asarray(data.train, dtype=np.int64))

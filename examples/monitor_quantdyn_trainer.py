@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> Path:
     })
     data = prepare_data(cfg.data, progress=False)
     monitor = PTQMonitor(["rtn4", "gptq3"], eval_ids=data.split("val"), calib_ids=data.split("calib"),
-                         every=args.every, seq_len=64, n_eval_windows=16, n_calib_samples=8)
+                         every=args.every, seq_len=64, eval_windows=16, calib_samples=8)
     run = train(cfg, hooks=[monitor], overwrite=True)
     print(f"run directory: {run}; the monitor took {monitor.seconds:.1f}s")
     return run

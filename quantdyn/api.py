@@ -18,6 +18,8 @@ Train and monitor
     DataConfig, prepare_data(cfg) -> TokenData (token shards; .eval_windows(seq_len, n), .calib_windows(n, seq_len))
     RunConfig, load_run_config(dir), train(cfg, hooks=hooks_for(cfg)) -> run dir
     cooldown(run_dir, from_step, [decay_steps], control=True) -> branch dirs
+    cooldown_from_checkpoint(cfg, out, [decay_steps], control=True) -> branch dirs of cfg.model.hf (any HF causal
+                                     LM: a directory, hub id@revision), the branch point as step 0 of each
     PTQMonitor(["rtn4", "gptq3"], eval_ids=..., calib_ids=..., every=N).step(model, step, lr)
 Sweep, study, results, report
     SweepConfig, run_sweep(cfg); StudySpec, load_study_spec(path), run_study(spec)
@@ -52,13 +54,12 @@ from quantdyn.studies.spec import StudySpec, load_study_spec
 from quantdyn.sweep.quantize_one import QuantizeResult
 from quantdyn.sweep.quantize_one import quantize_one as quantize_checkpoint
 from quantdyn.sweep.sweep import SweepConfig, run_sweep
-from quantdyn.train.branches import cooldown
-from quantdyn.train.config import load_run_config
-from quantdyn.train.config import RunConfig
+from quantdyn.train.branches import cooldown, cooldown_from_checkpoint
+from quantdyn.train.config import RunConfig, load_run_config
 from quantdyn.train.trainer import train
 
 __all__ = [
-    "DataConfig", "TokenData", "cooldown", "prepare_data", "quantize_checkpoint",
+    "DataConfig", "TokenData", "cooldown", "cooldown_from_checkpoint", "prepare_data", "quantize_checkpoint",
     "MeasureConfig", "Measurement", "PTQMonitor", "QuantConfig", "QuantdynError", "QuantizeResult", "ResultStore",
     "RunConfig",
     "StudySpec", "SweepConfig", "apply_overrides", "from_dict", "hooks_for", "load_causal_lm", "load_gpt",

@@ -8,6 +8,7 @@ did-you-mean, and back into plain dicts for saving into every artifact.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import types
@@ -96,9 +97,63 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
+def moved_keys(cls) -> dict[str, str]:
+    """Keys a config still reads where they used to be: ``{old key: dotted new place}`` (the class attribute
+    ``MOVED``, e.g. a sweep's flat ``batch_size`` now lives at ``engine.batch_size``). Files written before the
+    move load unchanged; ``to_dict`` writes the new place."""
+    return dict(getattr(cls, "MOVED", {}) or {})
+
+
+def _move_keys(cls, data: dict[str, Any], where: str) -> dict[str, Any]:
+    """``data`` with the moved keys of ``cls`` put at their new place (the new place given too and different: an
+    error naming both)."""
+    moved = moved_keys(cls)
+    for old in [k for k in data if k in moved]:
+        value = data.pop(old)
+        *parents, leaf = moved[old].split(".")
+        node = data
+        for part in parents:
+            node[part] = dict(node.get(part) or {})
+            node = node[part]
+        if leaf in node and node[leaf] != value:
+            at = f"{where}." if where else ""
+            raise QuantdynError(f"config keys '{at}{old}' and '{at}{moved[old]}' are the same setting with different "
+                                f"values ({value!r} and {node[leaf]!r}); keep '{at}{moved[old]}'")
+        node[leaf] = value
+    return data
+
+
+@functools.lru_cache(maxsize=None)
+def field_docs(cls_or_path, name: str | None = None) -> dict[str, str]:
+    """``{field: its docstring on one line}`` of a config dataclass, read from its source text without importing
+    it: ``cls_or_path`` is the class, or ``"package/module.py:ClassName"`` under the quantdyn package (so a
+    command's ``-h`` can show a torch-importing module's field docs without importing torch). A field's help is
+    then written once, in the config (used for the CLI options that set it)."""
+    import ast
+    import inspect
+    import textwrap
+
+    if isinstance(cls_or_path, str):
+        rel, _, name = cls_or_path.partition(":")
+        text = (Path(__file__).parent / rel).read_text(encoding="utf-8")
+    else:
+        text, name = textwrap.dedent(inspect.getsource(cls_or_path)), cls_or_path.__name__
+    tree = ast.parse(text)
+    node = next((n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == name), None)
+    if node is None:
+        raise QuantdynError(f"no config class {name} in {cls_or_path}")
+    out, body = {}, node.body
+    for a, b in zip(body, body[1:]):
+        if (isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
+                and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)):
+            out[a.target.id] = " ".join(b.value.value.split())
+    return out
+
+
 def from_dict(cls: type[C], data: dict[str, Any] | None, where: str = "") -> C:
-    """Build dataclass ``cls`` from a nested dict; unknown keys are an error."""
-    data = dict(data or {})
+    """Build dataclass ``cls`` from a nested dict; unknown keys are an error (keys of ``cls.MOVED`` are read at
+    their new place: ``moved_keys``)."""
+    data = _move_keys(cls, dict(data or {}), where)
     types_ = _field_types(cls)
     unknown = [k for k in data if k not in types_]
     if unknown:
@@ -118,6 +173,14 @@ def from_dict(cls: type[C], data: dict[str, Any] | None, where: str = "") -> C:
         raise
     except (TypeError, ValueError) as e:
         raise QuantdynError(f"{where or cls.__name__}: {e}") from None
+
+
+def shared_fields(cfg: Any, cls, but: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The fields of config ``cfg`` that config class ``cls`` has under the same name (less ``but``): how a
+    setting travels down a layer unrenamed (e.g. MeasureConfig -> WalkConfig)."""
+    own = {f.name for f in dataclasses.fields(cfg)}
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)
+            if f.init and f.name in own and f.name not in but}
 
 
 def to_dict(cfg: Any) -> Any:
@@ -236,6 +299,9 @@ def check_config_key(cls, key: str, what: str = "override") -> None:
     (e.g. '--vary')."""
     top = cls
     parts = key.split(".")
+    if parts[0] in moved_keys(cls):  # a moved key, at its new place
+        parts = moved_keys(cls)[parts[0]].split(".") + parts[1:]
+        key = ".".join(parts)
     for i, part in enumerate(parts):
         hints = {f.name: typing.get_type_hints(cls)[f.name] for f in dataclasses.fields(cls) if f.init}
         if part not in hints:

@@ -104,3 +104,41 @@ def read_json(path: Path, fix: str) -> Any:
         return json.loads(Path(path).read_text())
     except json.JSONDecodeError:
         raise QuantdynError(f"'{path}' is not valid JSON; {fix}") from None
+
+
+def same_bytes(a: Path, b: Path, chunk: int = 1 << 22) -> bool:
+    """Whether two files hold the same bytes (sizes first, then the contents)."""
+    a, b = Path(a), Path(b)
+    if a.stat().st_size != b.stat().st_size:
+        return False
+    with a.open("rb") as fa, b.open("rb") as fb:
+        while True:
+            x, y = fa.read(chunk), fb.read(chunk)
+            if x != y:
+                return False
+            if not x:
+                return True
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    """``dst`` as a hard link to ``src`` (no second copy of a large file on disk), or a copy where the file system
+    cannot link; ``dst`` must not exist. Files quantdyn writes are never changed in place, so a link is safe."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def share_if_identical(src: Path, dst: Path) -> bool:
+    """Replace ``dst`` by a hard link to ``src`` when both hold the same bytes (atomically: a link under a
+    temporary name renamed over ``dst``); returns whether it did. Where links are impossible nothing changes."""
+    src, dst = Path(src), Path(dst)
+    if not (src.is_file() and dst.is_file()) or os.path.samefile(src, dst) or not same_bytes(src, dst):
+        return False
+    tmp = dst.parent / f".{dst.name}.link-{os.getpid()}"
+    try:
+        os.link(src, tmp)
+    except OSError:
+        return False
+    os.replace(tmp, dst)
+    return True

@@ -46,9 +46,11 @@ def test_quantize_checkpoint_speaks_python_and_keeps_old_keywords(tmp_path):
     with pytest.warns(DeprecationWarning, match="is now quantizers='gptq3-gptqmodel'"):
         with pytest.raises(QuantdynError, match="does not exist"):  # past the checks: the keywords were understood
             qd.quantize_checkpoint(missing, method="gptq", bits=3, preset="gptqmodel")
-    with pytest.warns(DeprecationWarning, match=r"eval_tokens=...\) is now n_eval_tokens"):
+    with pytest.raises(QuantdynError, match="eval_tokens 10 is less than one window"):
+        qd.quantize_checkpoint(missing, "rtn4", eval_tokens=10)
+    with pytest.warns(DeprecationWarning, match=r"n_eval_tokens=...\) is now eval_tokens"):
         with pytest.raises(QuantdynError, match="less than one window"):
-            qd.quantize_checkpoint(missing, "rtn4", eval_tokens=10)
+            qd.quantize_checkpoint(missing, "rtn4", n_eval_tokens=10)
     with pytest.raises(TypeError, match="frobnicate"):
         qd.quantize_checkpoint(missing, frobnicate=1)
     one = qd.QuantizeResult(({"quantizer": "rtn4", "delta_ce": 0.5},))

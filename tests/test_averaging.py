@@ -153,7 +153,7 @@ def test_greedy_soup_never_worse_than_best_ingredient(lawa_run, tmp_path):
 def test_interpolation_endpoints_and_rows(lawa_run):
     run, _ = lawa_run
     a, b = checkpoint_dir(run, 4), checkpoint_dir(run, 12)
-    rows = interpolate_checkpoints(a, b, steps=3, quantizers=("rtn4",), eval_seq_len=32, n_eval_windows=8,
+    rows = interpolate_checkpoints(a, b, steps=3, quantizers=("rtn4",), eval_seq_len=32, eval_windows=8,
                                    calib_samples=4, calib_seq_len=32, device="cpu")
     assert [r["alpha"] for r in rows] == [0.0, 0.5, 1.0] and len({r["key"] for r in rows}) == 3
     out = run / "averages" / "interp-step-0000004-step-0000012"

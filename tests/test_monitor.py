@@ -94,7 +94,7 @@ def test_monitor_leaves_the_model_untouched_and_reports_the_engines_numbers():
     stream = torch.randint(0, 512, (4000,), generator=gen)
     calib = torch.randint(0, 512, (6, 32), generator=gen)
     mon = PTQMonitor(["rtn3", "gptq3g32"], eval_ids=stream, calib_ids=calib, every=5, seq_len=33,
-                     n_eval_windows=8)
+                     eval_windows=8)
     before, rng = _state(model), torch.get_rng_state()
     assert mon.step(model, 4) == {} and mon.history == []  # not due
     out = mon.step(model, 5, lr=1e-3, tokens=640)
@@ -379,6 +379,9 @@ def test_renamed_keywords_still_work_with_a_warning():
     with pytest.warns(DeprecationWarning, match=r"PTQMonitor\(eval_tokens=...\) is now PTQMonitor\(eval_ids=...\)"):
         mon = PTQMonitor(["rtn4"], eval_tokens=ids, eval_windows=1)
     assert torch.equal(mon.windows()[0], ids[:1]) and mon.n_eval == 1
+    with pytest.warns(DeprecationWarning, match=r"PTQMonitor\(n_eval_windows=...\) is now PTQMonitor\(eval_windows"):
+        mon = PTQMonitor(["rtn4"], ids, n_eval_windows=1)
+    assert mon.n_eval == 1
     with pytest.raises(TypeError, match="eval_tokenz"):
         PTQMonitor(["rtn4"], eval_tokenz=ids)
     with pytest.raises(QuantdynError, match="pass eval_ids"):

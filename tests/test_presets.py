@@ -1,16 +1,15 @@
 """Public-trajectory presets: revision lists, tokens, LR and phase per revision against hand-computed values
 from the published numbers; bad input as one line; the offline path through the real huggingface_hub and
 transformers code over a temporary HF cache that holds a tiny model under a preset's real repo id."""
-import hashlib
 import logging
 import math
-import os
 from itertools import pairwise
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from hf_models import lay_out_hf_cache, point_hf_at
 
 from quantdyn.config import from_dict
 from quantdyn.errors import QuantdynError
@@ -271,40 +270,6 @@ def tiny_models(tmp_path_factory, kjv_small):
         tok.save_pretrained(d)
         out.append(d)
     return out
-
-
-def lay_out_hf_cache(cache: Path, repo: str, revisions: dict[str, Path]) -> None:
-    """What downloads leave: blobs/<sha256>, snapshots/<commit>/<file> -> blob symlinks, refs/<revision>."""
-    base = cache / f"models--{repo.replace('/', '--')}"
-    for rev, src in revisions.items():
-        commit = hashlib.sha1(f"{repo}@{rev}".encode()).hexdigest()
-        snap = base / "snapshots" / commit
-        snap.mkdir(parents=True)
-        for f in sorted(src.iterdir()):
-            data = f.read_bytes()
-            blob = base / "blobs" / hashlib.sha256(data).hexdigest()
-            blob.parent.mkdir(exist_ok=True)
-            if not blob.exists():
-                blob.write_bytes(data)
-            (snap / f.name).symlink_to(os.path.relpath(blob, snap))
-        (base / "refs").mkdir(exist_ok=True)
-        (base / "refs" / rev).write_text(commit)
-
-
-def point_hf_at(monkeypatch, cache: Path, offline: bool) -> None:
-    import huggingface_hub.constants as c
-    import transformers.utils.hub as th
-
-    monkeypatch.setenv("HF_HOME", str(cache.parent))
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(c, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(th, "HF_HUB_CACHE", str(cache), raising=False)
-    monkeypatch.setattr(th, "TRANSFORMERS_CACHE", str(cache), raising=False)
-    if offline:
-        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    else:
-        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(c, "HF_HUB_OFFLINE", offline)
 
 
 @pytest.fixture

@@ -31,12 +31,18 @@ def average_lawa_cmd(
 
 @command("soup", parent=average_app)
 def average_soup_cmd(
-    checkpoints: List[str] = typer.Argument(..., help="Ingredient checkpoint directories."),
+    checkpoints: List[str] = typer.Argument(..., help="Ingredients: checkpoint directories, hub id@revision or "
+                                                      "preset points (smollm3-3b@REVISION), e.g. public revisions "
+                                                      "or cooldown branches of one model."),
     out: Path = opt.out(..., "the soup checkpoint to this directory."),
     greedy: bool = typer.Option(False, "--greedy", help="Add an ingredient only if held-out loss improves."),
     weights: Optional[str] = typer.Option(None, "--weights", help="Comma-separated weights (uniform if omitted)."),
 ):
-    """Average checkpoints of different runs, seeds or branches (a model soup)."""
+    """Average checkpoints of different runs, seeds, branches or public revisions (a model soup).
+
+    The soup is an HF checkpoint of the ingredients' architecture (their own transformers class)."""
+    from quantdyn.sources.hub import resolve_checkpoint
+    from quantdyn.sources.presets import preset_point
     from quantdyn.train.offline_averaging import make_soup
 
     w = None
@@ -45,5 +51,7 @@ def average_soup_cmd(
             w = [float(x) for x in weights.split(",")]
         except ValueError:
             raise QuantdynError(f"--weights '{weights}' must be numbers separated by commas") from None
-    path = make_soup(checkpoints, weights=w, greedy=greedy, out=out)
+    points = [preset_point(c) for c in checkpoints]
+    paths = [resolve_checkpoint(p.hub_ref if p is not None else c) for c, p in zip(checkpoints, points)]
+    path = make_soup(paths, weights=w, greedy=greedy, out=out, refs=checkpoints)
     typer.echo(f"soup: {path}")

@@ -31,7 +31,7 @@ def interpolate(
     from quantdyn.sweep.interpolation import interpolate_checkpoints
 
     rows = interpolate_checkpoints(a, b, steps, quantizers=opt.split_list(quantizers), out=out,
-                                   eval_seq_len=seq_len, calib_seq_len=seq_len, n_eval_windows=eval_windows,
+                                   eval_seq_len=seq_len, calib_seq_len=seq_len, eval_windows=eval_windows,
                                    device=device)
     ResultStore(store).append(rows)  # rows already stored are skipped
     if as_json:

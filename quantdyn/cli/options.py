@@ -24,6 +24,22 @@ STORE_HELP = "Results store directory."
 DEVICE_HELP = "Where to compute: auto | cpu | cuda | cuda:N."
 
 
+ENGINE_CONFIG = "engine/measure.py:MeasureConfig"
+"""The engine's settings (read as text: -h does not import torch)."""
+DATA_CONFIG = "sweep/sweep.py:SweepDataConfig"
+"""The calibration and evaluation sizes."""
+
+
+def config_option(config: str, name: str, default: Any, flag: Optional[str] = None, more: str = "",
+                  panel: Optional[str] = None, **kw) -> Any:
+    """An option that sets config field ``name`` of ``config`` (``"module.py:Class"``): its help is the field's
+    docstring (config.field_docs), so it is written once, where the field is."""
+    from quantdyn.config import field_docs
+
+    text = field_docs(config)[name].replace("``", "") + (f" {more}" if more else "")
+    return typer.Option(default, flag or "--" + name.replace("_", "-"), help=text, rich_help_panel=panel, **kw)
+
+
 def quantizers(default: Optional[str] = None, more: str = "", panel: Optional[str] = None) -> Any:
     return typer.Option(default, "--quantizers", help=f"{QUANTIZERS_HELP} {more}".strip(), rich_help_panel=panel,
                         callback=check_labels)

@@ -12,8 +12,8 @@ from quantdyn.errors import QuantdynError
 
 QUANTIZER, DATA, OUTPUT, ENGINE = "Quantizer", "Data", "Output", "Engine"
 FLAGS = {"quantizers": "--quantizers", "out": "--out", "export": "--export", "export_options": "--export-option",
-         "push_to_hub": "--push-to-hub", "repeats": "--repeats", "n_eval_tokens": "--eval-tokens",
-         "eval_seq_len": "--eval-seq-len", "n_calib_samples": "--calib-samples"}
+         "push_to_hub": "--push-to-hub", "repeats": "--repeats", "eval_tokens": "--eval-tokens",
+         "eval_seq_len": "--eval-seq-len", "calib_samples": "--calib-samples"}
 """The flags quantize_one's request checks name in their errors."""
 
 
@@ -34,13 +34,12 @@ def quantize(
     repeat_vary: str = typer.Option("draw", "--repeat-vary", help="What differs between repeats: draw | order | both.",
                                     rich_help_panel=QUANTIZER),
     calib_data: str = typer.Option("builtin:kjv", "--calib-data", help="Any quantdyn data source.", rich_help_panel=DATA),
-    calib_samples: int = typer.Option(32, "--calib-samples", help="Calibration sequences.", rich_help_panel=DATA),
-    calib_seq_len: int = typer.Option(128, "--calib-seq-len", help="Tokens per calibration sequence.",
-                                      rich_help_panel=DATA),
+    calib_samples: int = opt.config_option(opt.DATA_CONFIG, "calib_samples", 32, panel=DATA),
+    calib_seq_len: int = opt.config_option(opt.DATA_CONFIG, "calib_seq_len", 128, panel=DATA),
     eval_data: Optional[str] = typer.Option(None, "--eval-data", help="Default: same as --calib-data.",
                                             rich_help_panel=DATA),
     eval_tokens: int = typer.Option(25600, "--eval-tokens", help="Held-out tokens for the error.", rich_help_panel=DATA),
-    eval_seq_len: int = typer.Option(128, "--eval-seq-len", help="Tokens per evaluation window.", rich_help_panel=DATA),
+    eval_seq_len: int = opt.config_option(opt.DATA_CONFIG, "eval_seq_len", 128, panel=DATA),
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Default: the model's own tokenizer.",
                                             rich_help_panel=DATA),
     out: Optional[Path] = opt.out(None, "the fake-quantized model and its codes (or --export) to this directory.",
@@ -55,15 +54,10 @@ def quantize(
     push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", help="Upload the export to this hub repo (needs "
                                               "a token).", rich_help_panel=OUTPUT),
     device: str = opt.device("auto", "Blocks are onloaded one at a time.", panel=ENGINE),
-    dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (the checkpoint's; bf16/fp16 on a CPU "
-                              "without native units: float32) | float32 | bfloat16 | float16.", rich_help_panel=ENGINE),
-    max_memory: str = typer.Option("", "--max-memory", help="Memory for one block + activations, e.g. 8GB (default: "
-                                   "half the free memory).", rich_help_panel=ENGINE),
-    threads: int = typer.Option(1, "--threads", help="torch threads while quantizing on CPU (1: codes independent of "
-                                "the core count; 0: torch's setting).", rich_help_panel=ENGINE),
-    layer_diagnostics: bool = typer.Option(False, "--layer-diagnostics", help="Also each layer's output error "
-                                           "(and for that a calibration pass of RTN-like quantizers: slower).",
-                                           rich_help_panel=ENGINE),
+    dtype: str = opt.config_option(opt.ENGINE_CONFIG, "dtype", "auto", panel=ENGINE),
+    max_memory: str = opt.config_option(opt.ENGINE_CONFIG, "max_memory", "", panel=ENGINE),
+    threads: int = opt.config_option(opt.ENGINE_CONFIG, "quantize_threads", 1, "--threads", panel=ENGINE),
+    layer_diagnostics: bool = opt.config_option(opt.ENGINE_CONFIG, "layer_diagnostics", False, panel=ENGINE),
     as_json: bool = typer.Option(False, "--json", help="Print each quantizer's result row as one JSON object per "
                                  "line instead of the table."),
     quiet: bool = opt.quiet("No progress lines; the result table and errors only."),
@@ -99,9 +93,9 @@ def quantize(
     from quantdyn.sweep.quantize_one import check_request, quantize_one
 
     check_request(qcs, out=out, export=export, export_options=options, push_to_hub=push_to_hub, repeats=repeats,
-                  n_eval_tokens=eval_tokens, eval_seq_len=eval_seq_len, n_calib_samples=calib_samples, names=FLAGS)
-    result = quantize_one(model, qcs, calib_data=calib_data, n_calib_samples=calib_samples,
-                          calib_seq_len=calib_seq_len, eval_data=eval_data, n_eval_tokens=eval_tokens,
+                  eval_tokens=eval_tokens, eval_seq_len=eval_seq_len, calib_samples=calib_samples, names=FLAGS)
+    result = quantize_one(model, qcs, calib_data=calib_data, calib_samples=calib_samples,
+                          calib_seq_len=calib_seq_len, eval_data=eval_data, eval_tokens=eval_tokens,
                           eval_seq_len=eval_seq_len, tokenizer=tokenizer, out=out, export=export,
                           export_options=options, push_to_hub=push_to_hub, device=device,
                           measure_cfg=MeasureConfig(quantize_threads=threads, dtype=dtype, max_memory=max_memory,

@@ -46,16 +46,10 @@ def sweep(
                                               "order | both (spec: repeat_vary).", rich_help_panel=QUANTIZERS),
     device: Optional[str] = opt.device(None, "Blocks are onloaded one at a time [default: the spec's, else auto].",
                                        panel=ENGINE),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="Compute dtype: auto (the checkpoint's; bf16/fp16 "
-                                        "on a CPU without native units: float32) | float32 | bfloat16 | float16.",
-                                        rich_help_panel=ENGINE),
-    max_memory: Optional[str] = typer.Option(None, "--max-memory", help="Memory for one block + activations, e.g. "
-                                             "8GB.", rich_help_panel=ENGINE),
-    spill_dir: Optional[str] = typer.Option(None, "--spill-dir", help="Where activations beyond --max-memory spill "
-                                            "(default: the temporary directory).", rich_help_panel=ENGINE),
-    streams: Optional[str] = typer.Option(None, "--streams", help="Where activation streams live: auto (by "
-                                          "--max-memory; on CPU over 256 MiB to disk) | memory | disk.",
-                                          rich_help_panel=ENGINE),
+    dtype: Optional[str] = opt.config_option(opt.ENGINE_CONFIG, "dtype", None, panel=ENGINE),
+    max_memory: Optional[str] = opt.config_option(opt.ENGINE_CONFIG, "max_memory", None, panel=ENGINE),
+    spill_dir: Optional[str] = opt.config_option(opt.ENGINE_CONFIG, "spill_dir", None, panel=ENGINE),
+    streams: Optional[str] = opt.config_option(opt.ENGINE_CONFIG, "streams", None, panel=ENGINE),
     store: Optional[str] = opt.store(None, "[default: the spec's, else results]", panel=OUTPUT),
     shard: Optional[str] = typer.Option(None, "--shard", help="Sweep shard i/n: every n-th checkpoint from the i-th "
                                         "(default: torchrun rank or SLURM array task).", rich_help_panel=OUTPUT),
@@ -102,10 +96,13 @@ def sweep(
         data["repeat_vary"] = repeat_vary
     if quantizers is not None:
         data["quantizers"] = opt.split_list(quantizers)
-    for key, value in (("store", store), ("device", device), ("dtype", dtype), ("max_memory", max_memory),
-                       ("spill_dir", spill_dir), ("streams", streams)):
+    for key, value in (("store", store), ("device", device)):
         if value:
             data[key] = value
+    for key, value in (("dtype", dtype), ("max_memory", max_memory), ("spill_dir", spill_dir), ("streams", streams)):
+        if value:  # the option wins over the spec's value, wherever the spec put it (SweepConfig.MOVED)
+            data.pop(key, None)
+            data["engine"] = {**(data.get("engine") or {}), key: value}
     if not spec and not traj:
         raise QuantdynError("give a sweep spec YAML or a trajectory (--run, --checkpoint, --hub or --preset)")
     cfg = from_dict(SweepConfig, data)

@@ -15,14 +15,15 @@ import torch
 from quantdyn.errors import QuantdynError
 
 
-def batch_starts(n_tokens: int, seq_len: int, seed: int, step: int, count: int) -> np.ndarray:
-    """Start offsets of the ``count`` sequences of step ``step``'s global batch: a pure function of (seed, step)."""
+def batch_starts(n_tokens: int, seq_len: int, seed: int, step: int, count: int, stream: int = 0) -> np.ndarray:
+    """Start offsets of the ``count`` sequences of step ``step``'s global batch: a pure function of (seed, step).
+    ``stream`` > 0 draws an independent sequence of batches (the optimizer-state estimate's), stream 0 the run's."""
     if n_tokens <= seq_len + 1:
         raise QuantdynError(
             f"the train split has {n_tokens} tokens, fewer than one sequence of {seq_len + 1}; "
             "use more data or a shorter train.seq_len"
         )
-    rng = np.random.default_rng([seed, step])
+    rng = np.random.default_rng([seed, step] if stream == 0 else [seed, step, stream])
     return rng.integers(0, n_tokens - seq_len - 1, size=count)
 
 

@@ -1,13 +1,13 @@
 """A model whose weights come and go one module at a time.
 
-The block walker (``quantize/walk.py``) needs, at any moment, only the modules it is
+The block walker (``engine/walk.py``) needs, at any moment, only the modules it is
 running: the embedding while it captures block 0's inputs, then one decoder block, then
 the final norm and the head. :class:`BlockSource` is what it asks:
 
 * :class:`LazyModel` — a checkpoint on disk. The model is built as a *skeleton*: every
   parameter on the ``meta`` device (no memory), every buffer real (rotary tables are
   computed from the config as usual). ``load(module, device)`` reads exactly that
-  module's tensors from the checkpoint (``models/lazy.py``) in the checkpoint's dtype
+  module's tensors from the checkpoint (``models/weights.py``) in the checkpoint's dtype
   (or the one asked for) onto ``device``; ``unload(module)`` puts them back on ``meta``.
   Memory is bounded by a block, not by the model.
 * :class:`InMemoryModel` — a model that is already loaded (the in-training monitor,

@@ -6,7 +6,7 @@ with full precision, streamed one decoder block at a time.
 
 This is the only place where "quantize, then compare with FP" happens: sweeps, `quantize`,
 `interpolate`, the monitor and `analyze` call it. The work is a block walk
-(``quantize/apply.py``: every quantizer's blocks and the shared full-precision blocks
+(``engine/walk.py``: every quantizer's blocks and the shared full-precision blocks
 carry the evaluation windows through the model) followed by the head: the final norm and
 head turn each variant's last hidden states into logits one slice of windows at a time, with
 the full-precision logits shared by all quantizers, and give the CE, KL both ways, top-K
@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 
 from quantdyn.analysis.propagation import block_sums, finalize_propagation, input_sums
+from quantdyn.config import shared_fields
 from quantdyn.engine.blockwise import block_output
 from quantdyn.engine.lazy_model import BlockSource, InMemoryModel, LazyModel, compute_dtype_of
 from quantdyn.engine.noise_floor import NOISE_FLOOR_LABEL, BF16NoiseFloor, floor_rounding
@@ -60,8 +61,9 @@ class MeasureConfig:
     calib_batch_size: int = 8
     """Calibration sequences per forward."""
     quantize_threads: int = 1
-    """torch threads while calibrating and quantizing on CPU: 1 makes the codes independent of the machine's
-    core count (BLAS rounds differently with more threads); 0 = torch's setting (faster)."""
+    """torch threads while calibrating and quantizing on CPU: 1 (default) makes the codes independent of the
+    machine's core count (BLAS rounds differently with more threads); 0 = torch's setting, ~1.75x faster for a
+    whole model on an idle 2-core CPU (BENCHMARKS.md). The GPTQ column loop itself always runs single-threaded."""
     layer_diagnostics: bool = False
     """Per-layer output errors 1/2 tr(dW H dW^T) (``output_error``, ``rel_error`` in the layer rows) for every
     quantizer, and for that calibration passes of the calibration-free ones (RTN: their rows' layer_loss_sum).
@@ -233,11 +235,9 @@ def measure(
     if noise_floor and eval_windows is not None:
         variants[NOISE_FLOOR_LABEL] = BF16NoiseFloor()
     stream_budget = check_budget(source, parse_bytes(cfg.max_memory))
-    threads = cfg.quantize_threads if device.type == "cpu" else None
-    wcfg = WalkConfig(calib_batch_size=cfg.calib_batch_size, probe_batch_size=cfg.batch_size,
-                      calib_threads=threads if threads else None, calibrate_all=cfg.layer_diagnostics,
-                      layer_diagnostics=cfg.layer_diagnostics,
-                      max_memory=stream_budget, spill_dir=cfg.spill_dir or None, streams=cfg.streams,
+    threads = cfg.quantize_threads if device.type == "cpu" else None  # a GPU's quantizing is not threaded by torch
+    wcfg = WalkConfig(**shared_fields(cfg, WalkConfig, but=("quantize_threads",)), quantize_threads=threads,
+                      calibrate_all=cfg.layer_diagnostics, stream_bytes=stream_budget,
                       block_errors="eval" if eval_windows is not None and cfg.detailed_metrics else None)
     t0 = time.perf_counter()
     prop_sums: dict[str, list] = {}

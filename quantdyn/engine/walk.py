@@ -21,7 +21,7 @@ reference's ``llama_sequential``, generalised to several quantizers at once):
    quantize a copy of the head from their calibration stream.
 
 The streams (lists of activation batches) live on the device, in host RAM or spilled to
-disk, as a memory budget decides (``quantize/streams.py``). Each quantizer's work equals
+disk, as a memory budget decides (``engine/streams.py``). Each quantizer's work equals
 what quantizing its own copy of the whole model would do, operation for operation, so codes
 and outputs are the same as with the in-memory pipeline; memory is one block plus the
 streams instead of one model copy per quantizer.
@@ -74,10 +74,10 @@ class WalkConfig:
 
     calib_batch_size: int = 8
     """Calibration sequences per block call (results do not depend on it beyond float rounding)."""
-    probe_batch_size: int = 16
-    """Probe (evaluation) sequences per block call."""
-    calib_threads: int | None = None
-    """torch threads while calibrating and quantizing a block (None = leave as set). 1 makes the codes
+    batch_size: int = 16
+    """Probe (evaluation) sequences per block call (MeasureConfig.batch_size)."""
+    quantize_threads: int | None = None
+    """torch threads while calibrating and quantizing a block (None or 0 = leave as set). 1 makes the codes
     independent of the machine's core count (BLAS rounds differently with more threads)."""
     layer_threads: int | None = None
     """torch threads inside each layer's quantizer function only (None = leave as set)."""
@@ -87,11 +87,11 @@ class WalkConfig:
     layer_diagnostics: bool = True
     """Each layer row's output error 1/2 tr(dW H dW^T) and its reference where statistics exist (two out x in x in
     products per layer); False leaves them None."""
-    max_memory: int = 0
+    stream_bytes: int = 0
     """Bytes the activation streams may take in memory (0 = half the free RAM / GPU memory); above it
-    they spill to disk."""
-    spill_dir: str | None = None
-    """Directory for spilled streams (default: the system temporary directory)."""
+    they spill to disk. measure() gives what MeasureConfig.max_memory leaves after the weights (check_budget)."""
+    spill_dir: str = ""
+    """Directory for spilled streams ('' = the system temporary directory)."""
     in_place: bool = False
     """Quantize the model's own blocks (one quantizer, no probes): quantize_model."""
     streams: str = "auto"
@@ -107,10 +107,10 @@ class WalkConfig:
     exist together (one more block and its Hessians per quantizer), so None (the default) does it on a GPU only."""
 
     def __post_init__(self):
-        if self.calib_batch_size < 1 or self.probe_batch_size < 1:
+        if self.calib_batch_size < 1 or self.batch_size < 1:
             raise QuantdynError(f"batch sizes must be >= 1 (calibration {self.calib_batch_size}, "
-                                f"evaluation {self.probe_batch_size})")
-        for name in ("calib_threads", "layer_threads"):
+                                f"evaluation {self.batch_size})")
+        for name in ("quantize_threads", "layer_threads"):
             v = getattr(self, name)
             if v is not None and v < 0:
                 raise QuantdynError(f"{name}={v} must be >= 0 (0 = torch's setting)")
@@ -255,7 +255,7 @@ def walk(
                             cals[id(ids)] = capture_inputs(model, blocks, ids, device, cfg.calib_batch_size,
                                                            returns_tuple)
                     for name, ids in probes.items():
-                        caps[name] = capture_inputs(model, blocks, ids, device, cfg.probe_batch_size, returns_tuple)
+                        caps[name] = capture_inputs(model, blocks, ids, device, cfg.batch_size, returns_tuple)
             finally:
                 for m in pre:
                     source.unload(m)
@@ -263,7 +263,7 @@ def walk(
         need = sum(_stream_bytes(c) for c in caps.values()) * (1 + len(qcfgs) + len(transforms))
         need += sum(_stream_bytes(cals[id(ids)]) for ids in calib_of.values())
         cal_of = {label: cals[id(ids)] for label, ids in calib_of.items()}
-        store = StreamStore(device, need, cfg.max_memory, cfg.spill_dir,
+        store = StreamStore(device, need, cfg.stream_bytes, cfg.spill_dir or None,
                             force={"auto": None, "memory": "device", "disk": "disk"}[cfg.streams])
         fp: dict[str, Stream] = {}
         for name, c in caps.items():
@@ -312,7 +312,7 @@ def walk(
                     cal_args = (lambda i, b=b, c=cal_of[label]: c.args(b, i)) if label in cal_of else None
                     jobs[label] = BlockJob(qblock, groups if cfg.in_place else adapter.linear_groups(qblock),
                                            qcal.get(label), cal_args, qcfgs[label], hook)
-                with num_threads(cfg.calib_threads or None):
+                with num_threads(cfg.quantize_threads or None):
                     rows_of = quantize_blocks(list(jobs.values()), b, prefix, cfg.layer_threads,
                                               n_blocks=len(blocks), timer=timer, diagnostics=cfg.layer_diagnostics)
                     for label, job in jobs.items():
@@ -369,7 +369,7 @@ def walk(
             else:
                 qhead = copy.deepcopy(head)
             stats = None
-            with num_threads(cfg.calib_threads or None):
+            with num_threads(cfg.quantize_threads or None):
                 if label in qcal:
                     with timer("calib_forward"):
                         for i in range(len(qcal[label])):

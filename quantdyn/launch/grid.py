@@ -36,6 +36,7 @@ import re
 import shlex
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -48,6 +49,7 @@ from quantdyn.launch.slurm import SlurmConfig, array_script, quantdyn_command
 from quantdyn.monitor import hooks_for
 from quantdyn.runtime import git_sha
 from quantdyn.runs import CHECKPOINTS, METRICS, STATE, WEIGHTS, RunDir, latest_resumable, step_name
+from quantdyn.sources.presets import as_hub_ref
 from quantdyn.train.config import RunConfig
 from quantdyn.train.trainer import train
 
@@ -291,6 +293,7 @@ def run_grid(grid_dir: str | Path, only: Sequence[str] | None = None, progress: 
         runs = [r for r in runs if r["name"] in set(only)]
     # validate every config before the first run starts
     cfgs = [from_dict(RunConfig, load_yaml(r["config"])) for r in runs]
+    cfgs = [replace(c, model=replace(c.model, hf=as_hub_ref(c.model.hf))) if c.model.hf else c for c in cfgs]
     hooks = [hooks_for(cfg) for cfg in cfgs]  # monitor quantizers checked before the first run too
     out = []
     for r, cfg, hk in zip(runs, cfgs, hooks):

@@ -158,7 +158,7 @@ ADAPTERS.add("gpt_neox", FamilyAdapter(
     head="lm_head",  # transformers >= 5 names it lm_head (checkpoints keep 'embed_out', converted on load)
     sequential=_NEOX_SEQUENTIAL,
 ))
-for _name in ("llama", "olmo", "olmo2", "qwen2"):
+for _name in ("llama", "olmo", "olmo2", "qwen2", "qwen3"):
     ADAPTERS.add(_name, _LLAMA_LIKE)
 ADAPTERS.add("gpt2", FamilyAdapter(
     blocks="transformer.h",

@@ -31,11 +31,12 @@ _DEFAULTS: dict = dict(vocab_size=0, n_layer=4, d_model=128, n_head=4, d_ff=0, m
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a GPT-NeoX/Pythia model.
+    """The model of a run: the shape of quantdyn's GPT-NeoX/Pythia model, or (``hf``) a Hugging Face checkpoint.
 
     With a ``preset`` every field left unset (None) comes from the preset, else from the default in its
     docstring, and every field set explicitly wins — also when it equals the default (``n_layer: 4`` with
-    a 6-layer preset gives 4 layers). Without a preset, unset fields take their defaults at once."""
+    a 6-layer preset gives 4 layers). Without a preset, unset fields take their defaults at once. With
+    ``hf`` no shape field is given: the architecture, weights and tokenizer are the checkpoint's."""
 
     preset: str | None = None
     """Name of a preset (see PRESETS); explicit fields below override it."""
@@ -63,8 +64,18 @@ class ModelConfig:
     """LayerNorm epsilon (default 1e-5)."""
     init_std: float | None = None
     """Std of the normal initialisation (default 0.02); output projections get init_std / sqrt(2 * n_layer)."""
+    hf: str = ""
+    """Train a Hugging Face causal LM instead of a GPT of this shape: a local HF checkpoint directory, a hub id,
+    id@revision, or a preset point (smollm3-3b@REVISION). Its own transformers class, weights, config and
+    tokenizer; checkpoints are written in its own format (models/causal_lm.py)."""
 
     def __post_init__(self):
+        if self.hf:
+            given = [k for k in ("preset", *_DEFAULTS) if getattr(self, k) is not None]
+            if given:
+                raise QuantdynError(f"model.hf '{self.hf}' takes the model's shape from the checkpoint; drop "
+                                    f"model.{given[0]}")
+            return
         if self.preset is None:
             for k, v in _DEFAULTS.items():
                 if getattr(self, k) is None:
@@ -117,6 +128,8 @@ PRESETS: dict[str, dict] = {
 
 def resolve_model_config(cfg: ModelConfig, vocab_size: int | None = None) -> ModelConfig:
     """Apply the preset (every explicitly set field wins) and fill vocab_size."""
+    if cfg.hf:
+        raise QuantdynError(f"model.hf '{cfg.hf}' has no GPT shape to resolve; models.causal_lm.run_model reads it")
     fields = dict(_DEFAULTS)
     if cfg.preset is not None:
         if cfg.preset not in PRESETS:

@@ -9,10 +9,12 @@ Loading never unpickles code: weights come from safetensors only.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -24,6 +26,21 @@ from quantdyn.files import atomic_dir, read_json
 from quantdyn.models.gpt import GPT, ModelConfig
 
 WEIGHTS = "model.safetensors"
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' progress bars ("Loading weights", "Writing model shards") off inside the block, as before
+    after it: a run writes a checkpoint every few minutes and shows its own progress."""
+    from transformers.utils import logging as tf_logging
+
+    was = tf_logging.is_progress_bar_enabled()
+    tf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            tf_logging.enable_progress_bar()
 
 
 def hf_config_dict(cfg: ModelConfig, bos_token_id: int = 0, eos_token_id: int = 0) -> dict:
@@ -81,7 +98,8 @@ def state_dict_for_save(model: nn.Module) -> dict[str, torch.Tensor]:
 def save_hf_into(model: GPT, directory: Path, bos_token_id: int = 0, eos_token_id: int = 0) -> None:
     """Write config.json + model.safetensors into an existing directory (no atomicity)."""
     if not isinstance(model, GPT):
-        model.save_pretrained(directory, safe_serialization=True)
+        with quiet_transformers():
+            model.save_pretrained(directory)
         return
     (directory / "config.json").write_text(
         json.dumps(hf_config_dict(model.config, bos_token_id, eos_token_id), indent=2)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from quantdyn.data.prepare import TokenData, prepare_data
 from quantdyn.monitor.ptq import PTQMonitor
-from quantdyn.train.config import RunConfig
+from quantdyn.train.config import RunConfig, data_config_of
 
 
 def monitor_for(cfg: RunConfig, data: TokenData | None = None) -> PTQMonitor | None:
@@ -27,7 +27,7 @@ def monitor_for(cfg: RunConfig, data: TokenData | None = None) -> PTQMonitor | N
 
     def source() -> TokenData:
         if not opened:  # the trainer prepared the cache before its first step: this only opens it
-            opened.append(prepare_data(cfg.data, progress=False))
+            opened.append(prepare_data(data_config_of(cfg), progress=False))
         return opened[0]
 
     T = cfg.train.seq_len
@@ -36,8 +36,8 @@ def monitor_for(cfg: RunConfig, data: TokenData | None = None) -> PTQMonitor | N
         eval_ids=lambda: source().eval_windows(T, mon.eval_windows),
         calib_ids=lambda: source().calib_windows(mon.calib_samples, T, seed=0),
         every=mon.every,
-        n_eval_windows=mon.eval_windows,
-        n_calib_samples=mon.calib_samples,
+        eval_windows=mon.eval_windows,
+        calib_samples=mon.calib_samples,
     )
 
 

@@ -39,9 +39,9 @@ from quantdyn.train.loggers import PTQ_CE_FP, PTQ_METRICS, PTQ_SECONDS, TRAIN_LR
 Tokens = Union[torch.Tensor, np.ndarray, Sequence[int]]
 TokenSource = Union[Tokens, Callable[[], Tokens]]
 
-_RENAMED = {"eval_tokens": "eval_ids", "calib_tokens": "calib_ids", "eval_windows": "n_eval_windows",
-            "calib_samples": "n_calib_samples"}
-"""PTQMonitor's keywords before 0.2 -> their names now."""
+_RENAMED = {"eval_tokens": "eval_ids", "calib_tokens": "calib_ids", "n_eval_windows": "eval_windows",
+            "n_calib_samples": "calib_samples"}
+"""PTQMonitor's old keywords -> their names now (the sizes spelt as MonitorConfig and the sweep spell them)."""
 
 
 # ------------------------------------------------------------------ the model inside the wrappers
@@ -140,11 +140,11 @@ class PTQMonitor:
     quantizers:   quantizer labels ("rtn4", "gptq3", "gptq4g128", "gptq4-gptqmodel"), QuantConfigs or dicts,
                   or {label: spec}; a spec that does not parse is an error here, before any training.
     eval_ids:     held-out token ids: windows [N, T+1] (inputs = all but the last token), or a 1-D token stream
-                  cut into ``n_eval_windows`` consecutive windows of ``seq_len`` tokens (the one windowing of
+                  cut into ``eval_windows`` consecutive windows of ``seq_len`` tokens (the one windowing of
                   quantdyn, data.prepare.token_windows: seq_len - 1 predictions per window); or a function
                   returning either, called at the first measurement (when the data is not ready yet).
     calib_ids:    calibration token ids for GPTQ / AWQ: sequences [N, L], or a 1-D stream from which
-                  ``n_calib_samples`` sequences of ``seq_len`` tokens are drawn (seeded); or a function
+                  ``calib_samples`` sequences of ``seq_len`` tokens are drawn (seeded); or a function
                   returning either. None: calibration-free quantizers only (RTN).
     every:        measure at steps that are multiples of this.
     loggers:      where :meth:`step` logs (quantdyn.train.loggers: JsonlLogger, CSVLogger, TensorBoardLogger,
@@ -153,9 +153,10 @@ class PTQMonitor:
     measure_cfg:  the engine's batching and dtype (``quantdyn.engine.measure.MeasureConfig``); by default torch's
                   thread count is kept (``quantize_threads=0``).
 
-    Before 0.2 ``eval_ids`` was ``eval_tokens``, ``calib_ids`` ``calib_tokens``, ``n_eval_windows``
-    ``eval_windows`` and ``n_calib_samples`` ``calib_samples`` (still accepted, with a DeprecationWarning), and
-    a 1-D stream was cut into windows of seq_len + 1 tokens.
+    Old keywords, still accepted with a DeprecationWarning: ``eval_tokens`` and ``calib_tokens`` (now ``eval_ids``
+    and ``calib_ids``, before 0.2, when a 1-D stream was cut into windows of seq_len + 1 tokens), and
+    ``n_eval_windows`` and ``n_calib_samples`` (now ``eval_windows`` and ``calib_samples``, as MonitorConfig, the
+    sweep's data section and the command line spell these sizes).
     """
 
     def __init__(
@@ -168,8 +169,8 @@ class PTQMonitor:
         device: str | torch.device | None = None,
         *,
         seq_len: int | None = None,
-        n_eval_windows: int = 64,
-        n_calib_samples: int = 16,
+        eval_windows: int = 64,
+        calib_samples: int = 16,
         seed: int = 0,
         measure_cfg: MeasureConfig | None = None,
         **old: Any,
@@ -183,16 +184,16 @@ class PTQMonitor:
                 eval_ids = value if eval_ids is None else eval_ids
             elif new == "calib_ids":
                 calib_ids = value if calib_ids is None else calib_ids
-            elif new == "n_eval_windows":
-                n_eval_windows = value
+            elif new == "eval_windows":
+                eval_windows = value
             else:
-                n_calib_samples = value
+                calib_samples = value
         if eval_ids is None:
             raise QuantdynError("PTQMonitor needs held-out token ids: pass eval_ids (windows or a token stream)")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise QuantdynError(f"PTQMonitor every={every!r} must be a whole number of steps >= 1")
-        if n_eval_windows < 1 or n_calib_samples < 1:
-            raise QuantdynError("PTQMonitor n_eval_windows and n_calib_samples must be >= 1")
+        if eval_windows < 1 or calib_samples < 1:
+            raise QuantdynError("PTQMonitor eval_windows and calib_samples must be >= 1")
         if isinstance(quantizers, (str, QuantConfig)):
             quantizers = [quantizers]
         items = quantizers.items() if isinstance(quantizers, Mapping) else [(None, q) for q in quantizers]
@@ -215,15 +216,15 @@ class PTQMonitor:
         self.every = every
         self.loggers = list(loggers)
         self.device = torch.device(device) if device is not None else None
-        self.seq_len, self.n_eval, self.n_calib, self.seed = seq_len, n_eval_windows, n_calib_samples, seed
+        self.seq_len, self.n_eval, self.n_calib, self.seed = seq_len, eval_windows, calib_samples, seed
         self.measure_cfg = measure_cfg or MeasureConfig(quantize_threads=0)
         self._eval_src, self._calib_src = eval_ids, calib_ids
         self._eval: torch.Tensor | None = None
         self._calib: torch.Tensor | None = None
         if not callable(eval_ids):
-            self._eval = eval_windows_of(eval_ids, seq_len, n_eval_windows)
+            self._eval = eval_windows_of(eval_ids, seq_len, eval_windows)
         if calib_ids is not None and not callable(calib_ids):
-            self._calib = calib_windows_of(calib_ids, seq_len, n_calib_samples, seed)
+            self._calib = calib_windows_of(calib_ids, seq_len, calib_samples, seed)
         self.history: list[dict[str, Any]] = []
         """Every measurement so far: {"step": ..., metrics}."""
         self.seconds = 0.0

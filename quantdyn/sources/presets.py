@@ -448,3 +448,44 @@ def preset_for_repo(repo: str) -> Preset | None:
         if repo in p.repos:
             return p
     return None
+
+
+@dataclass(frozen=True)
+class PresetPoint:
+    """A preset point ``NAME@REVISION`` (``smollm3-3b@stage1-step-40000``): the hub checkpoint it names and where it
+    sits in its training run."""
+
+    ref: str
+    """As written: NAME@REVISION."""
+    preset: str
+    repo: str
+    """The hub repo holding the revision (the preset's first)."""
+    info: RevisionInfo
+    """Step, tokens, LR and phase of the revision (from the preset's schedule)."""
+
+    @property
+    def hub_ref(self) -> str:
+        """The hub reference transformers loads: ``repo@revision``."""
+        return f"{self.repo}@{self.info.revision}"
+
+
+def as_hub_ref(ref: str) -> str:
+    """What transformers loads for ``ref``: a preset point's hub ``id@revision``; a directory, hub id or
+    id@revision unchanged (model.hf of a run config, before the trainer reads it)."""
+    point = preset_point(ref)
+    return ref if point is None else point.hub_ref
+
+
+def preset_point(ref: str) -> PresetPoint | None:
+    """The preset point ``ref`` names, or None when ``ref`` does not start with a preset's name and '@' (a local
+    directory, a hub id). A revision the preset does not place is one line saying why."""
+    name, sep, revision = str(ref).partition("@")
+    if not sep or name not in load_presets():
+        return None
+    pre = get_preset(name)
+    info = pre.locate(revision)
+    if isinstance(info, str):
+        raise QuantdynError(f"preset point '{ref}': {info}; `quantdyn trajectories {name}` lists its revisions")
+    if not pre.repos:
+        raise QuantdynError(f"preset {name} names no hub repo; pass the checkpoint as HUB_ID@{revision}")
+    return PresetPoint(ref, name, pre.repos[0], info)

@@ -29,6 +29,7 @@ from quantdyn.results.schema import PTQ
 from quantdyn.results.store import ResultStore
 from quantdyn.runs import SOUP_OF_COOLDOWNS, RunDir, has_weights, lawa_name, latest_resumable
 from quantdyn.runtime import git_sha, hardware, resolve_device
+from quantdyn.sources.presets import as_hub_ref
 from quantdyn.sources.trajectory import TrajectoryConfig
 from quantdyn.studies import findings as fd
 from quantdyn.studies import section
@@ -52,6 +53,8 @@ def plan_runs(spec: StudySpec) -> list[RunConfig]:
     out = []
     for name, d in combos:
         cfg = from_dict(RunConfig, d)
+        if cfg.model.hf:  # a preset point: the hub id@revision it names
+            cfg = replace(cfg, model=replace(cfg.model, hf=as_hub_ref(cfg.model.hf)))
         if spec.seeds:
             out += [replace(cfg, seed=int(s), name=f"{name}-s{s}") for s in spec.seeds]
         else:
@@ -182,7 +185,7 @@ def fp_window_losses(spec: StudySpec, run_dir: Path, checkpoints: list[str], cac
         key = f"{checkpoint_hash(ck)}:{eh}"
         if key not in stored:
             model = load_causal_lm(ck, device=device)
-            stored[key] = [round(float(v), 7) for v in window_losses(model, ids, batch_size=sw.batch_size)]
+            stored[key] = [round(float(v), 7) for v in window_losses(model, ids, batch_size=sw.engine.batch_size)]
             changed = True
         out[ck] = stored[key]
     if changed:

@@ -8,6 +8,8 @@ only what is missing.
 """
 from __future__ import annotations
 
+import warnings
+
 from pathlib import Path
 from typing import Sequence
 
@@ -56,7 +58,7 @@ def interpolate_checkpoints(
     alphas: Sequence[float] | None = None,
     data=None,
     eval_seq_len: int = 128,
-    n_eval_windows: int = 200,
+    eval_windows: int = 200,
     calib_samples: int = 32,
     calib_seq_len: int = 128,
     calib_seed: int = 0,
@@ -64,6 +66,7 @@ def interpolate_checkpoints(
     device: str = "auto",
     quantize_threads: int = 1,
     progress: bool = False,
+    n_eval_windows: int | None = None,
 ) -> list[dict]:
     """θ(α) = (1-α)·θ_A + α·θ_B at ``steps`` evenly spaced α in [0, 1] (or ``alphas``).
 
@@ -72,8 +75,13 @@ def interpolate_checkpoints(
     sweeps of that run visit the points). Returns one row per (α, quantizer): alpha, checkpoint,
     ce_fp (+ ce_fp_se) and the engine's Δ CE, KL, agreement (one FP row per α when ``quantizers``
     is empty). Eval/calibration windows come from ``data`` (a DataConfig) or from A's run data
-    (validation split for evaluation, calibration split for PTQ).
+    (validation split for evaluation, calibration split for PTQ). ``n_eval_windows`` is the old spelling of
+    ``eval_windows`` (a DeprecationWarning).
     """
+    if n_eval_windows is not None:
+        warnings.warn("interpolate_checkpoints(n_eval_windows=...) is now eval_windows=...", DeprecationWarning,
+                      stacklevel=2)
+        eval_windows = n_eval_windows
     a, b = _as_ckpt(a), _as_ckpt(b)
     qcfgs = {(q if isinstance(q, str) else parse_quantizer(q).name): parse_quantizer(q) for q in quantizers}
     grid = [float(x) for x in alphas] if alphas is not None else alpha_grid(steps)
@@ -91,9 +99,9 @@ def interpolate_checkpoints(
     model, sa, sb = endpoint_states(a, b)
     dev = resolve_device(device)
     td = _token_data(a, data, progress)
-    eval_ids = td.eval_windows(eval_seq_len, n_eval_windows)
+    eval_ids = td.eval_windows(eval_seq_len, eval_windows)
     calib_ids = td.calib_windows(calib_samples, calib_seq_len, calib_seed) if qcfgs else None
-    eval_hash = td.token_hash("val", eval_seq_len, n_eval_windows)
+    eval_hash = td.token_hash("val", eval_seq_len, eval_windows)
     calib = calib_identity(td.data_hash, calib_samples, calib_seq_len, calib_seed)
     mcfg = MeasureConfig(batch_size=batch_size, quantize_threads=quantize_threads)
     run_name = interpolation_run(a, b)

@@ -1,6 +1,6 @@
 """One model, one or more quantizers: what `quantdyn quantize` runs (through the streamed engine).
 
-    res = quantize_one("runs/tiny/checkpoints/step-0000400", ["gptq3", "rtn4"], n_eval_tokens=8192)
+    res = quantize_one("runs/tiny/checkpoints/step-0000400", ["gptq3", "rtn4"], eval_tokens=8192)
     res.metrics["gptq3"]["delta_ce"], res.rows          # one result row per quantizer
     res = quantize_one(ref, "gptq4-gptqmodel", out="q4", export="gptq")
     res.out, res.row["export"]
@@ -65,14 +65,16 @@ class QuantizeResult:
         return self.row[key]
 
 
-_OLD_KEYWORDS = {"calib_samples": "n_calib_samples", "eval_tokens": "n_eval_tokens", "save": "out"}
+_OLD_KEYWORDS = {"n_calib_samples": "calib_samples", "n_eval_tokens": "eval_tokens", "save": "out"}
+"""Old keyword -> its name now: n_calib_samples and n_eval_tokens (an earlier spelling) are now spelt as the config
+files and the command line spell these sizes (one spelling per size); save is out."""
 _QUANTIZER_KEYWORDS = ("method", "bits", "group_size", "preset")
 _MEASURE_KEYWORDS = {"threads": "quantize_threads", "dtype": "dtype", "max_memory": "max_memory"}
 
 
 def _renamed(old: dict[str, Any], kwargs: dict[str, Any], quantizers, measure_cfg):
-    """The keywords of quantize_one before 0.2, each with a DeprecationWarning naming its new spelling."""
-    defaults = {"n_calib_samples": 32, "n_eval_tokens": 25600, "out": None}
+    """The old keywords of quantize_one, each with a DeprecationWarning naming its new spelling."""
+    defaults = {"calib_samples": 32, "eval_tokens": 25600, "out": None}
     for name, value in old.items():
         if name in _OLD_KEYWORDS:
             new = _OLD_KEYWORDS[name]
@@ -115,13 +117,13 @@ def _configs(quantizers: QuantizerSpec | Sequence[QuantizerSpec]) -> list[QuantC
 
 
 PARAMETERS = {"quantizers": "quantizers", "out": "out", "export": "export", "export_options": "export_options",
-              "push_to_hub": "push_to_hub", "repeats": "repeats", "n_eval_tokens": "n_eval_tokens",
-              "eval_seq_len": "eval_seq_len", "n_calib_samples": "n_calib_samples"}
+              "push_to_hub": "push_to_hub", "repeats": "repeats", "eval_tokens": "eval_tokens",
+              "eval_seq_len": "eval_seq_len", "calib_samples": "calib_samples"}
 """How :func:`check_request` names the parameters in its errors (the command line passes its flags instead)."""
 
 
 def check_request(qcs: Sequence[QuantConfig], *, out, export, export_options, push_to_hub, repeats: int,
-                  n_eval_tokens: int, eval_seq_len: int, n_calib_samples: int,
+                  eval_tokens: int, eval_seq_len: int, calib_samples: int,
                   names: Mapping[str, str] = PARAMETERS) -> None:
     """What :func:`quantize_one` refuses before any work, each error one line naming the parameters as
     ``names`` says."""
@@ -139,11 +141,11 @@ def check_request(qcs: Sequence[QuantConfig], *, out, export, export_options, pu
         raise QuantdynError(f"{n['push_to_hub']} uploads an export: add {n['export']} gptq or compressed-tensors")
     if repeats < 1:
         raise QuantdynError(f"{n['repeats']} {repeats} must be >= 1")
-    if n_eval_tokens < eval_seq_len:
-        raise QuantdynError(f"{n['n_eval_tokens']} {n_eval_tokens} is less than one window of "
+    if eval_tokens < eval_seq_len:
+        raise QuantdynError(f"{n['eval_tokens']} {eval_tokens} is less than one window of "
                             f"{n['eval_seq_len']} {eval_seq_len}")
-    if n_calib_samples < 1:
-        raise QuantdynError(f"{n['n_calib_samples']} {n_calib_samples} must be >= 1 (the calibration set is empty)")
+    if calib_samples < 1:
+        raise QuantdynError(f"{n['calib_samples']} {calib_samples} must be >= 1 (the calibration set is empty)")
 
 
 def quantize_one(
@@ -151,10 +153,10 @@ def quantize_one(
     quantizers: QuantizerSpec | Sequence[QuantizerSpec] | None = None,
     *,
     calib_data: str = "builtin:kjv",
-    n_calib_samples: int = 32,
+    calib_samples: int = 32,
     calib_seq_len: int = 128,
     eval_data: str | None = None,
-    n_eval_tokens: int = 25600,
+    eval_tokens: int = 25600,
     eval_seq_len: int = 128,
     tokenizer: str | None = None,
     out: str | Path | None = None,
@@ -173,8 +175,8 @@ def quantize_one(
     such as ``"gptq4"`` or ``"gptq4-gptqmodel"``, a QuantConfig, or a list of them; default gptq4) and measure
     Δ CE, KL and agreement on held-out text, all in one streamed pass.
 
-    Data: ``n_calib_samples`` calibration sequences of ``calib_seq_len`` tokens from ``calib_data`` (any quantdyn
-    data source); ``n_eval_tokens`` held-out tokens of ``eval_data`` (default: the calibration source's
+    Data: ``calib_samples`` calibration sequences of ``calib_seq_len`` tokens from ``calib_data`` (any quantdyn
+    data source); ``eval_tokens`` held-out tokens of ``eval_data`` (default: the calibration source's
     validation split) in windows of ``eval_seq_len`` tokens; ``tokenizer`` defaults to the model's own.
     ``repeats`` R > 1 quantizes R times per quantizer (calibration draw r: engine/rows.calibration_draws) and
     reports the mean, the SD over repeats and the combined uncertainty.
@@ -187,18 +189,18 @@ def quantize_one(
     budget and CPU threads (default: threads 1, the checkpoint's dtype, automatic memory). ``progress``: lines
     while preparing data; ``echo``: where a line per decoder block goes.
 
-    Keywords before 0.2 (method, bits, group_size, preset, calib_samples, eval_tokens, save, threads, dtype,
-    max_memory) still work, each with a DeprecationWarning naming its new spelling."""
+    Old keywords (method, bits, group_size, preset, save, threads, dtype, max_memory; later
+    n_calib_samples, n_eval_tokens) still work, each with a DeprecationWarning naming its new spelling."""
     if old:
-        kw = {"n_calib_samples": n_calib_samples, "n_eval_tokens": n_eval_tokens, "out": out}
+        kw = {"calib_samples": calib_samples, "eval_tokens": eval_tokens, "out": out}
         quantizers, measure_cfg = _renamed(old, kw, quantizers, measure_cfg)
-        n_calib_samples, n_eval_tokens, out = kw["n_calib_samples"], kw["n_eval_tokens"], kw["out"]
+        calib_samples, eval_tokens, out = kw["calib_samples"], kw["eval_tokens"], kw["out"]
     qcs = _configs("gptq4" if quantizers is None else quantizers)
     cfg = measure_cfg or MeasureConfig()
     out = Path(out) if out is not None else None
     check_request(qcs, out=out, export=export, export_options=export_options, push_to_hub=push_to_hub,
-                  repeats=repeats, n_eval_tokens=n_eval_tokens, eval_seq_len=eval_seq_len,
-                  n_calib_samples=n_calib_samples)
+                  repeats=repeats, eval_tokens=eval_tokens, eval_seq_len=eval_seq_len,
+                  calib_samples=calib_samples)
     dev = resolve_device(device)
     weights = open_checkpoint(model_ref)  # validated before any data is prepared
     source = LazyModel(weights, compute_dtype_of(cfg.dtype), dev)
@@ -218,13 +220,13 @@ def quantize_one(
         if vocab is not None and calib.vocab_size > int(vocab):
             raise QuantdynError(f"tokenizer '{tok}' has {calib.vocab_size} tokens but the model only {vocab}; use "
                                 "the model's own tokenizer")
-        draws = calibration_draws(calib, n_calib_samples, calib_seq_len, 0, repeats, repeat_vary)
+        draws = calibration_draws(calib, calib_samples, calib_seq_len, 0, repeats, repeat_vary)
         variants: dict[str, QuantConfig] = {}
         calib_of: dict[str, Any] = {}
         for qc in qcs:
             for label, ids in zip(repeat_labels(qc.name, repeats), draws):
                 variants[label], calib_of[label] = qc, ids
-        n_windows = n_eval_tokens // eval_seq_len
+        n_windows = eval_tokens // eval_seq_len
         eval_windows = evald.eval_windows(eval_seq_len, n_windows)
         m = measure(source, variants, eval_windows, calib_of, device=dev, cfg=cfg, on_layer=writer,
                     on_block=echo if progress else None)
@@ -240,7 +242,7 @@ def quantize_one(
         rows.append({
             "kind": PTQ.name, "checkpoint": model_ref, "checkpoint_hash": ckpt_hash,
             **ptq_fields(qc.name, qc, m, cfg, threads, repeats, repeat_vary),
-            "calib_data": calib_data, "calib_samples": n_calib_samples, "calib_seq_len": calib_seq_len,
+            "calib_data": calib_data, "calib_samples": calib_samples, "calib_seq_len": calib_seq_len,
             "eval_data": eval_data or calib_data, "eval_hash": evald.token_hash("val", eval_seq_len, n_windows),
             "data_key": calib.data_hash, "streams": m.streams,
             "layers": [{k: val for k, val in r.items() if isinstance(val, (int, float, str))} for r in v.rows],

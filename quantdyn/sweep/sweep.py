@@ -22,7 +22,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -87,6 +87,11 @@ class SweepDataConfig:
 class SweepConfig:
     """A sweep: trajectory × quantizers -> results store."""
 
+    MOVED: ClassVar[dict[str, str]] = {k: f"engine.{k}" for k in (
+        "batch_size", "calib_batch_size", "quantize_threads", "dtype", "max_memory", "spill_dir", "streams",
+        "logits_budget_mb", "layer_diagnostics", "detailed_metrics")}
+    """Engine settings a sweep file may still give at its top level (config.moved_keys)."""
+
     trajectory: TrajectoryConfig = field(default_factory=lambda: TrajectoryConfig(run="runs/tiny"))
     quantizers: tuple[str, ...] = ("gptq3", "gptq4", "rtn4")
     """Quantizer specs (gptq3, rtn4g64, awq4, or dicts of QuantConfig fields)."""
@@ -95,30 +100,9 @@ class SweepConfig:
     """Results store directory."""
     device: str = "auto"
     """Compute device."""
-    batch_size: int = 16
-    """Evaluation batch size."""
-    calib_batch_size: int = 8
-    """Calibration sequences per forward while quantizing."""
-    quantize_threads: int = 1
-    """torch threads while quantizing on CPU: 1 (default) makes the codes independent of the machine's thread
-    count (BLAS rounds differently with more threads); 0 = torch's setting, ~1.75x faster for a whole model
-    on an idle 2-core CPU (BENCHMARKS.md). The GPTQ column loop itself always runs single-threaded."""
-    dtype: str = "auto"
-    """Compute dtype: auto (the checkpoint's own, except bf16/fp16 on a CPU without native units for it: float32)
-    | float32 | bfloat16 | float16."""
-    max_memory: str = ""
-    """Memory for one block's weights and the activation streams, e.g. 8GB ('' = half the free RAM or GPU
-    memory); streams beyond it spill to a temporary directory."""
-    spill_dir: str = ""
-    """Where activation streams that do not fit max_memory spill ('' = the system temporary directory)."""
-    streams: str = "auto"
-    """Where activation streams live: auto (by max_memory; on CPU streams over 256 MiB spill unless the spill
-    directory is on tmpfs) | memory | disk."""
-    logits_budget_mb: int = 16
-    """Largest logits tensor of one variant (MiB): the evaluation head works in slices of windows that fit it."""
-    layer_diagnostics: bool = False
-    """Per-layer output errors for every quantizer, and for that calibration passes of RTN (its layer_loss_sum);
-    off by default: they cost a calibration forward per RTN variant and the products (MeasureConfig)."""
+    engine: MeasureConfig = field(default_factory=MeasureConfig)
+    """How the engine batches, threads, types and budgets the measurement (engine/measure.py MeasureConfig: the
+    same fields, passed down unchanged). Sweep files may still give them at the top level (``MOVED``)."""
     analysis: tuple[str, ...] = ()
     """Extra per-checkpoint metrics: hessian, outliers, propagation."""
     analysis_budget: AnalysisConfig = field(default_factory=AnalysisConfig)
@@ -151,10 +135,6 @@ class SweepConfig:
     float32, where it costs one extra block pass; not where they compute in bf16/fp16 (a bf16 checkpoint on a GPU or
     a CPU with bf16 units), where its blocks run in float32 and cost more than the rest of the measurement
     (BENCHMARKS.md, "The floor"): true measures it there too."""
-    detailed_metrics: bool = True
-    """KL percentiles and reverse KL, top-K agreement, Δp, correlation, KL by confidence and per-block error maps
-    in every row (MeasureConfig.detailed_metrics); false: only CE, mean KL and top-1 agreement."""
-
     def __post_init__(self):
         if self.quant_repeats < 1:
             raise QuantdynError(f"sweep quant_repeats={self.quant_repeats} must be >= 1")
@@ -225,14 +205,6 @@ def point_fields(p: Point, ckpt_hash: str) -> dict:
             **preset_row_fields(p)}
 
 
-def measure_config(cfg: SweepConfig) -> MeasureConfig:
-    """The engine settings of a sweep."""
-    return MeasureConfig(batch_size=cfg.batch_size, calib_batch_size=cfg.calib_batch_size,
-                         quantize_threads=cfg.quantize_threads, layer_diagnostics=cfg.layer_diagnostics,
-                         dtype=cfg.dtype, max_memory=cfg.max_memory, spill_dir=cfg.spill_dir, streams=cfg.streams,
-                         logits_budget_mb=cfg.logits_budget_mb, detailed_metrics=cfg.detailed_metrics)
-
-
 def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True,
               echo=None, verbose: bool = False) -> dict:
     """Run (or resume) a sweep; returns counts of rows written and skipped, and the checkpoints that failed.
@@ -248,7 +220,7 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True,
     prop_q = {q: parse_quantizer(q) for q in (cfg.propagation_quantizers or [q for q in cfg.quantizers])}
     if "propagation" in cfg.analysis and not prop_q:
         raise QuantdynError("the propagation analysis needs quantizers: set quantizers or propagation_quantizers")
-    mcfg = measure_config(cfg)
+    mcfg = cfg.engine
     points = plan_points(cfg.trajectory)
     say = echo or log.warning
     for name, reason in points.skipped:
@@ -408,7 +380,7 @@ def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
             rows.append({"key": qat_key, "kind": QAT.name, **base, "quantizer": tr.name, "method": f"qat-{qc.method}",
                          "bits": qc.w_bits, "a_bits": qc.a_bits or 0, "quant_config": to_dict(qc),
                          **m.metrics["__qat__"], "t_load": t_load, "compute_dtype": m.dtype, **provenance()})
-        threads = cfg.quantize_threads if ctx.device.type == "cpu" else 0
+        threads = cfg.engine.quantize_threads if ctx.device.type == "cpu" else 0
         for label in group:
             if q_keys[label] not in ctx.done:
                 rows.append({"key": q_keys[label], "kind": PTQ.name, **base,

@@ -6,6 +6,12 @@ the LR to lr_end over D steps (a WSD schedule with decay_start = S); its
 control twin continues at the constant peak LR for the same D steps.  A
 decayed endpoint and its control share weights, optimizer state, data order
 and token count, so their quantization errors differ only by the decay.
+
+:func:`cooldown` branches from a checkpoint of a quantdyn run (its optimizer state included);
+:func:`cooldown_from_checkpoint` from any Hugging Face causal LM (``model.hf``: a public stable-phase
+revision, a local directory), which carries weights only: each branch starts its optimizer as
+``optimizer_start`` says and counts its steps from the branch point, written as its step 0
+(``DIR/branches/NAME/checkpoints/step-0000000`` holds the source's weights bit for bit).
 """
 from __future__ import annotations
 
@@ -13,21 +19,30 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
+from quantdyn.config import dump_yaml, to_dict
 from quantdyn.errors import QuantdynError
+from quantdyn.files import atomic_dir, link_or_copy, share_if_identical, write_json_atomic, write_text_atomic
+from quantdyn.models.causal_lm import run_model
 from quantdyn.runs import (
     BRANCH_PARENT,
+    META,
+    STATE,
+    WEIGHTS,
     CheckpointInfo,
     RunDir,
     checkpoint_info,
     control_branch,
     cooldown_branch,
+    has_weights,
     is_resumable,
     latest_resumable,
     list_checkpoints,
+    read_meta,
     remove_stale_temporaries,
 )
 from quantdyn.schedules import ScheduleConfig, _steps, lr_at
-from quantdyn.train.config import RunConfig, load_run_config
+from quantdyn.train.config import RunConfig, data_config_of, load_run_config
+from quantdyn.train.from_weights import check_hf_run
 from quantdyn.train.trainer import train
 
 
@@ -41,11 +56,17 @@ def branch_configs(parent: RunConfig, from_step: int, decay_steps: int, shape: s
             f"step {from_step} is not in the parent's stable phase (LR {lr_at(from_step - 1, peak, parent.schedule, total):.3g}"
             f" != peak {peak:.3g}); branch from a checkpoint after warmup and before the decay"
         )
+    return _branch_pair(parent, from_step, decay_steps, shape, warmup, decay_start=from_step)
+
+
+def _branch_pair(parent: RunConfig, from_step: int, decay_steps: int, shape: str, warmup: int,
+                 decay_start: int) -> tuple[RunConfig, RunConfig]:
+    """A cooldown (WSD: ``warmup`` steps, the decay of ``decay_steps`` from ``decay_start``) and its constant-LR
+    control, both ``decay_start + decay_steps`` steps long, named for ``from_step``."""
     if decay_steps < 1:
         raise QuantdynError("--decay-steps must be positive")
-    steps = from_step + decay_steps
-    train = replace(parent.train, steps=steps, checkpoint_tokens=())
-    sched = ScheduleConfig(name="wsd", warmup=warmup, decay=decay_steps, decay_start=from_step,
+    train = replace(parent.train, steps=decay_start + decay_steps, checkpoint_tokens=())
+    sched = ScheduleConfig(name="wsd", warmup=warmup, decay=decay_steps, decay_start=decay_start,
                            decay_shape=shape, lr_end=parent.schedule.lr_end)
     cool = replace(parent, name=cooldown_branch(from_step, decay_steps, shape), schedule=sched, train=train)
     ctrl = replace(parent, name=control_branch(from_step, decay_steps),
@@ -101,3 +122,128 @@ def cooldown(
                       "decay_steps": d, "shape": shape if kind == "cooldown" else "constant"}
             out.append(run_branch(cfg, bdir, source, parent, progress, hooks=hooks, verbose=verbose))
     return out
+
+
+# ---------------------------------------------------------------- from any HF checkpoint
+EXPERIMENT_KEYS = ("model", "data", "optim", "seed", "schedule", "qat", "optimizer_start", "train.batch_size",
+                   "train.seq_len", "train.grad_accum", "train.grad_clip", "train.dtype")
+"""What makes two cooldown experiments from a checkpoint the same (an --out is continued, not replaced)."""
+
+
+def _experiment(cfg: RunConfig) -> dict:
+    d = to_dict(cfg)
+    return {k: (d["train"][k[6:]] if k.startswith("train.") else d[k]) for k in EXPERIMENT_KEYS}
+
+
+def checkpoint_branch_configs(parent: RunConfig, decay_steps: int, shape: str) -> tuple[RunConfig, RunConfig]:
+    """(cooldown, control) configs of one decay length from the checkpoint ``parent.model.hf``: the branch
+    counts its steps from the branch point (step 0; names cooldown-s0-dD-SHAPE, control-s0-dD); with a
+    schedule.warmup of W steps (a re-warm-up) the decay starts at W and both branches run W + D steps."""
+    warmup = parent.schedule.warmup
+    if warmup != int(warmup):
+        raise QuantdynError(f"schedule.warmup={warmup}: a re-warm-up before a cooldown from a checkpoint is a number "
+                            "of steps (0 = none)")
+    return _branch_pair(parent, 0, decay_steps, shape, int(warmup), decay_start=int(warmup))
+
+
+def cooldown_from_checkpoint(
+    parent: RunConfig, out: Path, decay_steps: list[int], shape: str = "linear", control: bool = False,
+    source: dict | None = None, progress: bool = True, hooks: Sequence = (), verbose: bool = False,
+) -> list[Path]:
+    """Cooldown branches (and constant-LR controls) from the HF checkpoint ``parent.model.hf`` into ``out``.
+
+    parent: the stable phase continued: model.hf (a directory, hub id or id@revision), data, optim.lr the
+            peak (constant) LR, batch, sequence length, optimizer_start; schedule.lr_end the decay's end.
+    out:    becomes a run directory (config.yaml = ``parent``, run.json with ``source``) whose branches
+            ``out/branches/NAME`` are runs of their own, with the branch point as their step 0; `quantdyn sweep
+            --run OUT` measures them. An ``out`` that holds another experiment is refused; the same
+            experiment is continued (finished branches skipped, killed ones resumed).
+    source: where the checkpoint sits in its own training (ref as given, step, tokens, LR, preset), recorded in
+            run.json; inside the experiment every count starts at the branch point (cooldown-s0-dD-SHAPE, step 0,
+            tokens 0).
+    The branch point is also ``out``'s own checkpoint at step 0 (the run whose branches these are: sweeps and
+    reports compare its cooldowns with their controls as for a quantdyn run); the branches' step-0 weights and
+    optimizer states, the same bytes, are stored once (hard links).
+    Everything is checked (the model, its tokenizer, ``out``) before anything is written."""
+    out = Path(out)
+    source = dict(source or {})
+    if not parent.model.hf:
+        raise QuantdynError("cooldown_from_checkpoint needs model.hf (the checkpoint to branch from)")
+    parent = replace(parent, data=data_config_of(parent))  # the model's own tokenizer, recorded as such
+    if not decay_steps or any(d < 1 for d in decay_steps):
+        raise QuantdynError(f"--decay-steps {decay_steps}: give positive step counts, e.g. 50,100")
+    pairs = [checkpoint_branch_configs(parent, d, shape) for d in decay_steps]
+    check_hf_run(parent, run_model(parent.model))
+    _check_out(out, parent)
+    steps = max([parent.train.steps] + [c.train.steps for c, _ in pairs])
+    if RunDir(out).is_run:
+        steps = max(steps, load_run_config(out).train.steps)
+    record = replace(parent, name=out.name, train=replace(parent.train, steps=steps))
+    rd = RunDir(out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(rd.config, dump_yaml(record))
+    write_json_atomic(rd.info, {**rd.read_info(), "name": record.name, "kind": "checkpoint-cooldowns",
+                                "source": {"model": parent.model.hf, **source},
+                                "optimizer_start": to_dict(parent.optimizer_start)})
+    paths = []
+    for d, (cool, ctrl) in zip(decay_steps, pairs):
+        for cfg, kind in [(cool, "cooldown")] + ([(ctrl, "control")] if control else []):
+            bdir = rd.branch(cfg.name).path
+            remove_stale_temporaries(bdir)
+            link = {"run_dir": BRANCH_PARENT, "run": record.name, "from_step": 0, "kind": kind,
+                    "decay_steps": d, "shape": shape if kind == "cooldown" else "constant",
+                    "source": source.get("ref", parent.model.hf), "model": parent.model.hf}
+            paths.append(_run_checkpoint_branch(cfg, bdir, link, progress, hooks, verbose))
+            _share_branch_point(record, source, RunDir(paths[0]).checkpoint(0), RunDir(bdir).checkpoint(0), out)
+    return paths
+
+
+def _check_out(out: Path, parent: RunConfig) -> None:
+    """``out`` is new, empty, or this same experiment (one line otherwise, before anything is written)."""
+    rd = RunDir(out)
+    if out.exists() and not out.is_dir():
+        raise QuantdynError(f"--out '{out}' is a file; pass a directory for the cooldown experiment")
+    if rd.is_run:
+        before, now = _experiment(load_run_config(out)), _experiment(parent)
+        diff = next((k for k in EXPERIMENT_KEYS if before[k] != now[k]), None)
+        if rd.read_info().get("kind") != "checkpoint-cooldowns" or diff is not None:
+            what = f"{diff}: {before[diff]!r} there, {now[diff]!r} now" if diff else "a training run"
+            raise QuantdynError(f"--out '{out}' already holds a different experiment ({what}); choose another --out "
+                                "or repeat its own settings to continue it")
+    elif out.is_dir() and any(out.iterdir()):
+        raise QuantdynError(f"--out '{out}' is not empty and holds no cooldown experiment; choose a new directory")
+
+
+def _share_branch_point(record: RunConfig, source: dict, first: Path, this: Path, out: Path) -> None:
+    """The branch point as ``out``'s checkpoint at step 0 (once: linked from the first branch's, with the
+    experiment's own metadata), and a later branch's step 0 linked to the first's where the bytes agree."""
+    for name in (WEIGHTS, STATE):
+        if this != first:
+            share_if_identical(first / name, this / name)
+    main = RunDir(out).checkpoint(0)
+    if has_weights(main):
+        return
+    meta = read_meta(first)
+    with atomic_dir(main) as tmp:
+        for f in sorted(first.iterdir()):
+            if f.is_file() and f.name not in (META, STATE):
+                link_or_copy(f, tmp / f.name)
+        write_json_atomic(tmp / META, {
+            **{k: meta[k] for k in ("created", "data_key", "git_sha", "seed", "world_size", "dist_strategy")
+               if k in meta},
+            "kind": "checkpoint", "run": record.name, "step": 0, "tokens": 0, "lr": record.optim.lr,
+            "peak_lr": record.optim.lr, "total_steps": record.train.steps, "schedule": to_dict(record.schedule),
+            "config": to_dict(record), "source": source, "branch_point": True})
+
+
+def _run_checkpoint_branch(cfg: RunConfig, bdir: Path, link: dict, progress: bool, hooks: Sequence,
+                           verbose: bool) -> Path:
+    """Train one branch from the checkpoint (its step 0 written first), resume it, or skip it when done."""
+    if RunDir(bdir).status(cfg.train.steps) == "finished":
+        return bdir
+    partial = latest_resumable(bdir)
+    kw = dict(parent=link, progress=progress, hooks=hooks, verbose=verbose)
+    if partial is not None:
+        return train(cfg, bdir, resume=partial, **kw)
+    return train(cfg, bdir, overwrite=True, **kw)  # a branch killed before its step 0 leaves nothing to keep
+

@@ -2,11 +2,12 @@
 with every checkpoint (``config.yaml`` in the run directory)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from quantdyn.config import from_dict
 from quantdyn.data.prepare import DataConfig
+from quantdyn.data.tokenizer import parse_tokenizer_spec
 from quantdyn.errors import QuantdynError, unknown_name
 from quantdyn.models.gpt import ModelConfig
 from quantdyn.quantize.config import parse_quantizer
@@ -49,6 +50,9 @@ class LoopConfig:
     """auto | cpu | cuda | cuda:N (under torchrun: cuda:LOCAL_RANK)."""
     threads: int = 0
     """CPU threads (0 = torch default)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward instead of keeping them (less memory, about
+    one more forward per step); names and checkpoints are unchanged."""
 
     def __post_init__(self):
         for k in ("steps", "batch_size", "seq_len", "grad_accum", "eval_windows"):
@@ -167,6 +171,32 @@ class LogConfig:
             raise unknown_name("log.wandb_mode", self.wandb_mode, ("online", "offline", "disabled"))
 
 
+OPTIMIZER_STARTS: tuple[str, ...] = ("estimate", "fresh")
+"""How the optimizer of a run that starts from a checkpoint's weights alone (model.hf) begins."""
+
+
+@dataclass(frozen=True)
+class OptimizerStartConfig:
+    """How the optimizer starts in a run whose first weights come from a checkpoint without optimizer state
+    (``model.hf``: public checkpoints carry weights only). A resume, and a branch of a quantdyn run, continue
+    the saved optimizer state instead; a GPT trained from scratch starts fresh."""
+
+    mode: str = "estimate"
+    """estimate: ``steps`` optimizer steps at LR 0 before step 1, on batches of their own (not the run's), fill
+    the optimizer's state (AdamW's moments m and v, bias correction counting them) from the data while the
+    weights stay bit for bit as loaded; the run then starts like a stable-phase run, not with AdamW's
+    sign-like first update. fresh: an empty optimizer state (with schedule.warmup: a re-warm-up)."""
+    steps: int = 20
+    """Steps of the estimate (AdamW's v averages over ~1/(1-beta2) steps; its bias correction makes a few tens
+    enough for the update's scale)."""
+
+    def __post_init__(self):
+        if self.mode not in OPTIMIZER_STARTS:
+            raise unknown_name("optimizer_start.mode", self.mode, OPTIMIZER_STARTS)
+        if self.steps < 0 or (self.mode == "estimate" and self.steps < 1):
+            raise QuantdynError(f"optimizer_start.steps={self.steps} must be >= 1 with mode estimate")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """A training run."""
@@ -191,15 +221,38 @@ class RunConfig:
     and inputs in the forward pass; None = full-precision training."""
     init_weights: str = ""
     """Start from this checkpoint's weights (fresh optimizer, step 0) — e.g. QAT fine-tuning of an FP model."""
+    optimizer_start: OptimizerStartConfig = field(default_factory=OptimizerStartConfig)
+    """model.hf: how the optimizer starts from weights alone (written to run.json)."""
 
     def __post_init__(self):
         if not self.name or "/" in self.name:
             raise QuantdynError(f"run name '{self.name}' must be non-empty and contain no '/'")
+        if self.model.hf and self.init_weights:
+            raise QuantdynError("init_weights does not go with model.hf (the weights are model.hf's); drop one")
+        if self.model.hf and self.optimizer_start.mode == "estimate" and self.optim.name == "schedulefree_adamw":
+            raise QuantdynError("optimizer_start.mode=estimate steps at LR 0, which schedule-free AdamW cannot; "
+                                "use optimizer_start.mode=fresh with a schedule.warmup")
 
     @property
     def tokens_per_step(self) -> int:
         """Tokens per optimizer step for ONE process (the trainer multiplies by world size)."""
         return self.train.batch_size * self.train.seq_len * self.train.grad_accum
+
+
+def data_config_of(cfg: RunConfig) -> DataConfig:
+    """The data section the run reads: with ``model.hf`` the model's own tokenizer (model.hf itself) unless
+    data.tokenizer names another pretrained tokenizer (checked against the model's vocabulary when the data
+    is opened); a bpe or gpt2 tokenizer other than the default cannot go with a pretrained model."""
+    d = cfg.data
+    if not cfg.model.hf or d.tokenizer == cfg.model.hf:
+        return d
+    kind = parse_tokenizer_spec(d.tokenizer)[0]
+    if d.tokenizer == DataConfig().tokenizer:
+        return replace(d, tokenizer=cfg.model.hf)
+    if kind != "hf":
+        raise QuantdynError(f"data.tokenizer '{d.tokenizer}' does not go with model.hf '{cfg.model.hf}', which "
+                            "reads its own tokenizer's ids; drop data.tokenizer (the model's own is used)")
+    return d
 
 
 def load_run_config(run_dir: Path) -> RunConfig:

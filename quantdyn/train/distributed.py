@@ -23,7 +23,7 @@ to that numbering; resuming slices the full state back into each rank's shard
 directory anyway, so the weights are gathered either way; a full, name-addressed optimizer state
 does not depend on the number of processes, so a run resumes at another world size, and under
 another strategy (FSDP2 <-> DDP <-> one process), by construction; and every checkpoint has one
-layout that one module (train/checkpoint.py) owns.  The price is rank 0's CPU memory at save
+layout that one module (quantdyn/runs.py) names.  The price is rank 0's CPU memory at save
 time: about 12 bytes per parameter for AdamW (fp32 weights + two moments) — 2 GB for Pythia-160M,
 18 GB for 1.5B; beyond ~10B parameters sharded DCP files would be the better trade.
 
@@ -232,7 +232,8 @@ class Replicated:
     def check_optimizer(self, optim_cfg) -> None:
         return None
 
-    def wrap(self, model: nn.Module, compile: bool, amp: str) -> nn.Module:
+    def wrap(self, model: nn.Module, compile: bool, amp: str, blocks: nn.ModuleList | None = None) -> nn.Module:
+        """What the training forward runs (``blocks``: the decoder layers, FSDP2's units)."""
         train_model = torch.compile(model) if compile else model
         if self.world > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -296,14 +297,14 @@ class FSDP2(Replicated):
                 f"processes; use dist.strategy=ddp, or an element-wise optimizer with fsdp2: {', '.join(ok)}"
             )
 
-    def wrap(self, model: nn.Module, compile: bool, amp: str) -> nn.Module:
+    def wrap(self, model: nn.Module, compile: bool, amp: str, blocks: nn.ModuleList | None = None) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         if self.device.type == "cuda" and amp == "bfloat16":
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         else:  # CPU/gloo, or float32 asked for: fp32 compute and reductions
             mp = MixedPrecisionPolicy()
-        for block in model.blocks:
+        for block in model.blocks if blocks is None else blocks:  # one unit per decoder layer
             if compile:
                 block.compile()  # in place: parameter names stay those of the checkpoint
             fully_shard(block, reshard_after_forward=self.reshard_after_forward, mp_policy=mp)

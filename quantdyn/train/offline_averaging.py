@@ -38,17 +38,12 @@ from quantdyn.config import from_dict
 from quantdyn.data.prepare import DataConfig, prepare_data
 from quantdyn.errors import QuantdynError
 from quantdyn.evaluate.loss import mean_loss
+from quantdyn.models.causal_lm import ARCH_KEYS
 from quantdyn.models.hf_io import load_causal_lm
 from quantdyn.runs import META, STATE, RunDir, lawa_name, list_checkpoints, read_meta, step_name
 from quantdyn.train.averaging import StateDict, interpolate, lawa_steps
 from quantdyn.train.checkpoint import save_checkpoint
 
-# config.json keys that decide whether two checkpoints' weights mean the same thing
-ARCH_KEYS = (
-    "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-    "intermediate_size", "head_dim", "hidden_act", "rotary_pct", "partial_rotary_factor", "rotary_emb_base",
-    "rope_theta", "use_parallel_residual", "tie_word_embeddings", "layer_norm_eps", "rms_norm_eps",
-)
 # files of a checkpoint directory that are not the tokenizer
 _NOT_TOKENIZER = {"config.json", "generation_config.json", META, STATE}
 _NOT_TOKENIZER_SUFFIXES = (".safetensors", ".bin", ".pt", ".index.json")
@@ -220,7 +215,7 @@ def average_lawa(run_dir: str | Path, window: int, every: int, out: str | Path |
                  cache_bytes: int = 4 << 30) -> list[Path]:
     """Offline LAWA over a run's stored checkpoints; returns the written checkpoint dirs.
 
-    For every stored checkpoint step s with s % every == 0, writes the uniform
+    For every stored checkpoint step s > 0 with s % every == 0, writes the uniform
     average of the checkpoints at ``lawa_steps(s, window, every)`` to
     ``OUT/step-NNNNNNN`` (OUT defaults to RUN_DIR/averages/lawa-kK-pP-offline).
     Metadata: kind "lawa", the ingredients (paths, steps, weights), and the
@@ -238,7 +233,7 @@ def average_lawa(run_dir: str | Path, window: int, every: int, out: str | Path |
         raise QuantdynError(
             f"'{run_dir}' has no stored checkpoints (RUN_DIR/checkpoints/step-N); pass a training run directory"
         )
-    targets = [s for s in sorted(stored) if s % every == 0]
+    targets = [s for s in sorted(stored) if s > 0 and s % every == 0]  # step 0 (a run from model.hf) averages nothing
     have = sorted(stored)
     if not targets:
         raise QuantdynError(
@@ -302,6 +297,7 @@ def make_soup(
     eval_seq_len: int = 128,
     n_eval_windows: int = 200,
     batch_size: int = 16,
+    refs: Sequence[str] | None = None,
 ) -> Path:
     """Average checkpoints of one architecture into a soup at ``out``; return ``out``.
 
@@ -319,11 +315,15 @@ def make_soup(
     other text (or accept an optimistic FP loss) when comparing with others.
     Metadata (kind "soup"): method, ingredients with weights and held-out
     losses, the greedy decisions ("considered") and the soup's held-out loss;
-    step, tokens and LR are those of the newest ingredient kept.
+    step, tokens and LR are those of the newest ingredient kept. ``refs``: how the ingredients were named
+    (hub id@revision, preset points) when ``ckpts`` are their local directories; recorded with each.
     """
     paths = [_as_ckpt(c) for c in ckpts]
     if not paths:
         raise QuantdynError("a soup needs at least one checkpoint")
+    named = list(refs) if refs is not None else [None] * len(paths)
+    if len(named) != len(paths):
+        raise QuantdynError(f"{len(named)} refs for {len(paths)} checkpoints; give one per checkpoint")
     if greedy and weights is not None:
         raise QuantdynError("give weights or greedy, not both (a greedy soup is a uniform average of the kept ingredients)")
     if weights is not None:
@@ -363,7 +363,8 @@ def make_soup(
         "step": metas[newest].get("step"),
         "tokens": metas[newest].get("tokens"),
         "lr": metas[newest].get("lr"),
-        "ingredients": [_ingredient(paths[i], metas[i], weight_of[i], held_out_loss=losses[i]) for i in kept],
+        "ingredients": [_ingredient(paths[i], metas[i], weight_of[i], held_out_loss=losses[i],
+                                    **({"ref": named[i]} if named[i] else {})) for i in kept],
         "considered": considered or [
             {"path": str(p.resolve()), "held_out_loss": losses[i], "accepted": i in weight_of}
             for i, p in enumerate(paths)

@@ -49,7 +49,7 @@ from quantdyn.data.prepare import TokenData, prepare_data
 from quantdyn.errors import QuantdynError
 from quantdyn.evaluate.loss import mean_loss
 from quantdyn.files import write_json_atomic, write_text_atomic
-from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config
+from quantdyn.models.causal_lm import RunModel, checkpoint_blocks, run_model
 from quantdyn.models.hf_io import load_gpt
 from quantdyn.progress import Progress
 from quantdyn.runs import (
@@ -66,7 +66,7 @@ from quantdyn.runtime import git_sha, hardware, resolve_device, seed_everything
 from quantdyn.schedules import lr_at
 from quantdyn.train.averaging import OnlineEMA, OnlineLAWA, local_state_dict
 from quantdyn.train.checkpoint import load_training_state, save_checkpoint
-from quantdyn.train.config import RunConfig
+from quantdyn.train.config import RunConfig, data_config_of
 from quantdyn.train.distributed import (
     Replicated,
     barrier,
@@ -77,6 +77,7 @@ from quantdyn.train.distributed import (
     mean_over_ranks,
     rank0_first,
 )
+from quantdyn.train.from_weights import check_hf_run, estimate_optimizer_state, optimizer_start_note
 from quantdyn.train.stop_signal import StoppedOnSignal, StopRequest
 from quantdyn.train.loggers import (
     TRAIN_GRAD_NORM,
@@ -134,18 +135,15 @@ class Runtime:
 class TrainingRun:
     """What every part of one call of :func:`train` reads, and none changes."""
 
-    cfg: RunConfig  # the run config as given
+    cfg: RunConfig  # the run config as given (its data section as the run reads it: data_config_of)
     resolved: RunConfig  # with the model section resolved (vocabulary size filled in): what artifacts record
+    model: RunModel  # what builds, loads and runs the model (quantdyn's GPT, or model.hf's own class)
     run_dir: Path  # the run directory (checkpoints, averages, metrics, config.yaml, run.json)
     data: TokenData  # the token shards
     runtime: Runtime  # this process's place in the run
     parent: dict | None  # what a branch started from (in run.json and every checkpoint); None for a trunk
     checkpoint_steps: frozenset[int]  # steps after which a checkpoint is written (always including train.steps)
     val_windows: torch.Tensor  # validation windows (n, seq_len) for val/loss
-
-    @property
-    def model_config(self) -> ModelConfig:
-        return self.resolved.model
 
     def meta(self, step: int, lr: float, kind: str = "checkpoint", **extra) -> dict:
         """The metadata saved with a checkpoint or an online average of ``step``."""
@@ -178,7 +176,7 @@ class TrainingRun:
 class TrainState:
     """What an optimizer step changes and a checkpoint saves."""
 
-    model: GPT  # holds the parameters the optimizer updates (under FSDP2 sharded in place)
+    model: nn.Module  # holds the parameters the optimizer updates (under FSDP2 sharded in place)
     train_model: nn.Module  # what the training forward runs: ``model``, compiled and/or wrapped for DDP
     optimizer: torch.optim.Optimizer
     lawa: OnlineLAWA | None  # online LAWA (averaging.lawa_window), None when off
@@ -215,15 +213,14 @@ def train(
     """
     runtime = resolve_runtime(cfg)
     run_dir = Path(run_dir) if run_dir is not None else Path(cfg.out_dir) / cfg.name
+    cfg = replace(cfg, data=data_config_of(cfg))  # model.hf: the model's own tokenizer
     source = resume or init_from
     _check_start(cfg, run_dir, resume, init_from, overwrite, runtime.tokens_per_step, runtime.world)
     check_destinations(cfg.log.to)  # a logger whose package is missing: one line, before anything runs
     start_runtime(cfg, runtime)
     run = prepare_run(cfg, run_dir, runtime, resume, parent, progress)
 
-    model = build_model(run, fresh=source is None)
-    if source is not None:
-        load_checkpoint_weights(run, model, source)  # the whole model, before any sharding
+    model = build_model(run, source)
     state = build_training_state(run, model)
     if source is not None:
         restore_training_state(run, state, source, exact=resume is not None)
@@ -236,6 +233,8 @@ def train(
     console = open_console(run, state.step, progress)
     stop = StopRequest().install()  # SIGUSR1: checkpoint this step and stop (train/stop_signal.py)
     try:
+        if source is None and run.model.from_checkpoint:  # model.hf: its weights are the run's step 0
+            start_from_weights(run, state, console)
         throughput = Throughput(state.step, runtime.tokens_per_step)
         model.train()
         for step in range(state.step, cfg.train.steps):
@@ -338,51 +337,65 @@ def prepare_run(cfg: RunConfig, run_dir: Path, runtime: Runtime, resume: Checkpo
     """The token data (rank 0 tokenizes and caches the shards; the others wait, then open the cache) and the
     model config it implies, checked against the data and the checkpoint being resumed."""
     tty = bool(getattr(sys.stderr, "isatty", lambda: False)())
+    hf = run_model(cfg.model) if cfg.model.hf else None  # read (and checked) before any data is written
+    if hf is not None:
+        check_hf_run(cfg, hf)
     data = rank0_first(lambda: prepare_data(cfg.data, progress=progress and runtime.is_main and tty),
                        timeout_min=cfg.dist.data_timeout_min, what="preparing the token shards")
-    mcfg = resolve_model_config(cfg.model, data.vocab_size)
-    if mcfg.vocab_size < data.vocab_size:
+    model = hf if hf is not None else run_model(cfg.model, data.vocab_size)
+    if hf is None and model.vocab_size < data.vocab_size:
         raise QuantdynError(
-            f"model.vocab_size={mcfg.vocab_size} is smaller than the tokenizer's {data.vocab_size} tokens; "
+            f"model.vocab_size={model.vocab_size} is smaller than the tokenizer's {data.vocab_size} tokens; "
             "set model.vocab_size to 0 (auto) or at least the tokenizer size"
         )
-    if cfg.train.seq_len > mcfg.max_seq_len:
-        raise QuantdynError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={mcfg.max_seq_len}")
+    if hf is None and cfg.train.seq_len > model.max_positions:
+        raise QuantdynError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={model.max_positions}")
     if resume is not None and resume.meta.get("data_key") is not None and not data.same_data(resume.meta["data_key"]):
         raise QuantdynError(
             f"checkpoint '{resume.path}' was trained on other data (data key {resume.meta['data_key']}, the "
             f"config's data section gives {data.data_hash}); restore the run's data section to resume exactly, or "
             "start a new run from this checkpoint's weights with init_weights=CHECKPOINT"
         )
+    resolved = cfg if hf is not None else replace(cfg, model=model.config)
     return TrainingRun(
-        cfg=cfg, resolved=replace(cfg, model=mcfg), run_dir=run_dir, data=data, runtime=runtime, parent=parent,
+        cfg=cfg, resolved=resolved, model=model, run_dir=run_dir, data=data, runtime=runtime, parent=parent,
         checkpoint_steps=frozenset(checkpoint_steps(cfg, runtime.tokens_per_step)),
         val_windows=data.eval_windows(cfg.train.seq_len, cfg.train.eval_windows),
     )
 
 
-def build_model(run: TrainingRun, fresh: bool) -> GPT:
-    """The model at its seeded initialisation (a fresh run: ``init_weights`` when set), with QAT's
-    fake-quantized linears when ``cfg.qat`` is set (same parameter names: checkpoints load into a plain GPT)."""
+def build_model(run: TrainingRun, source: CheckpointInfo | None) -> nn.Module:
+    """The model the run starts with, whole and unsharded: the weights of ``source`` (a resume or a branch); else
+    the seeded initialisation (``init_weights`` when set) of a GPT, or model.hf's weights. With QAT's
+    fake-quantized linears when ``cfg.qat`` is set (same parameter names: checkpoints load into a plain model)."""
     cfg, device = run.cfg, run.runtime.device
     seed_everything(cfg.seed)
-    model = GPT(run.model_config).to(device)
-    if cfg.init_weights and fresh:
-        src = load_gpt(cfg.init_weights, device)
-        if src.config.shape() != model.config.shape():
-            raise QuantdynError(f"init_weights '{cfg.init_weights}' has a different model shape than the config; "
-                                "use a checkpoint of the same model")
-        model.load_state_dict(src.state_dict())
+    if source is not None and run.model.from_checkpoint:  # one read of the weights: the checkpoint's
+        model = run.model.load(source.path, device)
+    else:
+        model = run.model.initial(device)
+        if cfg.init_weights and source is None:
+            src = load_gpt(cfg.init_weights, device)
+            if src.config.shape() != model.config.shape():
+                raise QuantdynError(f"init_weights '{cfg.init_weights}' has a different model shape than the "
+                                    "config; use a checkpoint of the same model")
+            model.load_state_dict(src.state_dict())
     if cfg.qat is not None:
         prepare_qat(model, cfg.qat)
+    if source is not None and not run.model.from_checkpoint:
+        load_checkpoint_weights(run, model, source)
     return model
 
 
-def build_training_state(run: TrainingRun, model: GPT) -> TrainState:
-    """The model wrapped for the strategy (FSDP2 shards ``model`` in place), its optimizer and the online
-    averages, at step 0."""
+def build_training_state(run: TrainingRun, model: nn.Module) -> TrainState:
+    """The model wrapped for the strategy (FSDP2 shards ``model`` in place, one unit per decoder layer; with
+    activation checkpointing those layers recompute in the backward), its optimizer and the online averages,
+    at step 0."""
     cfg, runtime = run.cfg, run.runtime
-    train_model = runtime.strategy.wrap(model, cfg.train.compile, runtime.amp)
+    blocks = run.model.blocks(model)
+    if cfg.train.activation_checkpointing:
+        checkpoint_blocks(blocks)
+    train_model = runtime.strategy.wrap(model, cfg.train.compile, runtime.amp, blocks=blocks)
     optimizer = build_optimizer(model, cfg.optim)
     avg = cfg.averaging
     lawa = OnlineLAWA(avg.lawa_window, avg.lawa_every) if avg.lawa_window else None
@@ -393,15 +406,9 @@ def build_training_state(run: TrainingRun, model: GPT) -> TrainState:
 
 
 # ------------------------------------------------------------------- restore
-def load_checkpoint_weights(run: TrainingRun, model: GPT, source: CheckpointInfo) -> None:
+def load_checkpoint_weights(run: TrainingRun, model: nn.Module, source: CheckpointInfo) -> None:
     """The weights of ``source`` into ``model`` (not yet sharded); a checkpoint of another shape is refused."""
-    src = load_gpt(source.path, run.runtime.device)
-    if src.config.shape() != run.model_config.shape():
-        raise QuantdynError(
-            f"checkpoint '{source.path}' has model shape {to_dict(src.config)} but the config asks for "
-            f"{to_dict(run.model_config)}; resume with the run's own config.yaml"
-        )
-    model.load_state_dict(src.state_dict())
+    model.load_state_dict(run.model.load(source.path, run.runtime.device).state_dict())
 
 
 def restore_training_state(run: TrainingRun, state: TrainState, source: CheckpointInfo, exact: bool) -> None:
@@ -461,6 +468,9 @@ def write_run_files(run: TrainingRun, start_step: int, *, clear: bool, resuming:
     )
     if run.parent is not None:
         info["parent"] = run.parent
+    if run.model.from_checkpoint:  # weights alone: say how the optimizer started (the step-0 checkpoint holds it)
+        info["model"] = {"hf": cfg.model.hf, "model_type": run.model.config.get("model_type")}
+        info["optimizer_start"] = optimizer_start_note(cfg)
     if "wandb" in cfg.log.to and (not resuming or not info.get("wandb_id")):
         info["wandb_id"] = uuid.uuid4().hex[:12]  # a resume continues the same W&B run
     write_json_atomic(rd.info, info)
@@ -543,13 +553,13 @@ def optimizer_step(run: TrainingRun, state: TrainState, step: int,
     return lr, loss_value, grad_norm
 
 
-def forward_backward(run: TrainingRun, state: TrainState, step: int) -> torch.Tensor:
+def forward_backward(run: TrainingRun, state: TrainState, step: int, stream: int = 0) -> torch.Tensor:
     """Gradients of this process's part of step ``step``'s global batch, accumulated over ``grad_accum``
     micro-batches (synchronised over the processes at the last one); returns the step's loss on this process
-    (float64 on the device)."""
+    (float64 on the device). ``stream`` 1: the batches of the optimizer-state estimate, not the run's."""
     t, runtime = run.cfg.train, run.runtime
     B, A, world = t.batch_size, t.grad_accum, runtime.world
-    starts = batch_starts(len(run.data.train), t.seq_len, run.cfg.seed, step, B * A * world)
+    starts = batch_starts(len(run.data.train), t.seq_len, run.cfg.seed, step, B * A * world, stream=stream)
     total = torch.zeros((), device=runtime.device, dtype=torch.float64)
     autocast = runtime.strategy.autocast(runtime.amp)
     for micro in range(A):
@@ -560,11 +570,27 @@ def forward_backward(run: TrainingRun, state: TrainState, step: int) -> torch.Te
         x, y = x.to(runtime.device, non_blocking=True), y.to(runtime.device, non_blocking=True)
         with runtime.strategy.gradient_sync(state.train_model, last_micro=micro == A - 1):
             with autocast:
-                logits = state.train_model(x)
+                logits = run.model.logits(state.train_model, x)
                 loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1)) / A
             loss.backward()
         total += loss.detach().double()
     return total
+
+
+def start_from_weights(run: TrainingRun, state: TrainState, console: Progress) -> None:
+    """A run that starts from a checkpoint's weights alone (model.hf): the optimizer's start as
+    ``optimizer_start`` says (estimate: its state filled by steps at LR 0 on batches of their own, the weights
+    restored bit for bit afterwards), then the starting point written as the run's step 0 (with that
+    optimizer state: a resume from it is exact)."""
+    start = run.cfg.optimizer_start
+    if start.mode == "estimate":
+        console.note(f"optimizer state: estimating over {start.steps} steps at LR 0")
+        estimate_optimizer_state(state.model, state.optimizer, start.steps,
+                                 lambda k: forward_backward(run, state, k, stream=1),
+                                 lambda: run.runtime.strategy.clip_grad_norm(state.model, run.cfg.train.grad_clip))
+    lr = lr_at(-1, run.cfg.optim.lr, run.cfg.schedule, run.cfg.train.steps)  # the LR before the first update
+    with averaged_point(state.optimizer, True):
+        save_step(run, state, lr, None)
 
 
 class Throughput:
@@ -615,7 +641,7 @@ def run_hooks(run: TrainingRun, state: TrainState, lr: float, row: dict | None,
     """``row`` with the metrics of the due step hooks, which run on the main process with the whole model
     (FSDP2: gathered on rank 0, collectively); the other processes return ``row`` as it was."""
     strategy, runtime = run.runtime.strategy, run.runtime
-    monitored = _whole_model(strategy, state.model, run.model_config, runtime.device) if strategy.shards \
+    monitored = _whole_model(strategy, state.model, run.model, runtime.device) if strategy.shards \
         else state.model
     if not runtime.is_main:
         return row
@@ -641,7 +667,7 @@ def save_step(run: TrainingRun, state: TrainState, lr: float, row: dict | None) 
     """Checkpoint the step just done, with the online averages of that step. Gathering is collective under
     FSDP2: every process takes part, rank 0 writes; the processes wait for each other at the end."""
     strategy, runtime, step = run.runtime.strategy, run.runtime, state.step
-    whole = _whole_model(strategy, state.model, run.model_config, torch.device("cpu")) if strategy.shards \
+    whole = _whole_model(strategy, state.model, run.model, torch.device("cpu")) if strategy.shards \
         else state.model
     training_state = training_state_dict(run, state)
     averages = _online_averages(strategy, state.model, state.lawa, state.ema)
@@ -672,14 +698,12 @@ def training_state_dict(run: TrainingRun, state: TrainState) -> dict:
     return saved
 
 
-def _whole_model(strategy, model, mcfg, device) -> GPT | None:
-    """A plain GPT with the gathered weights on rank 0 (None on the others); collective."""
+def _whole_model(strategy, model: nn.Module, run_model: RunModel, device) -> nn.Module | None:
+    """A plain (unsharded) model with the gathered weights on rank 0 (None on the others); collective."""
     full = strategy.full_state(model)
     if full is None:
         return None
-    whole = GPT(mcfg)
-    whole.load_state_dict(full)
-    return whole.to(device)
+    return run_model.from_state(full).to(device)
 
 
 def _online_averages(strategy, model, lawa, ema) -> dict:
@@ -707,6 +731,4 @@ def _save_online_averages(run: TrainingRun, state: TrainState, lr: float, averag
 
 
 def _save_average(run: TrainingRun, directory: Path, weights: dict, meta: dict) -> None:
-    avg = GPT(run.model_config)
-    avg.load_state_dict(weights)
-    save_checkpoint(directory, avg, meta, run.data.tokenizer)
+    save_checkpoint(directory, run.model.from_state(weights), meta, run.data.tokenizer)
