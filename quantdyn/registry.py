@@ -11,6 +11,11 @@ optimizers, data sources, metrics, model adapters).
 Registration happens when the module defining the entries is imported; each
 family's package imports its entry modules in its ``__init__`` so that
 ``get`` sees every built-in name.
+
+Some names cannot be listed in advance (a quantizer ``plan:FILE`` is made from
+the file it names): ``add_family(prefix, make, canonical)`` registers every name
+that starts with ``prefix``; ``get`` makes its entry on first use (cached) and
+``canonical(name)`` gives the one spelling such a name is stored under.
 """
 from __future__ import annotations
 
@@ -28,6 +33,29 @@ class Registry(Generic[T]):
     def __init__(self, kind: str):
         self.kind = kind
         self._entries: dict[str, T] = {}
+        self._families: dict[str, tuple[Callable[[str], T], Callable[[str], str]]] = {}
+        self._made: dict[str, T] = {}
+
+    def add_family(self, prefix: str, make: Callable[[str], T], canonical: Callable[[str], str]) -> None:
+        """Every name starting with ``prefix``: ``make(name)`` builds its entry on first lookup (QuantdynError for
+        a bad one), ``canonical(name)`` its one spelling. Family names are not listed by ``names()``."""
+        if prefix in self._families or any(n.startswith(prefix) for n in self._entries_so_far()):
+            raise ValueError(f"{self.kind} family '{prefix}' is registered twice or shadows a name")
+        self._families[prefix] = (make, canonical)
+
+    def _entries_so_far(self) -> dict[str, T]:
+        """The entries registered until now (LazyRegistry: without loading its built-ins)."""
+        return self._entries
+
+    def _family(self, name: object) -> tuple[Callable[[str], T], Callable[[str], str]] | None:
+        if not isinstance(name, str):
+            return None
+        return next((f for prefix, f in self._families.items() if name.startswith(prefix)), None)
+
+    def canonical(self, name: str) -> str | None:
+        """The canonical spelling of a family name (may read what the name points to), None for other names."""
+        family = self._family(name)
+        return family[1](name) if family is not None else None
 
     def register(self, name: str) -> Callable[[T], T]:
         def deco(obj: T) -> T:
@@ -40,6 +68,8 @@ class Registry(Generic[T]):
         """Register ``obj`` as ``name`` and return it (``PTQ = ROW_KINDS.add("ptq", RowKind(...))``)."""
         if name in self._entries:
             raise ValueError(f"{self.kind} '{name}' is registered twice")
+        if self._family(name) is not None:
+            raise ValueError(f"{self.kind} '{name}' is shadowed by a family of names")
         self._entries[name] = obj
         return obj
 
@@ -47,7 +77,12 @@ class Registry(Generic[T]):
         try:
             return self._entries[name]
         except KeyError:
-            raise unknown_name(self.kind, name, self._entries) from None
+            family = self._family(name)
+            if family is None:
+                raise unknown_name(self.kind, name, self._entries) from None
+        if name not in self._made:
+            self._made[name] = family[0](name)
+        return self._made[name]
 
     def names(self) -> list[str]:
         return sorted(self._entries)
@@ -58,7 +93,7 @@ class Registry(Generic[T]):
         return list(self._entries.values())
 
     def __contains__(self, name: object) -> bool:
-        return name in self._entries
+        return self._family(name) is not None or name in self._entries  # a family name loads nothing
 
     def __iter__(self) -> Iterator[str]:
         return iter(sorted(self._entries))
@@ -95,6 +130,9 @@ class LazyRegistry(Registry[T]):
                     finally:
                         self._loading = False
         return self.__dict__["_entries"]
+
+    def _entries_so_far(self) -> dict[str, T]:
+        return self.__dict__["_entries"]  # a family declared beside the lazy built-ins must not load them
 
     @_entries.setter
     def _entries(self, value: dict[str, T]) -> None:

@@ -72,7 +72,12 @@ class CheckpointInfo:
     meta: dict
 
 
+COOLDOWN_EXPERIMENT = "checkpoint-cooldowns"
+"""run.json's ``kind`` of an experiment of cooldowns branched from a checkpoint's weights (quantdyn cooldown MODEL)."""
+
+
 @dataclass(frozen=True)
+
 class RunDir:
     """Where each part of a run directory lives (the layout in this module's docstring)."""
 
@@ -129,6 +134,12 @@ class RunDir:
         if any(c.step >= steps for c in list_checkpoints(self.path)):
             return "finished"
         return "partial" if latest_resumable(self.path) is not None else "new"
+
+    @property
+    def kind(self) -> str | None:
+        """What run.json says this directory is (``COOLDOWN_EXPERIMENT`` for ``quantdyn cooldown MODEL``; None for a
+        training run, whose run.json names no kind)."""
+        return self.read_info().get("kind")
 
     def read_info(self) -> dict:
         """run.json ({} when the run has none yet); an unreadable one is one line."""

@@ -68,7 +68,13 @@ def test_paired_difference_pairs_windows_only_on_the_same_eval_windows():
     unpaired = paired_difference({**a, "ce_fp_se": 0.05}, {**b, "ce_fp_se": 0.05}, "ce_q")
     assert not unpaired.paired and unpaired.eval_se == pytest.approx(math.hypot(0.05, 0.05))
     with pytest.raises(ValueError):
-        paired_difference(a, b, "kl")
+        paired_difference(a, b, "top1_agree")
+    wk = np.linspace(0.01, 0.02, 50)  # KL per window pairs the same way (rows with window_kl)
+    pk = paired_difference({**a, "kl": float(wk.mean()) + 1e-3, "window_kl": list(wk + 1e-3)},
+                           {**b, "kl": float(wk.mean()), "window_kl": list(wk)}, "kl")
+    assert pk.paired and pk.difference == pytest.approx(1e-3) and pk.eval_se < 1e-12
+    nk = paired_difference({**a, "kl": 0.02, "kl_se": 0.003}, {**b, "kl": 0.01, "kl_se": 0.004}, "kl")
+    assert not nk.paired and nk.eval_se == pytest.approx(0.005)
 
 
 def test_old_rows_without_windows_hashes_or_repeats_still_compare():

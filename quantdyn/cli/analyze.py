@@ -28,7 +28,7 @@ def analyze(
     the rows go to the store."""
     from quantdyn.sweep.analyze import analyze as run_analyze
 
-    rows = run_analyze(checkpoints, opt.split_list(metrics), opt.split_list(quantizers),
+    rows = run_analyze(checkpoints, opt.split_list(metrics), opt.split_quantizers(quantizers),
                        store=store, budget={"windows": windows, "hessian_probes": probes},
                        data={"calib_seq_len": seq_len, "eval_seq_len": seq_len, "eval_windows": max(windows, 8),
                              "calib_samples": max(windows, 8)}, progress=not quiet, device=device)

@@ -30,7 +30,7 @@ def interpolate(
     from quantdyn.results.store import ResultStore
     from quantdyn.sweep.interpolation import interpolate_checkpoints
 
-    rows = interpolate_checkpoints(a, b, steps, quantizers=opt.split_list(quantizers), out=out,
+    rows = interpolate_checkpoints(a, b, steps, quantizers=opt.split_quantizers(quantizers), out=out,
                                    eval_seq_len=seq_len, calib_seq_len=seq_len, eval_windows=eval_windows,
                                    device=device)
     ResultStore(store).append(rows)  # rows already stored are skipped

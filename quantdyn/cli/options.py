@@ -18,8 +18,9 @@ import typer
 
 QUANTIZERS_HELP = ("Quantizer labels, comma-separated: <method><bits>[g<group>][-<preset or flag>...], e.g. "
                    "gptq3,rtn4g64,gptq4-gptqmodel, or a deployment format: GGUF q8_0, q6_k, q5_k_m, q4_k_m, "
-                   "q4_0, q3_k_m, q2_k ... (each also -imatrix), fp8, fp8-channel, w8a8-fp8, nf4, mxfp4, nvfp4 "
-                   "(docs/quantizers.md).")
+                   "q4_0, q3_k_m, q2_k ... (each also -imatrix), fp8, fp8-channel, w8a8-fp8, nf4, mxfp4, nvfp4, "
+                   "or a per-tensor plan: plan:FILE (quantdyn allocate), auto@BUDGET:TYPE,... (allocated per "
+                   "checkpoint; list it last) (docs/quantizers.md).")
 STORE_HELP = "Results store directory."
 DEVICE_HELP = "Where to compute: auto | cpu | cuda | cuda:N."
 
@@ -50,7 +51,7 @@ def check_labels(text: Optional[str]) -> Optional[str]:
     (a mistyped label is one line in a second); returns the text unchanged."""
     from quantdyn.quantize.config import parse_quantizer
 
-    for label in split_list(text):
+    for label in split_quantizers(text):
         parse_quantizer(label)
     return text
 
@@ -178,3 +179,19 @@ def slurm_options(command: Callable) -> Callable:
 def split_list(text: Optional[str]) -> list[str]:
     """'a,b,,c' -> ['a', 'b', 'c'] (a comma-separated option; None -> [])."""
     return [x.strip() for x in (text or "").split(",") if x.strip()]
+
+
+def split_quantizers(text: Optional[str]) -> list[str]:
+    """``--quantizers``: labels split at commas, except that an ``auto@BUDGET:TYPE,TYPE,...`` label takes every item
+    after it as one of its candidate types, up to the next ``auto@`` or ``plan:`` label (so list auto@ labels last):
+    'q4_k_m,auto@4.5:q3_k,q4_k' -> ['q4_k_m', 'auto@4.5:q3_k,q4_k']."""
+    out: list[str] = []
+    in_auto = False
+    for item in split_list(text):
+        starts = item.lower().startswith(("auto@", "plan:"))
+        if in_auto and not starts:
+            out[-1] += f",{item}"
+            continue
+        out.append(item)
+        in_auto = item.lower().startswith("auto@")
+    return out

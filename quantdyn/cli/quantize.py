@@ -79,7 +79,7 @@ def quantize(
     if quantizers is not None and long_flags:
         raise QuantdynError(f"give the quantizer once: --quantizers LABELS or {'/'.join(long_flags)}, not both")
     if quantizers is not None:
-        qcs = [parse_quantizer(q) for q in opt.split_list(quantizers)]
+        qcs = [parse_quantizer(q) for q in opt.split_quantizers(quantizers)]
         if not qcs:
             raise QuantdynError("--quantizers is empty; give labels such as gptq3 or gptq3,rtn4")
     else:
@@ -103,7 +103,7 @@ def quantize(
                           repeats=repeats, repeat_vary=repeat_vary, progress=not (as_json or quiet))
     if as_json:
         for row in result.rows:
-            echo_json({k: v for k, v in row.items() if k != "window_delta"})
+            echo_json({k: v for k, v in row.items() if k not in ("window_delta", "window_kl")})
         return
     for row in result.rows:
         _print_row(model, row, eval_seq_len)

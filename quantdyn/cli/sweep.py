@@ -44,6 +44,10 @@ def sweep(
                                           "else 1].", rich_help_panel=QUANTIZERS),
     repeat_vary: Optional[str] = typer.Option(None, "--repeat-vary", help="What differs between repeats: draw | "
                                               "order | both (spec: repeat_vary).", rich_help_panel=QUANTIZERS),
+    sensitivity: Optional[str] = typer.Option(None, "--sensitivity", help="Candidate types of a per-tensor "
+                                              "sensitivity pass at every checkpoint, e.g. q3_k,q4_k,q5_k,q6_k: rows "
+                                              "of kind sensitivity, the report's sensitivity map (spec: sensitivity).",
+                                              rich_help_panel=QUANTIZERS),
     device: Optional[str] = opt.device(None, "Blocks are onloaded one at a time [default: the spec's, else auto].",
                                        panel=ENGINE),
     dtype: Optional[str] = opt.config_option(opt.ENGINE_CONFIG, "dtype", None, panel=ENGINE),
@@ -95,7 +99,9 @@ def sweep(
     if repeat_vary:
         data["repeat_vary"] = repeat_vary
     if quantizers is not None:
-        data["quantizers"] = opt.split_list(quantizers)
+        data["quantizers"] = opt.split_quantizers(quantizers)
+    if sensitivity is not None:
+        data["sensitivity"] = opt.split_list(sensitivity)
     for key, value in (("store", store), ("device", device)):
         if value:
             data[key] = value

@@ -15,7 +15,7 @@ whole model with them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -206,7 +206,7 @@ def quantize_layer(name: str, module: nn.Module, stats: ActStats | None, cfg: Qu
     W, cfg, notes = _layer_weight(module, cfg, site or TensorSite(name, 0, 1, tuple(get_weight(module).shape)))
     with num_threads(threads):
         res = QUANTIZERS.get(cfg.method).fn(W, stats, cfg)
-    _apply_result(name, module, res, cfg, notes)
+    res = _apply_result(name, module, res, cfg, notes)
     return res, W
 
 
@@ -217,15 +217,19 @@ def _layer_weight(module: nn.Module, cfg: QuantConfig, site: TensorSite) -> tupl
     return W, cfg, notes
 
 
-def _apply_result(name: str, module: nn.Module, res: QuantResult, cfg: QuantConfig, notes: dict) -> None:
-    """Put a quantizer's result into the layer (and its activation hook, for formats that quantize inputs)."""
+def _apply_result(name: str, module: nn.Module, res: QuantResult, cfg: QuantConfig, notes: dict) -> QuantResult:
+    """Put a quantizer's result into the layer (and its activation hook, for formats that quantize inputs); returns
+    the result with its bits per weight filled in from ``cfg`` where the quantizer left them out."""
     if not all_finite(res.weight):
         raise QuantdynError(f"quantizing '{name}' produced NaN/Inf; raise damp_percent or check the calibration data")
     res.diagnostics.update(notes)
+    if res.bits_per_weight is None:  # the tensor's own configuration (a plan's entry), not the variant's
+        res = replace(res, bits_per_weight=grid_bits_per_weight(cfg, *res.weight.shape))
     set_weight(module, res.weight)
     act_quant = QUANTIZERS.get(cfg.method).act_quant
     if act_quant is not None:
         module.register_forward_pre_hook(lambda m, args: (act_quant(args[0]).to(args[0].dtype), *args[1:]))
+    return res
 
 
 def layer_row(block_idx: int, name: str, full: str, W: torch.Tensor, res: QuantResult, stats: ActStats | None,
@@ -381,8 +385,7 @@ def _quantize_set(jobs: Sequence[BlockJob], modules: list[dict[str, nn.Module]],
                 with num_threads(layer_threads):
                     out = gptq_batch([(W, stats_of[j][name], cfg) for (j, name, *_), (W, cfg, _) in zip(chunk, inputs)])
                 for (j, name, m, site), (W, cfg, notes), res in zip(chunk, inputs, out):
-                    _apply_result(f"{prefix}.{block_idx}.{name}", m, res, cfg, notes)
-                    results.append((res, W))
+                    results.append((_apply_result(f"{prefix}.{block_idx}.{name}", m, res, cfg, notes), W))
                 del inputs, out
         for k, (j, name, m, site) in enumerate(chunk):
             full = f"{prefix}.{block_idx}.{name}"

@@ -39,6 +39,7 @@ from quantdyn.config import shared_fields
 from quantdyn.engine.blockwise import block_output
 from quantdyn.engine.lazy_model import BlockSource, InMemoryModel, LazyModel, compute_dtype_of
 from quantdyn.engine.noise_floor import NOISE_FLOOR_LABEL, BF16NoiseFloor, floor_rounding
+from quantdyn.engine.sensitivity import allocate_auto, check_quantizers_fit
 from quantdyn.engine.streams import fmt_bytes, parse_bytes, trim_heap
 from quantdyn.engine.walk import BlockTransform, VariantQuantization, WalkConfig, walk
 from quantdyn.errors import QuantdynError, unknown_name
@@ -46,6 +47,7 @@ from quantdyn.evaluate.quant_error import TOP_K, ErrorTokens, FPLogits, FPTokens
 from quantdyn.models.weights import CheckpointWeights
 from quantdyn.quantize.config import QuantConfig, parse_quantizer
 from quantdyn.quantize.primitives import QuantResult
+from quantdyn.quantize.plan import is_auto
 from quantdyn.sources.hub import open_checkpoint
 
 log = logging.getLogger("quantdyn")
@@ -135,6 +137,9 @@ class Measurement:
     noise_floor: dict | None = None
     """With ``noise_floor=True``: the same error fields for the FP model against its bf16-rounded self
     (engine/noise_floor.py), and ``floor_rounding``, what was rounded; None when not measured."""
+    plans: dict[str, dict] = field(default_factory=dict)
+    """Per ``auto@`` quantizer label: the plan it allocated on this checkpoint (engine/sensitivity.py
+    ``allocate_auto``: its label, digest, bits per weight, predicted KL, the sensitivity pass's seconds)."""
 
     @property
     def ce_fp(self) -> float:
@@ -235,6 +240,13 @@ def measure(
     if noise_floor and eval_windows is not None:
         variants[NOISE_FLOOR_LABEL] = BF16NoiseFloor()
     stream_budget = check_budget(source, parse_bytes(cfg.max_memory))
+    check_quantizers_fit(variants, source)  # plan: and auto@ labels against this model, before any work
+    plans: dict[str, dict] = {}
+    autos = {label: v for label, v in variants.items() if isinstance(v, QuantConfig) and is_auto(v)}
+    if autos:  # allocate on this checkpoint: its sensitivity to the candidate types, then a plan per budget
+        for label, (plan_qc, summary) in allocate_auto(model, autos, calib_ids, device).items():
+            variants[label] = plan_qc
+            plans[label] = summary
     threads = cfg.quantize_threads if device.type == "cpu" else None  # a GPU's quantizing is not threaded by torch
     wcfg = WalkConfig(**shared_fields(cfg, WalkConfig, but=("quantize_threads",)), quantize_threads=threads,
                       calibrate_all=cfg.layer_diagnostics, stream_bytes=stream_budget,
@@ -285,7 +297,7 @@ def measure(
     propagation = {label: finalize_propagation(s) for label, s in prop_sums.items()}
     phase_seconds["total"] = time.perf_counter() - t_start
     return Measurement(fp_ce, metrics, quantizations, t_eval, source.n_params(), str(source.dtype).replace("torch.", ""),
-                       streams, propagation, phase_seconds, floor)
+                       streams, propagation, phase_seconds, floor, plans)
 
 
 def _head_metrics(w, targets: torch.Tensor, batch_size: int, logits_budget: int, device: torch.device,

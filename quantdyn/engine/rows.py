@@ -7,7 +7,8 @@ identity (``calib_hash``) live in :mod:`quantdyn.results.schema`:
 * ``ptq_what`` — the ``what`` of a PTQ row's key (quantizer config, calibration set, repeats);
 * ``calibration_draws`` / ``repeat_labels`` — the calibration sets and engine labels of R repeats;
 * ``quantizer_fields`` / ``ptq_fields`` — what a PTQ row says about its quantizer, its error,
-  its storage cost (``storage_fields``: bits per weight, GGUF fallbacks) and how it was computed
+  its storage cost (``storage_fields``: bits per weight, GGUF fallbacks, a plan's per-tensor types; an ``auto@``
+  quantizer's allocated plan) and how it was computed
   (batch size and threads while calibrating, timings, seconds per phase), and whether its Δ CE sits
   inside its checkpoint's noise floor;
 * ``floor_fields`` — the bf16 noise floor of a checkpoint as the fp row stores it (``floor_<field>``).
@@ -105,7 +106,9 @@ def storage_fields(layer_rows: list[dict]) -> dict:
     bpw = sum(n * b for n, b in known) / sum(n for n, _ in known) if known else None
     fallbacks = {r.get("layer"): f"{r['gguf_fallback_from']}->{r.get('gguf_type')}" for r in layer_rows
                  if r.get("gguf_fallback_from")}
-    return {"bits_per_weight": bpw, "format_fallbacks": fallbacks or None}
+    plan_types = {r.get("layer"): r["plan_type"] for r in layer_rows if r.get("plan_type")}
+    return {"bits_per_weight": bpw, "format_fallbacks": fallbacks or None,
+            **({"plan_types": plan_types} if plan_types else {})}
 
 
 def floor_fields(floor: dict | None) -> dict:
@@ -146,6 +149,7 @@ def ptq_fields(label: str, qc: QuantConfig, m: Measurement, cfg: MeasureConfig, 
         "within_noise_floor": within_noise_floor(errors, floor_row),
         "delta_ce_floor_z": number(above.z) if above is not None else None,
         **storage_fields(vs[0].rows),
+        **m.plans.get(label, {}),  # an auto@ quantizer: the plan it allocated on this checkpoint
         "repeat_vary": vary if repeats > 1 else None,
         "layer_loss_sum": float(sum(losses)) if losses else None,
         "n_calibration": vs[0].n_calibration,

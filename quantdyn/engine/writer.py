@@ -210,7 +210,8 @@ class ExportSink(_LayerSink):
 
     def _add(self, full: str, key: str, res: QuantResult, module: nn.Module) -> None:
         self.writer.add_quantized(key.rsplit(".", 1)[0], res.codes, res.scales, res.zeros, res.g_idx,
-                                  awq_scales=res.awq_scales, **({"result": res} if res.format else {}))
+                                  awq_scales=res.awq_scales,
+                                  **({"result": res} if res.format or res.diagnostics.get("plan_type") else {}))
         self.written.add(key)
 
     def close(self) -> Path:

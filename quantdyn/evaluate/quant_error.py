@@ -245,6 +245,7 @@ def summarize(fp: FPTokens, q: ErrorTokens) -> dict:
         "n_windows": len(q_ce),
         "n_tokens": int(kl_all.size),
         "window_delta": [round(float(v), 7) for v in delta],
+        "window_kl": [float(f"{v:.7g}") for v in kl_win.tolist()],
     })
     return row
 

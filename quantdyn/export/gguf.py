@@ -44,6 +44,7 @@ from quantdyn.files import atomic_file
 from quantdyn.quantize import gguf as qg
 from quantdyn.quantize import gguf_mixes
 from quantdyn.quantize.config import QUANTIZERS, QuantConfig, parse_quantizer
+from quantdyn.quantize.plan import KEEP, is_auto, parse_auto, plan_of
 from quantdyn.quantize.primitives import QuantResult
 
 GGUF_MAGIC = b"GGUF"
@@ -70,8 +71,36 @@ _ARCH = {"gpt_neox": "gptneox", "quantdyn-gpt": "gptneox", "llama": "llama"}
 _U32, _I32, _F32, _BOOL, _STR, _ARR, _U64 = 4, 5, 6, 7, 8, 9, 10
 
 
+def _plan_types(qcfg: QuantConfig) -> list[str] | None:
+    """The types of a ``plan:`` or ``auto@`` quantizer (by weights, most first), None for any other quantizer."""
+    plan = plan_of(qcfg)
+    if plan is not None:
+        sizes: dict[str, int] = {}
+        for t in plan.tensors:
+            sizes[t.type] = sizes.get(t.type, 0) + t.shape[0] * t.shape[1]
+        return sorted(sizes, key=lambda k: -sizes[k])
+    if is_auto(qcfg):
+        budget, types = parse_auto(qcfg.method)
+        return sorted(types, key=lambda t: abs(_nominal_bpw(t) - budget))
+    return None
+
+
+def _nominal_bpw(label: str) -> float:
+    return 16.0 if label == KEEP else qg.GGML_TYPES.get(label.removesuffix("-imatrix")).bits_per_weight
+
+
 def gguf_quantizer(qcfg: QuantConfig) -> str:
-    """The GGUF label of ``qcfg`` (``q4_k_m``) or a one-line refusal."""
+    """The GGUF label of ``qcfg`` (``q4_k_m``) or a one-line refusal; a plan's (or an ``auto@`` label's) own types
+    must all be GGUF block types or f16, and its file type is that of its largest type (auto@: the type nearest
+    the budget)."""
+    types = _plan_types(qcfg)
+    if types is not None:
+        other = [t for t in types if t != KEEP and t.removesuffix("-imatrix") not in qg.GGML_TYPES]
+        if other:
+            raise QuantdynError(f"GGUF export holds llama.cpp's block types and F16; {qcfg.name} has type {other[0]}: "
+                                "export its integer types as gptq or compressed-tensors")
+        main = next((t for t in types if t != KEEP), None)
+        return main.removesuffix("-imatrix") if main is not None else "q8_0"
     spec = QUANTIZERS.get(qcfg.method).format
     base = qcfg.method.removesuffix("-imatrix")
     if spec is None or _file_type(base) is None:
@@ -80,6 +109,43 @@ def gguf_quantizer(qcfg: QuantConfig) -> str:
                             f"quantizer {qcfg.name} has no ggml type: quantize with one of those, or export "
                             f"{qcfg.name} as gptq or compressed-tensors")
     return base
+
+
+def gguf_tensor_name(arch: str, hf_name: str) -> str:
+    """HF checkpoint tensor name -> its GGUF name in architecture ``arch`` (``gptneox`` or ``llama``; one line for a
+    name the architecture does not have)."""
+    parts = hf_name.split(".")
+    suffix = parts[-1]
+    if arch == "gptneox":
+        table = {"gpt_neox.embed_in": "token_embd", "embed_out": "output", "lm_head": "output",
+                 "gpt_neox.final_layer_norm": "output_norm"}
+        layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                 "attention.query_key_value": "attn_qkv", "attention.dense": "attn_output",
+                 "mlp.dense_h_to_4h": "ffn_up", "mlp.dense_4h_to_h": "ffn_down"}
+        prefix = "gpt_neox.layers."
+    else:
+        table = {"model.embed_tokens": "token_embd", "lm_head": "output", "model.norm": "output_norm"}
+        layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                 "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                 "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                 "mlp.down_proj": "ffn_down"}
+        prefix = "model.layers."
+    base = ".".join(parts[:-1])
+    if base in table:
+        return f"{table[base]}.{suffix}"
+    if base.startswith(prefix):
+        idx, _, rest = base[len(prefix):].partition(".")
+        if rest in layer and idx.isdigit():
+            return f"blk.{idx}.{layer[rest]}.{suffix}"
+    raise QuantdynError(f"checkpoint tensor '{hf_name}' has no place in a GGUF {arch} model")
+
+
+def gguf_arch(model_type: str) -> str:
+    """The GGUF architecture of a quantdyn/HF model_type (one line for one GGUF export does not write)."""
+    if model_type not in _ARCH:
+        raise QuantdynError(f"GGUF export writes GPT-NeoX and LLaMA models; model_type '{model_type}' is not "
+                            f"supported (supported: {', '.join(sorted(_ARCH))})")
+    return _ARCH[model_type]
 
 
 def _rope_base(cfg: dict) -> float:
@@ -137,12 +203,9 @@ class GGUFExportWriter:
                                 "name (general.name)")
         if float_type not in ("f32", "f16"):
             raise QuantdynError(f"GGUF float_type '{float_type}' is not supported; choose f32 or f16")
-        if model_type not in _ARCH:
-            raise QuantdynError(f"GGUF export writes GPT-NeoX and LLaMA models; model_type '{model_type}' is not "
-                                f"supported (supported: {', '.join(sorted(_ARCH))})")
+        self.arch = gguf_arch(model_type)
         if not isinstance(source_config, dict):
             raise QuantdynError("source_config must be the model's HF config.json as a dict")
-        self.arch = _ARCH[model_type]
         self.cfg = source_config
         need = ["hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"]
         missing = [k for k in need if k not in source_config]
@@ -175,31 +238,7 @@ class GGUFExportWriter:
 
     # ------------------------------------------------------------------ names
     def _gguf_name(self, hf_name: str) -> str:
-        """HF checkpoint tensor name -> GGUF name (one line for a name the architecture does not have)."""
-        parts = hf_name.split(".")
-        suffix = parts[-1]
-        if self.arch == "gptneox":
-            table = {"gpt_neox.embed_in": "token_embd", "embed_out": "output", "lm_head": "output",
-                     "gpt_neox.final_layer_norm": "output_norm"}
-            layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-                     "attention.query_key_value": "attn_qkv", "attention.dense": "attn_output",
-                     "mlp.dense_h_to_4h": "ffn_up", "mlp.dense_4h_to_h": "ffn_down"}
-            prefix = "gpt_neox.layers."
-        else:
-            table = {"model.embed_tokens": "token_embd", "lm_head": "output", "model.norm": "output_norm"}
-            layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-                     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-                     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-                     "mlp.down_proj": "ffn_down"}
-            prefix = "model.layers."
-        base = ".".join(parts[:-1])
-        if base in table:
-            return f"{table[base]}.{suffix}"
-        if base.startswith(prefix):
-            idx, _, rest = base[len(prefix):].partition(".")
-            if rest in layer and idx.isdigit():
-                return f"blk.{idx}.{layer[rest]}.{suffix}"
-        raise QuantdynError(f"checkpoint tensor '{hf_name}' has no place in a GGUF {self.arch} model")
+        return gguf_tensor_name(self.arch, hf_name)
 
     def _row_order(self, gguf_name: str, rows: int) -> torch.Tensor | None:
         """The HF -> llama.cpp row permutation of a tensor (None: rows stay)."""
@@ -232,6 +271,12 @@ class GGUFExportWriter:
                       result: QuantResult | None = None) -> None:
         """Add one quantized linear (``layer_name`` = its HF name without ``.weight``); ``result`` carries its
         ggml blocks. codes/scales/zeros/g_idx are quantdyn's generic layout (unused: GGUF stores the blocks)."""
+        if result is not None and result.format == KEEP:  # a plan's f16 tensor: llama.cpp's F16
+            self._add_float(f"{layer_name}.weight", result.weight, F16_TYPE)
+            self._layers.append(layer_name)
+            if bias is not None:
+                self.add_tensor(f"{layer_name}.bias", bias)
+            return
         if result is None or result.format is None or result.format.lower() not in qg.GGML_TYPES:
             raise QuantdynError(f"layer '{layer_name}' was not quantized to a ggml block type; GGUF export needs the "
                                 f"GGUF quantizer's blocks")
@@ -250,12 +295,14 @@ class GGUFExportWriter:
 
     def add_tensor(self, name: str, tensor: torch.Tensor) -> None:
         """Add an unquantized tensor under its HF checkpoint name (1-D: F32; 2-D: ``float_type``)."""
+        self._add_float(name, tensor, F32_TYPE if tensor.dim() == 1 else self.float_type)
+
+    def _add_float(self, name: str, tensor: torch.Tensor, ttype: int) -> None:
         gname = self._gguf_name(name)
         t = tensor.detach().to("cpu", torch.float32)
         order = self._row_order(gname, t.shape[0])
         if order is not None:
             t = t[order]
-        ttype = F32_TYPE if t.dim() == 1 else self.float_type
         arr = t.contiguous().numpy().astype(np.float16 if ttype == F16_TYPE else np.float32)
         self._write(gname, list(reversed(t.shape)), ttype, arr.tobytes())
         if gname == "token_embd.weight":

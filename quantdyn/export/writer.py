@@ -28,6 +28,7 @@ a crash or :meth:`ExportWriter.abort` leaves ``out_dir`` as it was.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
@@ -37,11 +38,12 @@ from typing import Any, Mapping
 import torch
 
 from quantdyn.errors import QuantdynError
-from quantdyn.export.formats import EXPORT_FORMATS, SCALE_DTYPES, ExportFormat, check_exportable
+from quantdyn.export.formats import EXPORT_FORMATS, SCALE_DTYPES, ExportFormat, check_exportable, permuted_groups
+from quantdyn.export.plans import check_int_plan, ct_groups, gptq_dynamic, is_plan, layer_config, llmcompressor_recipe
 from quantdyn.export.shards import DEFAULT_SHARD_BYTES, Shards, cpu_tensor
 from quantdyn.files import atomic_dir
 from quantdyn.quantize.config import QuantConfig, parse_quantizer
-from quantdyn.quantize.primitives import n_groups
+from quantdyn.quantize.primitives import QuantResult, n_groups
 from quantdyn.runtime import git_sha
 
 PROVENANCE_FILE = "quantdyn_export.json"
@@ -86,12 +88,21 @@ class ExportWriter:
         if max_shard_bytes < 1:
             raise QuantdynError(f"max_shard_bytes={max_shard_bytes} must be >= 1")
         self.model_type = str(model_type)
-        self.settings = check_exportable(fmt, self.qcfg, _family(self.model_type), _model_dtype(source_config),
-                                         layers=layers, **options)
+        self._layer_cfgs: dict[str, QuantConfig | None] | None = None
+        if is_plan(self.qcfg):  # a per-tensor plan: every type it may give a layer must fit the format
+            self._layer_cfgs = {}
+            types = check_int_plan(self.qcfg, self.format.name)
+            for qc in types:
+                self.settings = check_exportable(fmt, qc, _family(self.model_type), _model_dtype(source_config),
+                                                 layers=layers, **options)
+        else:
+            self.settings = check_exportable(fmt, self.qcfg, _family(self.model_type), _model_dtype(source_config),
+                                             layers=layers, **options)
         self.out_dir = Path(out_dir)
         _check_out_dir(self.out_dir)
         self.source_config = json.loads(json.dumps(source_config, default=str))
         self._layers: list[str] = []
+        self._sizes: dict[str, int] = {}
         self._files: set[str] = set()
         self._t0 = time.time()
         self._cm = atomic_dir(self.out_dir)  # the temporary directory exists from here on
@@ -106,10 +117,22 @@ class ExportWriter:
 
     def add_quantized(self, layer_name: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                       g_idx: torch.Tensor, bias: torch.Tensor | None = None,
-                      awq_scales: torch.Tensor | None = None) -> None:
+                      awq_scales: torch.Tensor | None = None, result: QuantResult | None = None) -> None:
         """Add one quantized linear in quantdyn's layout (``ModelQuantization.packed``):
-        codes (out, in) integers, scales/zeros (out, groups), g_idx (in,), optional bias (out,)."""
+        codes (out, in) integers, scales/zeros (out, groups), g_idx (in,), optional bias (out,). A plan's layer
+        also brings its ``result`` (its type is in the result's diagnostics; an f16 layer is stored dense)."""
         self._live()
+        qcfg, settings = self.qcfg, self.settings
+        if self._layer_cfgs is not None:
+            qcfg = layer_config(self.qcfg, (result.diagnostics if result is not None else {}).get("plan_type"))
+            self._layer_cfgs[layer_name] = qcfg
+            if qcfg is None:
+                self._shards.add(f"{layer_name}.weight", result.weight.to(torch.float16))
+                if bias is not None:
+                    self._shards.add(f"{layer_name}.bias", bias)
+                self._layers.append(layer_name)
+                return
+            settings = dataclasses.replace(settings, desc_act=permuted_groups(qcfg))
         if awq_scales is not None:
             raise QuantdynError(f"layer '{layer_name}' has AWQ input scales, which {self.format.name} checkpoints "
                                 f"cannot hold; export an rtn or gptq quantizer")
@@ -118,16 +141,16 @@ class ExportWriter:
         if q["codes"].dim() != 2:
             raise QuantdynError(f"layer '{layer_name}': codes must be (out, in), got shape {tuple(q['codes'].shape)}")
         out_f, in_f = q["codes"].shape
-        groups = n_groups(in_f, self.qcfg.group_size)
+        groups = n_groups(in_f, qcfg.group_size)
         want = {"scales": (out_f, groups), "zeros": (out_f, groups), "g_idx": (in_f,)}
         for k, shape in want.items():
             if tuple(q[k].shape) != shape:
                 raise QuantdynError(f"layer '{layer_name}': {k} has shape {tuple(q[k].shape)}, expected {shape} for "
-                                    f"{out_f}x{in_f} codes with group_size {self.qcfg.group_size}")
-        if q["codes"].numel() and int(q["codes"].max()) > 2**self.qcfg.bits - 1:
-            raise QuantdynError(f"layer '{layer_name}': codes exceed {self.qcfg.bits} bits; export with the QuantConfig "
+                                    f"{out_f}x{in_f} codes with group_size {qcfg.group_size}")
+        if q["codes"].numel() and int(q["codes"].max()) > 2**qcfg.bits - 1:
+            raise QuantdynError(f"layer '{layer_name}': codes exceed {qcfg.bits} bits; export with the QuantConfig "
                                 f"that produced them")
-        tensors = self.format.layer_tensors(layer_name, q, self.qcfg, self.settings)
+        tensors = self.format.layer_tensors(layer_name, q, qcfg, settings)
         if bias is not None:
             tensors[f"{layer_name}.bias"] = bias
         for k in tensors:
@@ -136,6 +159,7 @@ class ExportWriter:
         for k, t in tensors.items():
             self._shards.add(k, t)
         self._layers.append(layer_name)
+        self._sizes[layer_name] = out_f * in_f
 
     def add_tensor(self, name: str, tensor: torch.Tensor) -> None:
         """Add a tensor that stays as it is (embeddings, norms, biases, the head), under its checkpoint name."""
@@ -185,7 +209,8 @@ class ExportWriter:
     def _finish(self, tmp: Path) -> None:
         weight_map = self._shards.finish()
         n = len(set(weight_map.values()))
-        qconfig = self.format.config(self.qcfg, self._layers, self.settings)
+        qconfig = (self.format.config(self.qcfg, self._layers, self.settings) if self._layer_cfgs is None
+                   else self._plan_config(tmp))
         config = dict(self.source_config)
         config["quantization_config"] = qconfig
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
@@ -199,6 +224,31 @@ class ExportWriter:
             created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), seconds=time.time() - self._t0,
         )
         (tmp / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2))
+
+    def _plan_config(self, tmp: Path) -> dict:
+        """The quantization_config of a plan (export/plans.py): the base scheme and GPTQModel's ``dynamic``, or one
+        compressed-tensors config group per scheme (and the llm-compressor recipe beside it)."""
+        layers = self._layer_cfgs or {}
+        sizes = {n: self._sizes.get(n, 1) for n in layers}
+        base, dynamic = gptq_dynamic(layers, sizes)
+        qconfig = self.format.config(base, [n for n, qc in layers.items() if qc is not None],
+                                     dataclasses.replace(self.settings, desc_act=permuted_groups(base)))
+        plan = {"name": self.qcfg.name, "layers": {n: (qc.name if qc is not None else "f16") for n, qc in layers.items()}}
+        if self.format.name == "gptq":
+            qconfig["dynamic"] = dynamic
+            qconfig["meta"]["quantdyn"] = {**qconfig["meta"]["quantdyn"], "plan": plan}
+        else:
+            groups, ignore = ct_groups(layers)
+            qconfig["config_groups"], qconfig["ignore"] = groups, ignore
+            qconfig["quantdyn"] = {**qconfig["quantdyn"], "plan": plan}
+            if any(not g["weights"]["symmetric"] for g in groups.values()):
+                qconfig["dequantize"] = True
+            else:
+                qconfig.pop("dequantize", None)
+            import yaml
+
+            (tmp / "recipe.yaml").write_text(yaml.safe_dump(llmcompressor_recipe(layers), sort_keys=False))
+        return qconfig
 
     def abort(self) -> None:
         """Discard everything written so far (``out_dir`` stays as it was); safe to call twice."""

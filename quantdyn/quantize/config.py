@@ -113,7 +113,10 @@ class QuantConfig:
     """Also quantize the output head (lm_head); embeddings always stay full precision."""
 
     def __post_init__(self):
-        catalogue = label_catalogue()
+        canonical = QUANTIZERS.canonical(self.method) if isinstance(self.method, str) else None
+        if canonical is not None:  # plan:FILE and auto@BUDGET:TYPES (quantize.plan): one spelling per plan
+            object.__setattr__(self, "method", canonical)
+        catalogue = QUANTIZERS if canonical is not None else label_catalogue()
         if not isinstance(self.method, str) or self.method not in catalogue:
             raise unknown_name("quantizer", str(self.method), catalogue.names())
         spec = catalogue.get(self.method).format
@@ -216,9 +219,10 @@ class QuantMethod(NamedTuple):
     """Whether apply must collect activation statistics (H, mean |x|)."""
     format: FormatSpec | None = None
     """Set for deployment formats: their label, bits and group size (fixed, not configurable)."""
-    for_tensor: Callable[[Any, TensorSite], tuple[str, dict]] | None = None
+    for_tensor: Callable[[Any, TensorSite], tuple[Any, dict]] | None = None
     """``for_tensor(cfg, site) -> (method, notes)``: the registered method that quantizes this tensor (a mix's
-    type for it, or llama.cpp's fallback) and what to record in its layer row; None = ``cfg.method`` itself."""
+    type for it, or llama.cpp's fallback) and what to record in its layer row; None = ``cfg.method`` itself.
+    A per-tensor plan returns the tensor's whole QuantConfig instead of a method."""
     act_quant: Callable[[torch.Tensor], torch.Tensor] | None = None
     """Activation fake quantization applied to the input of every quantized layer (W8A8); None = weights only."""
     fp_calibration: bool = False
@@ -241,6 +245,20 @@ def _import_builtins() -> None:
 QUANTIZERS: LazyRegistry[QuantMethod] = LazyRegistry("quantizer", load=_import_builtins)
 """rtn, gptq, awq and the formats register themselves from their modules (BUILTIN_MODULES), imported on the
 first lookup; parsing a label does not look here until they are (:func:`label_catalogue`)."""
+
+
+def _plan_family(function: str) -> Callable[[str], Any]:
+    """``quantize.plan``'s ``function``, imported when a plan label is first read (it imports torch and the
+    quantizers: a plan's types are checked against their implementations)."""
+    def call(name: str) -> Any:
+        return getattr(import_module("quantdyn.quantize.plan"), function)(name)
+    return call
+
+
+QUANTIZERS.add_family("plan:", _plan_family("make_plan_method"), _plan_family("canonical_plan"))
+QUANTIZERS.add_family("auto@", _plan_family("make_auto_method"), _plan_family("canonical_auto"))
+"""The per-tensor plan labels (``plan:FILE``, ``auto@BUDGET:TYPES``, quantize/plan.py): names made from what they
+point to, so they are families of the registry, not entries of the catalogue file."""
 
 CATALOGUE_FILE = Path(__file__).with_name("catalogue.json")
 """Every built-in quantizer's name and format spec, written from QUANTIZERS by ``python tools/quantizer_catalogue.py``
@@ -412,6 +430,8 @@ def quant_preset(name: str, **overrides: Any) -> QuantConfig:
 
 def _parse_short(spec: str) -> dict[str, Any]:
     """'gptq4g64-gptqmodel-mse' -> field dict (preset first, then flags, then method/bits/group)."""
+    if QUANTIZERS.canonical(spec.strip()) is not None:  # plan:FILE, auto@BUDGET:TYPES (paths keep their case)
+        return {"method": spec.strip()}
     text = spec.strip().lower()
     fmt = _format_head(text)
     if fmt is not None:
@@ -516,6 +536,8 @@ def config_for_tensor(cfg: QuantConfig, site: TensorSite) -> tuple[QuantConfig, 
     if method.for_tensor is None:
         return cfg, {}
     resolved, notes = method.for_tensor(cfg, site)
+    if isinstance(resolved, QuantConfig):  # a per-tensor plan gives the tensor's whole configuration
+        return resolved, {**notes, "quantizer_method": resolved.method}
     if resolved == cfg.method:
         return cfg, notes
     spec = QUANTIZERS.get(resolved).format

@@ -12,6 +12,7 @@
   optimizers            per optimizer at the end of each run (several optimizers, or qat rows)
   scaling               scaling laws per optimizer, FP and QAT (scaling rows)
   error_maps            per-block error maps and KL by confidence (ptq rows that carry them)
+  sensitivity           per-tensor sensitivity along training and what the decay did to it (sensitivity rows)
   public_trajectories   public checkpoints along their training (ptq rows of hub presets)
 
 The answer (a study's findings) opens the page before these: the caller's lead (report/html.py write_page).
@@ -21,14 +22,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from quantdyn.report import error_maps, figures, public_trajectories
+from quantdyn.report import error_maps, figures, public_trajectories, sensitivity_maps
 from quantdyn.report.accuracy import accuracy_vs_dce
 from quantdyn.report.monitored import monitored_points
 from quantdyn.report.optimizers import optimizer_figure, optimizer_table, scaling_figure
 from quantdyn.report.palette import Palette
 from quantdyn.report.predictors import predictor_figure, predictor_rows
 from quantdyn.report.sections import Page, Section, figure_section, report_section
-from quantdyn.results.schema import ACCURACY, ANALYSIS, FP, PTQ, QAT, SCALING
+from quantdyn.results.schema import ACCURACY, ANALYSIS, FP, PTQ, QAT, SCALING, SENSITIVITY
 from quantdyn.results.stats import Z, format_estimate
 from quantdyn.runs import RunDir
 from quantdyn.train.checkpoint import read_metrics
@@ -235,6 +236,13 @@ figure_section(
 def error_maps_section(page: Page) -> list[Section]:
     """Per run: where in the network the error appears, and KL by the model's confidence."""
     return [Section(*s) for s in error_maps.sections(page.rows, page.out, page.palette)]
+
+
+@report_section("sensitivity", kind=SENSITIVITY)
+def sensitivity_section(page: Page) -> list[Section]:
+    """Per run: the sensitivity map of its tensor groups along training, and which groups its cooldowns made more
+    sensitive than their controls."""
+    return [Section(*s) for s in sensitivity_maps.sections(page.rows, page.out)]
 
 
 @report_section("public_trajectories", kind=PTQ)

@@ -22,7 +22,7 @@ from matplotlib.colors import LogNorm
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter
 
-from quantdyn.report.output import panel_grid, save_figure, tokens_label
+from quantdyn.report.output import checkpoint_label, checkpoint_ticks, layout_figure, panel_grid, save_figure
 from quantdyn.report.palette import Palette
 from quantdyn.results.schema import FP, PTQ, RowKind, number
 from quantdyn.runs import MAIN, control_of
@@ -133,6 +133,7 @@ def block_heatmaps(rows: list[dict], run: str, out: Path, palette: Palette | Non
     palette = palette or Palette.for_rows(rows)
     fig, axes = panel_grid(len(series), max_cols=2, panel_height=2.3, extra_height=0.4)
     table = []
+    ticks: list = []
     for ax, (q, pts) in zip(axes, series.items()):
         n_blocks = max(len(r[metric]) for r in pts)
         grid = np.full((n_blocks, len(pts)), np.nan)
@@ -147,17 +148,16 @@ def block_heatmaps(rows: list[dict], run: str, out: Path, palette: Palette | Non
         cb = fig.colorbar(im, ax=ax, pad=0.02)
         cb.ax.tick_params(labelsize=6, which="both")
         _plain_ticks(cb.ax.yaxis)
-        step = max(1, len(pts) // 6)
-        ticks = list(range(0, len(pts), step))
-        ax.set_xticks(ticks)
-        ax.set_xticklabels([tokens_label(pts[t].get("tokens") or 0) if pts[t].get("tokens") is not None
-                            else str(pts[t].get("step")) for t in ticks], fontsize=6)
+        ticks.append((ax, [checkpoint_label(r) for r in pts]))  # labelled once the panel's width is known
         ax.set_yticks(range(0, n_blocks, max(1, n_blocks // 8)))
         ax.tick_params(labelsize=6)
         ax.set_title(q, fontsize=8, color=palette.quantizer(q) if q in qs else FLOOR_COLOR)
         ax.set_ylabel("block", fontsize=7)
         ax.set_xlabel("tokens (checkpoint)", fontsize=7)
     fig.suptitle(f"{run}: relative error of every block's output, along training", fontsize=10, y=0.995)
+    layout_figure(fig)
+    for ax, labels in ticks:  # as many checkpoint labels as fit each panel (10-50 checkpoints stay readable)
+        checkpoint_ticks(ax, labels, fig)
     save_figure(fig, out)
     return table
 

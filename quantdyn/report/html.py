@@ -250,7 +250,7 @@ written {html.escape(prov['date'])} ·{unc_link} <a href='#provenance'>provenanc
 {provenance.to_html(prov)}
 </body></html>"""
     write_json_atomic(out / "provenance.json", prov)
-    write_text_atomic(out / "rows.json", json.dumps([{k: v for k, v in r.items() if k != "window_delta"}
+    write_text_atomic(out / "rows.json", json.dumps([{k: v for k, v in r.items() if k not in ("window_delta", "window_kl")}
                                                      for r in rows], default=str))
     write_text_atomic(out / "index.html", page)
     return out / "index.html"

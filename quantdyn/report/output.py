@@ -15,6 +15,7 @@ from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from quantdyn.files import atomic_file
 from quantdyn.report.palette import LR_COLOR
+from quantdyn.results.schema import number
 
 PAGE_WIDTH = 7.5
 """Inches: a US-letter or A4 page less its margins."""
@@ -42,12 +43,19 @@ def subplots(nrows: int = 1, ncols: int = 1, *, figsize: tuple[float, float], **
     """``plt.subplots`` without pyplot: (fig, axes) on an Agg canvas of the figure's own, so that drawing a report
     neither picks nor switches the backend of the process (a notebook keeps its own) and a figure is freed with
     its last reference. ``kw``: Figure.subplots' (sharex, squeeze, gridspec_kw, ...)."""
+    fig = figure(figsize)
+    return fig, fig.subplots(nrows, ncols, **kw)
+
+
+def figure(figsize: tuple[float, float]):
+    """An empty figure on an Agg canvas of its own (as :func:`subplots`), for a layout of its own
+    (``fig.add_gridspec``)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=figsize)
     FigureCanvasAgg(fig)
-    return fig, fig.subplots(nrows, ncols, **kw)
+    return fig
 
 
 def panel_grid(n: int, max_cols: int = 3, panel_height: float = 2.4, width: float = PAGE_WIDTH,
@@ -103,18 +111,48 @@ def overlay_lr(ax, curves):
     return ax2
 
 
-def tokens_label(v: float, _pos=None) -> str:
-    """Token counts as 250K, 1.5M, 2B, 3.9T."""
+def tokens_label(v: float, _pos=None, *, digits: int = 6) -> str:
+    """Token counts as 250K, 1.5M, 2B, 3.9T (at most ``digits`` significant digits: 3 gives 1.23M for 1228800)."""
     for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(v) >= div:
-            return f"{v / div:g}{unit}"
-    return f"{v:g}"
+            return f"{v / div:.{digits}g}{unit}"
+    return f"{v:.{digits}g}"
 
 
 def tokens_axis(ax) -> None:
     from matplotlib.ticker import FuncFormatter
 
     ax.xaxis.set_major_formatter(FuncFormatter(tokens_label))
+
+
+TICK_FONT = 6
+"""Points of the checkpoint tick labels of the maps (checkpoint_ticks)."""
+
+
+def checkpoint_label(row: dict) -> str:
+    """A checkpoint's tick label on a map's x axis: its tokens in 3 significant digits (1.23M), else its step."""
+    tokens = number(row.get("tokens"))
+    return tokens_label(tokens, digits=3) if tokens is not None else str(row.get("step"))
+
+
+def checkpoint_ticks(ax, labels: list[str], fig=None) -> list[int]:
+    """Put every k-th of ``labels`` (one per column of a map, in order) on ``ax``'s x axis, k the smallest step at
+    which the labels fit the axis's width without touching (estimated at TICK_FONT points, 0.6 em a character,
+    with a gap of two characters), so that 10-50 checkpoints stay readable; the last checkpoint is labelled when it
+    fits. Call it once the figure is laid out (the axis's width is known). Returns the labelled positions."""
+    n = len(labels)
+    if n == 0:
+        return []
+    fig = fig or ax.figure
+    width_pt = ax.get_position().width * fig.get_figwidth() * 72 * 0.9
+    per = (max(len(s) for s in labels) + 2) * 0.6 * TICK_FONT
+    step = max(1, math.ceil(n / max(1, int(width_pt // per))))
+    ticks = list(range(0, n, step))
+    if ticks[-1] != n - 1 and (n - 1 - ticks[-1]) * width_pt / n >= per:
+        ticks.append(n - 1)
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([labels[t] for t in ticks], fontsize=TICK_FONT)
+    return ticks
 
 
 def _write_bytes_atomic(path: Path, data: bytes) -> None:

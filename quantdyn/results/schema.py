@@ -73,7 +73,8 @@ def _table(text: str) -> tuple[Field, ...]:
 
 IDENTITY_FIELDS = _table("""
     key   str  Idempotency key (row_key for measured rows): a rerun skips every key already stored.
-    kind  str  The row kind (ROW_KINDS): ptq, fp, qat, analysis, accuracy, interpolation or scaling.
+    kind  str  The row kind (ROW_KINDS): ptq, fp, qat, analysis, accuracy, interpolation, scaling or
+               sensitivity.
 """)
 PROVENANCE_FIELDS = _table("""
     git_sha   str | None  git commit of quantdyn that wrote the row.
@@ -192,6 +193,7 @@ ERRORS_FIELDS = _table("""
                                         within_noise_floor); None when no floor was measured.
     delta_ce_floor_z      float | None  z of Δ CE − floor_delta_ce, paired over windows (None: no floor).
     window_delta          list[float]   Per-window Δ CE (7 decimals), in window order: what paired differences pair.
+    window_kl             list[float]   Per-window mean KL(FP ‖ Q) (7 significant digits), in window order: pairs KLs.
     quant_repeats         int           R, how many times the quantization was repeated (1 when absent).
     repeat_vary           str | None    What changed between repeats: draw (calibration windows), order, both.
     delta_ce_repeats      list[float]   Δ CE of each repeat (R > 1 only).
@@ -218,7 +220,8 @@ FLOOR_METRICS = ("ce_q", "delta_ce", "delta_ce_se", "rel_delta_ce", "delta_ppl",
                  "top1_agree", *(f"top{k}_agree" for k in range(2, 6)), *(f"top{k}_agree_se" for k in range(1, 6)),
                  "delta_p", "delta_p_se",
                  "delta_p_rms", "delta_p_rms_se", "delta_p_p1", "delta_p_p99", "logprob_corr", "kl_by_confidence",
-                 "confidence_fraction", "n_windows", "n_tokens", "window_delta", "block_rel_fro", "block_cos_err",
+                 "confidence_fraction", "n_windows", "n_tokens", "window_delta", "window_kl", "block_rel_fro",
+                 "block_cos_err",
                  "block_sqnr")
 """The error fields a noise floor carries (as ``floor_<field>`` in the fp row)."""
 FLOOR_FIELDS = (
@@ -308,9 +311,47 @@ SCALING_FIELDS = _table("""
     points                     list[dict]  The (N, D, loss) points fitted.
 """)
 
+PLAN_FIELDS = _table("""
+    plan_types                  dict | None   A per-tensor plan's type of every quantized layer ({layer: type}).
+    plan_label                  str | None    auto@ quantizers: the plan they allocated on this checkpoint (plan:auto#<digest>).
+    plan_digest                 str | None    Digest of that plan's assignment.
+    plan_bits_per_weight        float | None  Its bits per weight as planned (the row's bits_per_weight is the measured).
+    plan_predicted_kl           float | None  The allocator's additive prediction of the mean KL per token.
+    plan_predicted_kl_joint     float | None  The sensitivity pass's prediction of the plan with the tensors'
+                                              interactions.
+    plan_predicted_kl_joint_se  float | None  Its SE over the sensitivity windows.
+    plan_allocator              str | None    knapsack-dp (exact) or lagrangian+greedy (quantize/allocate.py).
+    t_sensitivity               float | None  Seconds of the sensitivity pass the allocation used.
+""")
+SENSITIVITY_FIELDS = _table("""
+    scope                 str           What one sensitivity row quantizes: tensor (one linear), group (a block's
+                                        attn or mlp linears together) or model (every linear at one type).
+    tensor                str           The linear's full name, the group (<block>.attn / <block>.mlp) or all.
+    block                 int | None    Its decoder block (None for the whole model).
+    tensor_group          str           attn, mlp, other or all.
+    layer_path            str           The linear's path inside its block.
+    type                  str           The candidate type (a quantizer label, or f16).
+    n_weights             int           Weights quantized.
+    kl_pred               float         Predicted mean KL(FP ‖ Q) per sensitivity token when only these weights are
+                                        quantized at this type (engine/sensitivity.py: sampled Fisher).
+    kl_pred_se            float         Its SE over the sensitivity windows.
+    kl_pred_additive      float | None  Group and model rows: the sum of their tensors' own kl_pred (no interactions).
+    layer_loss            float | None  ½ tr(ΔW H ΔWᵀ) with the FP input statistics (the cheap proxy).
+    fisher_diag           float | None  ½ Σ F_ii ΔW_i² per token with the diagonal Fisher (the other proxy).
+    rho_layer_loss        float | None  Model rows: Spearman of layer_loss with kl_pred over every tensor and type.
+    rho_fisher_diag       float | None  Model rows: Spearman of fisher_diag with kl_pred over every tensor and type.
+    rho_layer_loss_type   float | None  Model rows: Spearman of layer_loss with kl_pred across tensors at this type.
+    rho_fisher_diag_type  float | None  Model rows: Spearman of fisher_diag with kl_pred across tensors at this type.
+    sens_tokens           int           Tokens of the sensitivity windows (the calibration windows).
+    sens_draws            int           Labels drawn per sequence.
+    sens_seconds          float         Seconds of the whole sensitivity pass of this checkpoint.
+    sens_types            list[str]     The candidate types of the pass.
+""")
+
 GROUPS: tuple[tuple[Field, ...], ...] = (
     IDENTITY_FIELDS, PROVENANCE_FIELDS, CHECKPOINT_FIELDS, DATA_FIELDS, QUANTIZER_FIELDS, ERRORS_FIELDS, FLOOR_FIELDS,
-    QUANTIZE_COMMAND_FIELDS, QAT_FIELDS, ANALYSIS_FIELDS, ACCURACY_FIELDS, INTERPOLATION_FIELDS, SCALING_FIELDS)
+    QUANTIZE_COMMAND_FIELDS, QAT_FIELDS, ANALYSIS_FIELDS, ACCURACY_FIELDS, INTERPOLATION_FIELDS, SCALING_FIELDS,
+    PLAN_FIELDS, SENSITIVITY_FIELDS)
 FIELDS: dict[str, Field] = {f.name: f for group in GROUPS for f in group}
 """Every field of every row kind, by name."""
 
@@ -359,7 +400,7 @@ PTQ = ROW_KINDS.add("ptq", RowKind(
            "(R repeats of the quantization averaged when quant_repeats > 1).",
     "sweep/sweep.py, sweep/quantize_one.py (engine/rows.py ptq_fields)",
     "row_key(checkpoint, ptq_what = 'ptq:<config hash>:<calib hash>[:R<R>:<vary>]', eval_hash)",
-    _names(*_MEASURED, QUANTIZER_FIELDS, ERRORS_FIELDS, QUANTIZE_COMMAND_FIELDS)))
+    _names(*_MEASURED, QUANTIZER_FIELDS, ERRORS_FIELDS, QUANTIZE_COMMAND_FIELDS, PLAN_FIELDS)))
 FP = ROW_KINDS.add("fp", RowKind(
     "fp", "The full-precision CE of one checkpoint on the evaluation windows, and its bf16 noise floor "
           "(floor_<field>, when measured).", "sweep/sweep.py (engine/rows.py floor_fields)",
@@ -387,6 +428,12 @@ SCALING = ROW_KINDS.add("scaling", RowKind(
     "scaling", "A scaling-law fit of FP or QAT losses over model sizes and token budgets.",
     "studies/scaling.py", "sha256 of (group, precision, the fitted points)",
     _names(IDENTITY_FIELDS, PROVENANCE_FIELDS, SCALING_FIELDS, only=("alpha",))))
+SENSITIVITY = ROW_KINDS.add("sensitivity", RowKind(
+    "sensitivity", "One checkpoint's predicted KL when one linear (scope tensor), one tensor group (group) or every "
+                   "linear (model) is quantized at one candidate type, with the cheap proxies.",
+    "sweep/sweep.py, sweep/allocate_one.py (engine/sensitivity.py Sensitivity.rows)",
+    "row_key(checkpoint, 'sens:<types>:<calib hash>:<draws>:<scope>:<tensor>:<type>', '')",
+    _names(*_MEASURED, SENSITIVITY_FIELDS)))
 
 
 def _pattern(name: str) -> re.Pattern:

@@ -233,6 +233,9 @@ def window_values(row: Mapping, metric: str = "delta_ce",
     """The per-window values of ``metric`` of a row: ``window_delta`` for delta_ce; for ce_q (the quantized
     model's CE) the FP window CE of the row's checkpoint (``fp_windows[checkpoint]``) plus window_delta.
     None when the row does not carry them."""
+    if metric == "kl":  # KL(FP ‖ Q) per window (rows since the sensitivity work; None before)
+        wk = row.get("window_kl")
+        return np.asarray(wk, dtype=np.float64) if wk else None
     wd = row.get("window_delta")
     if not wd:
         return None
@@ -254,16 +257,17 @@ def paired_difference(a: Mapping, b: Mapping, metric: str = "delta_ce",
     the same windows (:func:`same_windows`), else the rows' ``delta_ce_se`` in quadrature.
     metric = ce_q: per-window CE(q) = FP window CE (``fp_windows[checkpoint]``) + window_delta, paired the
     same way; without FP windows the FP CE's own SEs (``ce_fp_se``: window-to-window spread, much larger
-    than a paired SE) stand in."""
-    if metric not in ("delta_ce", "ce_q"):
-        raise ValueError(f"paired_difference of {metric!r}: delta_ce or ce_q")
+    than a paired SE) stand in. metric = kl: the per-window KL(FP ‖ Q) (``window_kl``) paired the same way,
+    else the rows' ``kl_se`` in quadrature (the run-to-run part is Δ CE's, the only one rows measure)."""
+    if metric not in ("delta_ce", "ce_q", "kl"):
+        raise ValueError(f"paired_difference of {metric!r}: delta_ce, ce_q or kl")
     d = float(a[metric]) - float(b[metric])
     wa, wb = window_values(a, metric, fp_windows), window_values(b, metric, fp_windows)
     paired = wa is not None and wb is not None and len(wa) == len(wb) and len(wa) > 1 and same_windows(a, b)
     if paired:
         eval_se = mean_se(wa - wb)[1]
     else:
-        se_key = "delta_ce_se" if metric == "delta_ce" else "ce_fp_se"
+        se_key = {"delta_ce": "delta_ce_se", "kl": "kl_se"}.get(metric, "ce_fp_se")
         eval_se = math.hypot(number(a.get(se_key)) or 0.0, number(b.get(se_key)) or 0.0)
     runs = [u.run_se for u in (uncertainty(dict(a)), uncertainty(dict(b))) if u.run_se is not None]
     run_se = math.sqrt(sum(r * r for r in runs)) if runs else None

@@ -21,6 +21,7 @@ from quantdyn.data.prepare import DataConfig, prepare_data
 from quantdyn.engine.lazy_model import LazyModel, compute_dtype_of
 from quantdyn.engine.measure import MeasureConfig, check_budget, measure
 from quantdyn.engine.rows import calibration_draws, ptq_fields, repeat_labels
+from quantdyn.engine.sensitivity import check_quantizers_fit
 from quantdyn.engine.streams import parse_bytes
 from quantdyn.engine.writer import ExportSink, QuantizedCheckpointWriter
 from quantdyn.errors import QuantdynError
@@ -205,6 +206,7 @@ def quantize_one(
     weights = open_checkpoint(model_ref)  # validated before any data is prepared
     source = LazyModel(weights, compute_dtype_of(cfg.dtype), dev)
     check_budget(source, parse_bytes(cfg.max_memory))  # a budget too small for the model: refused before the data
+    check_quantizers_fit(qcs, source)  # a plan made for another model, an auto@ budget out of reach: before any work
     # the writer first: what an export cannot hold is refused before any data is tokenized
     writer = None
     if out is not None and export:

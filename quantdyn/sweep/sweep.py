@@ -30,6 +30,7 @@ from quantdyn.config import config_hash, from_dict, to_dict
 from quantdyn.data.prepare import DataConfig, TokenData, prepare_data
 from quantdyn.engine.measure import MeasureConfig, measure
 from quantdyn.engine.rows import REPEAT_VARY, calibration_draws, floor_fields, ptq_fields, ptq_what, repeat_labels
+from quantdyn.engine.sensitivity import SensitivityConfig, check_quantizers_fit, measure_sensitivity
 from quantdyn.errors import QuantdynError, unknown_name
 from quantdyn.models.hf_io import checkpoint_hash, load_causal_lm
 from quantdyn.progress import progress as counted
@@ -51,6 +52,7 @@ from quantdyn.sources.trajectory import (
 )
 from quantdyn.sweep.accuracy import accuracy_rows_for_point, quantized_twin
 from quantdyn.sweep.analysis_rows import AnalysisConfig, analysis_rows, check_analysis_names
+from quantdyn.sweep.allocate_one import sensitivity_rows
 from quantdyn.train.config import load_run_config
 from quantdyn.train.qat import QATConfig, QATDeployed
 
@@ -135,6 +137,13 @@ class SweepConfig:
     float32, where it costs one extra block pass; not where they compute in bf16/fp16 (a bf16 checkpoint on a GPU or
     a CPU with bf16 units), where its blocks run in float32 and cost more than the rest of the measurement
     (BENCHMARKS.md, "The floor"): true measures it there too."""
+    sensitivity: tuple[str, ...] = ()
+    """Candidate types of a per-tensor sensitivity pass at every checkpoint (engine/sensitivity.py), e.g. [q3_k,
+    q4_k, q5_k, q6_k]: rows of kind sensitivity, one per tensor, tensor group and the whole model x type, on the
+    calibration windows; the report maps them along training. () = none."""
+    sensitivity_draws: int = 2
+    """Labels drawn from the model per sequence in the sensitivity pass (each adds one backward pass)."""
+
     def __post_init__(self):
         if self.quant_repeats < 1:
             raise QuantdynError(f"sweep quant_repeats={self.quant_repeats} must be >= 1")
@@ -142,6 +151,12 @@ class SweepConfig:
             raise unknown_name("sweep repeat_vary", self.repeat_vary, REPEAT_VARY)
         if self.eval_group < 1:
             raise QuantdynError(f"sweep eval_group={self.eval_group} must be >= 1 (quantized copies held at once)")
+        if self.sensitivity:
+            from quantdyn.sweep.allocate_one import check_types
+
+            object.__setattr__(self, "sensitivity", check_types(self.sensitivity))
+        if self.sensitivity_draws < 1:
+            raise QuantdynError(f"sweep sensitivity_draws={self.sensitivity_draws} must be >= 1")
 
 
 def parse_shard(text: str | None) -> tuple[int, int]:
@@ -246,6 +261,9 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True,
     mine = [p for k, p in enumerate(points) if k % n == i]
     # offline, revisions that still need work must be cached: one line before any work (measured ones may be gone)
     require_available([p for p in mine if not p.is_local and not _point_done(ctx, p)])
+    first = next((p for p in mine if p.is_local), None)
+    if first is not None:  # a plan made for another model, an auto@ budget out of reach: one line before any work
+        check_quantizers_fit(qcfgs, open_checkpoint(first.ref))
     keep = points[0].ref  # the tokenizer's revision: never evicted
     desc = "sweep" if n == 1 else f"sweep shard {i}/{n}"  # the --shard i/n spelling
     for p in counted(mine, desc=desc, enabled=progress, unit="ckpt"):
@@ -324,15 +342,17 @@ def _point_keys(ctx: _SweepContext, p: Point):
     acc_keys = {label: row_key(hp, f"acc:{config_hash(qc)}:{ctx.calib_hash}:{','.join(cfg.eval_tasks)}:"
                                    f"{cfg.eval_fewshot}:{cfg.eval_limit}", ctx.eval_hash)
                 for label, qc in ctx.qcfgs.items()} if cfg.eval_tasks else {}
-    todo = [fp_key, *q_keys.values(), *a_keys.values(), *([qat_key] if qat_key else [])]
+    sens_key = row_key(hp, f"sens:{','.join(cfg.sensitivity)}:{ctx.calib_hash}:{cfg.sensitivity_draws}",
+                       ctx.eval_hash) if cfg.sensitivity else None
+    todo = [fp_key, *q_keys.values(), *a_keys.values(), *([qat_key] if qat_key else []), *([sens_key] if sens_key else [])]
     done = all(k in ctx.done for k in todo) and all(k in ctx.acc_done for k in acc_keys.values())
-    return h, base, fp_key, q_keys, qat_cfg, qat_key, a_keys, acc_keys, todo, done
+    return h, base, fp_key, q_keys, qat_cfg, qat_key, a_keys, acc_keys, sens_key, todo, done
 
 
 def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
     """Measure one checkpoint: the rows it still lacks. Returns (written, skipped)."""
     cfg = ctx.cfg
-    h, base, fp_key, q_keys, qat_cfg, qat_key, a_keys, acc_keys, todo, done = _point_keys(ctx, p)
+    h, base, fp_key, q_keys, qat_cfg, qat_key, a_keys, acc_keys, sens_key, todo, done = _point_keys(ctx, p)
     if done:
         return 0, len(todo)
     written = skipped = 0
@@ -392,6 +412,11 @@ def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
         written += len(ctx.store.append_new(rows))
         for label, weights_q in collect.items():
             written += _append_accuracy(ctx, p, label, weights_q, acc_keys[label], base)
+    if sens_key is not None:
+        if sens_key in ctx.done:
+            skipped += 1
+        else:
+            written += _append_sensitivity(ctx, weights, sens_key, f"{h}:{p.run}:{p.branch}:{p.step}", base)
     for name, key in a_keys.items():
         if key in ctx.done:
             skipped += 1
@@ -401,6 +426,18 @@ def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
         written += len(ctx.store.append_new([{"key": key, "kind": ANALYSIS.name, "analysis": name, **base, **vals,
                                                **provenance()}]))
     return written, skipped
+
+
+def _append_sensitivity(ctx: _SweepContext, weights, sens_key: str, point: str, base: dict) -> int:
+    """The sensitivity rows of one checkpoint (engine/sensitivity.py) on the calibration windows, appended together;
+    the marker row (scope ``model``, first type) carries ``sens_key`` so that a rerun skips the checkpoint."""
+    cfg = ctx.cfg
+    sens = measure_sensitivity(weights, cfg.sensitivity, ctx.calib_draws[0], device=ctx.device,
+                               cfg=SensitivityConfig(draws=cfg.sensitivity_draws))
+    rows = sensitivity_rows(sens, point, ctx.calib_hash, {**base, **provenance()})
+    marker = next(r for r in rows if r["scope"] == "model")
+    marker["key"] = sens_key
+    return len(ctx.store.append_new(rows))
 
 
 def _append_accuracy(ctx: _SweepContext, p: Point, label: str, weights_q: dict, acc_key: str, base: dict) -> int:

@@ -25,6 +25,7 @@ from quantdyn.files import atomic_dir, link_or_copy, share_if_identical, write_j
 from quantdyn.models.causal_lm import run_model
 from quantdyn.runs import (
     BRANCH_PARENT,
+    COOLDOWN_EXPERIMENT,
     META,
     STATE,
     WEIGHTS,
@@ -182,7 +183,7 @@ def cooldown_from_checkpoint(
     rd = RunDir(out)
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(rd.config, dump_yaml(record))
-    write_json_atomic(rd.info, {**rd.read_info(), "name": record.name, "kind": "checkpoint-cooldowns",
+    write_json_atomic(rd.info, {**rd.read_info(), "name": record.name, "kind": COOLDOWN_EXPERIMENT,
                                 "source": {"model": parent.model.hf, **source},
                                 "optimizer_start": to_dict(parent.optimizer_start)})
     paths = []
@@ -206,7 +207,7 @@ def _check_out(out: Path, parent: RunConfig) -> None:
     if rd.is_run:
         before, now = _experiment(load_run_config(out)), _experiment(parent)
         diff = next((k for k in EXPERIMENT_KEYS if before[k] != now[k]), None)
-        if rd.read_info().get("kind") != "checkpoint-cooldowns" or diff is not None:
+        if rd.kind != COOLDOWN_EXPERIMENT or diff is not None:
             what = f"{diff}: {before[diff]!r} there, {now[diff]!r} now" if diff else "a training run"
             raise QuantdynError(f"--out '{out}' already holds a different experiment ({what}); choose another --out "
                                 "or repeat its own settings to continue it")
