@@ -15,8 +15,8 @@ seconds and ratios from one run of this script (per-layer numbers: best of
 ``--repeat`` calls; on a shared machine they are noisy).
 
 ``--batched``: several weights in one column loop (``gptq_batch``: gptq4 and gptq3 of Pythia-160M's layers, each
-with its own Hessian; SmolLM-135M's q/k/v and gate/up, which share one) against one ``gptq`` call per weight, with
-a check that the codes are the same.
+with its own Hessian; SmolLM-135M's q/k/v and gate/up, which share one, for both and for gptq4 alone — the CPU's
+default) against one ``gptq`` call per weight, with a check that the codes are the same.
 
 ``--device cuda``: the per-layer times on the GPU (threads do not apply; the textbook version is
 skipped), then whole-model GPTQ 4-bit g128 of each ``--model-sizes`` shape (Pythia shapes with
@@ -182,17 +182,20 @@ BATCH_CASES = {
     "160m 4h_to_h x2q": [(768, 3072)],
     # SmolLM-135M's q/k/v and gate/up: one input, one Hessian (stacked rows), for gptq4 and gptq3
     "135m q/k/v x2q": [(576, 576), (192, 576), (192, 576)], "135m gate/up x2q": [(1536, 576), (1536, 576)],
+    # the same for gptq4 alone: what a CPU batches by default (stacked layers, one loop per quantizer)
+    "135m q/k/v x1q": [(576, 576), (192, 576), (192, 576)], "135m gate/up x1q": [(1536, 576), (1536, 576)],
 }
 
 
-def batch_problems(shapes: list[tuple[int, int]], device: torch.device) -> list[tuple]:
-    """gptq4 and gptq3 of weights of ``shapes`` that share one input (one Hessian per quantizer)."""
+def batch_problems(shapes: list[tuple[int, int]], device: torch.device, both: bool = True) -> list[tuple]:
+    """gptq4 and gptq3 (``both``; else gptq4 alone) of weights of ``shapes`` that share one input (one Hessian per
+    quantizer)."""
     C = shapes[0][1]
     _, H4 = layer_inputs(8, C, seed=1)
     _, H3 = layer_inputs(8, C, seed=2)
     Ws = [layer_inputs(R, C, seed=10 + i)[0] for i, (R, _) in enumerate(shapes)]
-    return [(W.to(device), H.to(device), QuantConfig(bits=b, group_size=128)) for H, b in ((H4, 4), (H3, 3))
-            for W in Ws]
+    return [(W.to(device), H.to(device), QuantConfig(bits=b, group_size=128))
+            for H, b in ((H4, 4), (H3, 3))[: 2 if both else 1] for W in Ws]
 
 
 def bench_batched(args, device: torch.device) -> list[dict]:
@@ -206,7 +209,7 @@ def bench_batched(args, device: torch.device) -> list[dict]:
           + (" | the same with CUDA graphs" if graphs else ""))
     rows = []
     for name, shapes in cases.items():
-        problems = batch_problems(shapes, device)
+        problems = batch_problems(shapes, device, both=name.endswith("x2q"))
         gptq_batch(problems[:1])  # warm-up
 
         def each(graph: bool):
