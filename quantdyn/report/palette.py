@@ -60,6 +60,8 @@ QUANTIZER_COLORS: dict[str, str] = {
     "nf4": "#01665e",
     "nvfp4": "#6a3d9a",
     "mxfp4": "#b2abd2",
+    # rtn4 weights with 4-bit activations: a green apart from rtn4's cyan
+    "w4a4": "#1a9850",
 }
 """Fixed colours of the common canonical labels (``<method><bits>`` with the default group size 128, and the
 deployment formats); a format's ``-imatrix`` variant is its colour lightened."""
