@@ -109,7 +109,7 @@ def floor_child(ckpt: str, tokens: str, quantizers: list[str], dtype: str, eval_
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
-    from quantdyn.quantize.config import parse_quantizer
+    from quantdyn.quantize.catalogue import parse_quantizer
     from quantdyn.quantize.gptq import gptq, hessian_update
     from quantdyn.quantize.primitives import num_threads
     from quantdyn.quantize.rtn import rtn

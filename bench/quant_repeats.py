@@ -89,7 +89,7 @@ def spread(ck: Path, data_cfg, repeats: int, vary: str, windows: int) -> dict:
     from quantdyn.data.prepare import prepare_data
     from quantdyn.engine.measure import MeasureConfig, measure
     from quantdyn.engine.rows import calibration_draws, ptq_fields, repeat_labels
-    from quantdyn.quantize.config import parse_quantizer
+    from quantdyn.quantize.catalogue import parse_quantizer
 
     data = prepare_data(data_cfg, progress=False)
     draws = calibration_draws(data, 32, 128, 0, repeats, vary)

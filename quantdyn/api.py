@@ -46,7 +46,7 @@ from quantdyn.engine.walk import quantize_model
 from quantdyn.errors import QuantdynError
 from quantdyn.models.hf_io import load_causal_lm, load_gpt, save_hf
 from quantdyn.monitor import PTQMonitor, hooks_for
-from quantdyn.quantize.config import QuantConfig, parse_quantizer
+from quantdyn.quantize.catalogue import QuantConfig, parse_quantizer
 from quantdyn.results.store import ResultStore
 from quantdyn.results.tables import load as load_results
 from quantdyn.results.tables import to_parquet

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from quantdyn.engine.measure import MeasureConfig, measure
-from quantdyn.engine.writer import ExportSink
+from quantdyn.engine.sinks import ExportSink
 from quantdyn.errors import QuantdynError
 from quantdyn.export import check_exportable, open_export, push_to_hub, read_export
 from quantdyn.export.packing import pack_rows, unpack_rows

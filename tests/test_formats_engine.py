@@ -14,7 +14,7 @@ from quantdyn.engine.walk import quantize_model
 from quantdyn.errors import QuantdynError
 from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config
 from quantdyn.quantize import float_formats as ff
-from quantdyn.quantize.config import QUANTIZERS, grid_bits_per_weight, parse_quantizer
+from quantdyn.quantize.catalogue import QUANTIZERS, grid_bits_per_weight, parse_quantizer
 
 LABELS = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q3_k_m", "q4_k_m",
           "q5_k_m", "q4_k-imatrix", "q4_k_m-imatrix", "fp8", "fp8-channel", "w8a8-fp8", "nf4", "mxfp4", "nvfp4"]

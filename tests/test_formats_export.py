@@ -20,7 +20,7 @@ from formats_models import LLAMA, NEOX, WINDOWS, build_checkpoint, build_model
 from quantdyn.engine.lazy_model import LazyModel
 from quantdyn.engine.measure import measure
 from quantdyn.engine.walk import quantize_model
-from quantdyn.engine.writer import ExportSink
+from quantdyn.engine.sinks import ExportSink
 from quantdyn.errors import QuantdynError
 from quantdyn.models.gpt import logits_of
 from quantdyn.models.weights import CheckpointWeights

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from quantdyn.errors import QuantdynError
 from quantdyn.quantize import gguf as qg
 from quantdyn.quantize import gguf_mixes
-from quantdyn.quantize.config import TensorSite, config_for_tensor, parse_quantizer
+from quantdyn.quantize.catalogue import TensorSite, config_for_tensor, parse_quantizer
 from quantdyn.quantize.formats import imatrix_from_stats
 from quantdyn.quantize.gptq import stats_update
 
@@ -174,7 +174,7 @@ def test_a_block_type_is_one_consistent_object():
     exactly type_size per block, the fallback is a 32-weight type, file types are distinct, and the GGUF
     export and the quantizer catalogue list every registered type."""
     from quantdyn.export.gguf import _file_type
-    from quantdyn.quantize.config import QUANTIZERS
+    from quantdyn.quantize.catalogue import QUANTIZERS
 
     W = torch.randn(2, 512, generator=torch.Generator().manual_seed(5)) * 0.03
     file_types = set()

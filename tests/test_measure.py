@@ -26,7 +26,7 @@ from quantdyn.evaluate.quant_error import compare_many
 from quantdyn.models.adapters import adapter_for, get_weight, set_weight
 from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config
 from quantdyn.models.hf_io import load_causal_lm, save_hf
-from quantdyn.quantize.config import QUANTIZERS, parse_quantizer
+from quantdyn.quantize.catalogue import QUANTIZERS, parse_quantizer
 from quantdyn.quantize.gptq import stats_update
 from quantdyn.sources.hub import open_checkpoint
 

@@ -21,7 +21,7 @@ from quantdyn.engine.measure import measure
 from quantdyn.errors import QuantdynError
 from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config
 from quantdyn.monitor import PTQMonitor, causal_lm_of, hooks_for
-from quantdyn.quantize.config import parse_quantizer
+from quantdyn.quantize.catalogue import parse_quantizer
 from quantdyn.train.checkpoint import read_metrics
 from quantdyn.train.config import RunConfig
 from quantdyn.progress import Progress

@@ -16,7 +16,7 @@ from quantdyn.engine.rows import storage_fields
 from quantdyn.errors import QuantdynError
 from quantdyn.quantize import gguf as qg
 from quantdyn.quantize.allocate import allocate
-from quantdyn.quantize.config import QuantConfig, parse_quantizer
+from quantdyn.quantize.catalogue import QuantConfig, parse_quantizer
 from quantdyn.quantize.plan import Plan, PlanTensor, check_types_fit, plan_of, type_bits_per_weight, write_plan
 
 
@@ -178,12 +178,12 @@ def test_registry_families_make_entries_on_first_use_and_are_not_listed():
 
 
 def test_declaring_the_plan_families_loads_no_quantizer_and_no_torch():
-    """plan: and auto@ are declared with QUANTIZERS (quantize/config.py) without importing their module or the
+    """plan: and auto@ are declared with QUANTIZERS (quantize/catalogue.py) without importing their module or the
     built-in quantizers: label parsing of every other label stays torch-free (tests/test_quiet_start.py)."""
     import subprocess
     import sys
 
-    code = ("import sys; from quantdyn.quantize.config import QUANTIZERS, parse_quantizer; parse_quantizer('gptq4'); "
+    code = ("import sys; from quantdyn.quantize.catalogue import QUANTIZERS, parse_quantizer; parse_quantizer('gptq4'); "
             "print('auto@4:q4_0,q8_0' in QUANTIZERS, 'plan:x.json' in QUANTIZERS, QUANTIZERS.loaded, "
             "'torch' in sys.modules, 'quantdyn.quantize.plan' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -19,7 +19,7 @@ from test_export import _NEEDS, Walked, _ids, _tiny, check_export_loads
 
 from quantdyn.engine.lazy_model import LazyModel
 from quantdyn.engine.measure import measure
-from quantdyn.engine.writer import ExportSink
+from quantdyn.engine.sinks import ExportSink
 from quantdyn.export.llama_quantize import llama_quantize_args, tensor_type_lines
 from quantdyn.models.weights import CheckpointWeights
 from quantdyn.quantize.plan import Plan, PlanTensor, read_plan, write_plan
@@ -60,7 +60,7 @@ def int_plan(tmp_path_factory):
     pytest.param(SYM_TYPES, id="symmetric"),
     pytest.param(INT_TYPES, id="asymmetric", marks=pytest.mark.xfail(strict=True, reason=(
         "transformers 5.24 loads asymmetric compressed-tensors checkpoints through its dequantize path "
-        "(quantization_config 'dequantize': true, export/formats.py), and that path decompresses every dense module "
+        "(quantization_config 'dequantize': true, export/layouts.py), and that path decompresses every dense module "
         "with ONE config group's scheme (integrations/compressed_tensors.get_dense_scheme): a second asymmetric "
         "scheme's packed zero points come out the wrong size (vLLM and compressed-tensors themselves read the "
         "groups per module)"))),

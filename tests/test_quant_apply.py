@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from quantdyn.engine.measure import MeasureConfig, measure
 from quantdyn.engine.walk import quantize_model
-from quantdyn.engine.writer import QuantizedCheckpointWriter
+from quantdyn.engine.sinks import QuantizedCheckpointWriter
 from quantdyn.errors import QuantdynError
 from quantdyn.models.adapters import ADAPTERS, adapter_for, get_weight
 from quantdyn.models.gpt import GPT, ModelConfig, logits_of, resolve_model_config

@@ -152,7 +152,7 @@ def test_top_k_agreement_is_the_same_tokens_in_the_same_order():
 
 def test_fp_against_itself_is_zero_error_and_the_floor_is_small():
     from quantdyn.engine.measure import MeasureConfig, measure
-    from quantdyn.quantize.config import BlockTransform
+    from quantdyn.quantize.catalogue import BlockTransform
 
     class Untouched(BlockTransform):
         name = "untouched"

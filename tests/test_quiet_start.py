@@ -111,7 +111,7 @@ def test_the_catalogue_file_is_the_registry():
     """quantize/catalogue.json (what a label is parsed against before the quantizers' modules are imported) lists
     every built-in quantizer of the registry with its format spec: `python tools/quantizer_catalogue.py` rewrites
     it after a quantizer or format is added."""
-    from quantdyn.quantize.config import CATALOGUE_FILE
+    from quantdyn.quantize.catalogue import CATALOGUE_FILE
 
     assert CATALOGUE_FILE.read_text() == _catalogue_tool().catalogue_text(), \
         "quantdyn/quantize/catalogue.json is out of date: run `python tools/quantizer_catalogue.py`"
@@ -120,7 +120,7 @@ def test_the_catalogue_file_is_the_registry():
 PARSE = """
 from quantdyn.config import to_dict
 from quantdyn.errors import QuantdynError
-from quantdyn.quantize.config import parse_quantizer
+from quantdyn.quantize.catalogue import parse_quantizer
 
 def parse(label):
     try:
@@ -134,7 +134,7 @@ def parse(label):
 def test_labels_parse_the_same_without_and_with_the_registry():
     """Every format label, the methods and a few spellings (presets, flags, -imatrix, -head) and bad labels give the
     same config, canonical label or error in a process without torch as with the quantizers imported."""
-    from quantdyn.quantize.config import QUANTIZERS, format_labels
+    from quantdyn.quantize.catalogue import QUANTIZERS, format_labels
 
     good = sorted(format_labels()) + ["q4_k_m-head", "fp8-nohead", "q4_0-imatrix-head", "gptq3", "rtn4g64",
                                       "awq4-sym", "gptq4-gptqmodel-v5", "gptq3-act-damp0.1", "rtn2g0", "Q4_K_M"]

@@ -114,7 +114,7 @@ def test_deployment_formats_drawn_together_get_colours_told_apart():
     """The formats study draws q4_k_m, q3_k_m, fp8, nf4, nvfp4 and gptq4 in one panel: hashed colours put fp8 and
     q3_k_m on the same purple (2026-11-24), so every registered format has a fixed colour, and those drawn together
     (a study's set; a format and its -imatrix variant) differ by a clear RGB distance."""
-    from quantdyn.quantize.config import QUANTIZERS
+    from quantdyn.quantize.catalogue import QUANTIZERS
 
     formats = [q for q in QUANTIZERS if q not in ("awq", "gptq", "rtn")]
     assert all(q in QUANTIZER_COLORS for q in formats if not q.endswith("-imatrix"))

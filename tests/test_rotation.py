@@ -19,7 +19,7 @@ from quantdyn.engine.measure import measure
 from quantdyn.engine.walk import quantize_model
 from quantdyn.errors import QuantdynError
 from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config
-from quantdyn.quantize.config import QUANTIZERS, format_labels, parse_quantizer
+from quantdyn.quantize.catalogue import QUANTIZERS, format_labels, parse_quantizer
 from quantdyn.quantize.formats import int4_per_token
 from quantdyn.quantize.gptq import gptq, gptq_batch, stats_from
 from quantdyn.quantize.primitives import QuantResult

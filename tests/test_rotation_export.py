@@ -1,4 +1,4 @@
-"""+had exported as compressed-tensors with its transform config (export/formats.py: Rotations), loaded with
+"""+had exported as compressed-tensors with its transform config (export/layouts.py: Rotations), loaded with
 transformers and compressed-tensors' own transform machinery as a user of the library would, and the exports
 that cannot hold a rotation refused in one line before anything is written."""
 from __future__ import annotations
@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from quantdyn.engine.measure import measure
-from quantdyn.engine.writer import ExportSink
+from quantdyn.engine.sinks import ExportSink
 from quantdyn.errors import QuantdynError
 from quantdyn.export import check_exportable, open_export
-from quantdyn.quantize.config import parse_quantizer
+from quantdyn.quantize.catalogue import parse_quantizer
 from quantdyn.quantize.rotation import hadamard_matrix
 
 V = 128

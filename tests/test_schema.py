@@ -67,7 +67,7 @@ def test_ptq_and_fp_fields_of_a_measurement_are_all_documented():
     from quantdyn.engine.measure import MeasureConfig, measure
     from quantdyn.engine.rows import floor_fields, ptq_fields
     from quantdyn.models.gpt import GPT, ModelConfig, resolve_model_config
-    from quantdyn.quantize.config import parse_quantizer
+    from quantdyn.quantize.catalogue import parse_quantizer
 
     torch.manual_seed(0)
     model = GPT(resolve_model_config(ModelConfig(preset="tiny-2x64", vocab_size=64))).eval()

@@ -195,7 +195,7 @@ def test_in_training_monitor_logs_delta_ce(tmp_path, kjv_small):
     from quantdyn.data.prepare import prepare_data
     from quantdyn.engine.walk import quantize_model
     from quantdyn.evaluate.quant_error import compare_models
-    from quantdyn.quantize.config import parse_quantizer
+    from quantdyn.quantize.catalogue import parse_quantizer
 
     data = prepare_data(data_cfg, progress=False)
     fp = load_gpt(run / "checkpoints" / "step-0000008")

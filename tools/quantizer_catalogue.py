@@ -7,14 +7,14 @@ tests/test_quant_config.py fails while the file differs from the registry.
 """
 import json
 
-from quantdyn.quantize.config import CATALOGUE_FILE, catalogue_of_registry
+from quantdyn.quantize.catalogue import CATALOGUE_FILE, catalogue_of_registry
 
 
 def catalogue_text() -> str:
     """The file's text: one quantizer a line, sorted by name."""
     entries = catalogue_of_registry()["quantizers"]
     lines = [f"  {json.dumps(name)}: {json.dumps(entries[name])}" for name in sorted(entries)]
-    return ('{"about": "written by tools/quantizer_catalogue.py from quantdyn.quantize.config.QUANTIZERS",\n'
+    return ('{"about": "written by tools/quantizer_catalogue.py from quantdyn.quantize.catalogue.QUANTIZERS",\n'
             ' "quantizers": {\n' + ",\n".join(lines) + "\n}}\n")
 
 

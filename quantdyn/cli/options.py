@@ -50,7 +50,7 @@ def quantizers(default: Optional[str] = None, more: str = "", panel: Optional[st
 def check_labels(text: Optional[str]) -> Optional[str]:
     """``--quantizers``: every label is parsed while the command line is read, before the command imports torch
     (a mistyped label is one line in a second); returns the text unchanged."""
-    from quantdyn.quantize.config import parse_quantizer
+    from quantdyn.quantize.catalogue import parse_quantizer
 
     for label in split_quantizers(text):
         parse_quantizer(label)

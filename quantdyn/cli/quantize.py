@@ -67,7 +67,7 @@ def quantize(
     The quantizer is a label (--quantizers gptq3, several in one pass: --quantizers gptq3,rtn4) or the long
     flags --method/--bits/--group-size (one of the two, not both).
     """
-    from quantdyn.quantize.config import parse_quantizer, quant_preset  # no torch: a bad quantizer is one quick line
+    from quantdyn.quantize.catalogue import parse_quantizer, quant_preset  # no torch: a bad quantizer is one quick line
 
     if save is not None:
         if out is not None and out != save:

@@ -25,7 +25,7 @@ from quantdyn.engine.phases import PhaseTimer, time_phase
 from quantdyn.errors import QuantdynError
 from quantdyn.models.adapters import get_weight, set_weight
 from quantdyn.models.gpt import GPT
-from quantdyn.quantize.config import QUANTIZERS, QuantConfig, TensorSite, config_for_tensor, grid_bits_per_weight
+from quantdyn.quantize.catalogue import QUANTIZERS, QuantConfig, TensorSite, config_for_tensor, grid_bits_per_weight
 from quantdyn.quantize.gptq import ActStats, gptq_batch, stats_update
 from quantdyn.quantize.primitives import QuantResult, all_finite, num_threads
 from quantdyn.quantize.rotation import (

@@ -45,7 +45,7 @@ from quantdyn.engine.walk import BlockTransform, VariantQuantization, WalkConfig
 from quantdyn.errors import QuantdynError, unknown_name
 from quantdyn.evaluate.quant_error import TOP_K, ErrorTokens, FPLogits, FPTokens, summarize
 from quantdyn.models.weights import CheckpointWeights
-from quantdyn.quantize.config import QuantConfig, parse_quantizer
+from quantdyn.quantize.catalogue import QuantConfig, parse_quantizer
 from quantdyn.quantize.primitives import QuantResult
 from quantdyn.quantize.plan import is_auto
 from quantdyn.quantize.residual_rotation import check_rotations

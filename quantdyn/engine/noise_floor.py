@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from quantdyn.engine.blockwise import block_output
-from quantdyn.quantize.config import BlockTransform
+from quantdyn.quantize.catalogue import BlockTransform
 
 NOISE_FLOOR_LABEL = "__noise_floor__"
 """The floor's label among a measurement's variants (never a quantizer's: labels have no underscores first)."""

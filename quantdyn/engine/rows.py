@@ -23,8 +23,8 @@ import torch
 from quantdyn.config import config_hash
 from quantdyn.engine.measure import MeasureConfig, Measurement
 from quantdyn.errors import unknown_name
-from quantdyn.quantize.config import QuantConfig
-from quantdyn.quantize.config import row_fields as quantizer_fields
+from quantdyn.quantize.catalogue import QuantConfig
+from quantdyn.quantize.catalogue import row_fields as quantizer_fields
 from quantdyn.results.schema import number
 from quantdyn.results.stats import EVAL, combined_se, dominant, floor_difference, mean_se, within_noise_floor
 

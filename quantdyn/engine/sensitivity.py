@@ -56,7 +56,7 @@ from quantdyn.errors import QuantdynError
 from quantdyn.models.adapters import get_weight, model_type_of
 from quantdyn.models.weights import CheckpointWeights
 from quantdyn.quantize.allocate import Allocation, allocate
-from quantdyn.quantize.config import QUANTIZERS, QuantConfig, TensorSite, config_for_tensor, grid_bits_per_weight
+from quantdyn.quantize.catalogue import QUANTIZERS, QuantConfig, TensorSite, config_for_tensor, grid_bits_per_weight
 from quantdyn.quantize.gguf_mixes import tensor_category
 from quantdyn.quantize.gptq import stats_update
 from quantdyn.quantize.plan import (KEEP, Plan, PlanTensor, budget_range, check_candidate, check_plan_budget,

@@ -60,7 +60,7 @@ from quantdyn.engine.streams import Stream, StreamStore, trim_heap
 from quantdyn.errors import QuantdynError
 from quantdyn.evaluate.quant_error import HiddenError
 from quantdyn.models.adapters import model_type_of
-from quantdyn.quantize.config import QUANTIZERS, BlockTransform, QuantConfig, TensorSite, parse_quantizer
+from quantdyn.quantize.catalogue import QUANTIZERS, BlockTransform, QuantConfig, TensorSite, parse_quantizer
 from quantdyn.quantize.residual_rotation import check_rotations, residual_rotated_block, rotate_model
 from quantdyn.quantize.rotation import fold_stats, hadamard_seed
 from quantdyn.quantize.primitives import QuantResult, num_threads

@@ -39,11 +39,11 @@ import numpy as np
 import torch
 
 from quantdyn.errors import QuantdynError
-from quantdyn.export.formats import EXPORT_FORMATS, ExportFormat
+from quantdyn.export.layouts import EXPORT_FORMATS, ExportFormat
 from quantdyn.files import atomic_file
 from quantdyn.quantize import gguf as qg
 from quantdyn.quantize import gguf_mixes
-from quantdyn.quantize.config import QUANTIZERS, QuantConfig, parse_quantizer
+from quantdyn.quantize.catalogue import QUANTIZERS, QuantConfig, parse_quantizer
 from quantdyn.quantize.plan import KEEP, is_auto, parse_auto, plan_of
 from quantdyn.quantize.primitives import QuantResult
 

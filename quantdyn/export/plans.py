@@ -2,7 +2,7 @@
 overrides, compressed-tensors with one config group per scheme, and the llm-compressor recipe that makes the same.
 
 A plan (``plan:FILE`` or ``auto@...``) whose types are integer grids (rtn, gptq: bits x group x symmetry) and f16
-is written layer by layer in the format's own layout (export/formats.py) with each layer's own configuration; what
+is written layer by layer in the format's own layout (export/layouts.py) with each layer's own configuration; what
 differs from one layer to the next goes into the quantization config:
 
 * GPTQ: the configuration covering the most weights is the base (``bits``, ``group_size``, ``sym``,
@@ -21,8 +21,8 @@ import re
 from typing import Mapping
 
 from quantdyn.errors import QuantdynError
-from quantdyn.export.formats import permuted_groups
-from quantdyn.quantize.config import QUANTIZERS, QuantConfig, parse_quantizer
+from quantdyn.export.layouts import permuted_groups
+from quantdyn.quantize.catalogue import QUANTIZERS, QuantConfig, parse_quantizer
 from quantdyn.quantize.plan import KEEP, is_auto, parse_auto, plan_of
 
 LayerConfigs = Mapping[str, "QuantConfig | None"]

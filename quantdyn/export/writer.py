@@ -38,7 +38,7 @@ from typing import Any, Mapping
 import torch
 
 from quantdyn.errors import QuantdynError
-from quantdyn.export.formats import (
+from quantdyn.export.layouts import (
     EXPORT_FORMATS,
     SCALE_DTYPES,
     ExportFormat,
@@ -49,7 +49,7 @@ from quantdyn.export.formats import (
 from quantdyn.export.plans import check_int_plan, ct_groups, gptq_dynamic, is_plan, layer_config, llmcompressor_recipe
 from quantdyn.export.shards import DEFAULT_SHARD_BYTES, Shards, cpu_tensor
 from quantdyn.files import atomic_dir
-from quantdyn.quantize.config import QuantConfig, parse_quantizer
+from quantdyn.quantize.catalogue import QuantConfig, parse_quantizer
 from quantdyn.quantize.primitives import QuantResult, n_groups
 from quantdyn.runtime import git_sha
 

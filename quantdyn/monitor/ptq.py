@@ -33,7 +33,7 @@ from quantdyn.engine.measure import MeasureConfig, measure
 from quantdyn.errors import QuantdynError
 from quantdyn.models.adapters import ADAPTERS
 from quantdyn.models.gpt import GPT
-from quantdyn.quantize.config import QUANTIZERS, QuantConfig, parse_quantizer
+from quantdyn.quantize.catalogue import QUANTIZERS, QuantConfig, parse_quantizer
 from quantdyn.train.loggers import PTQ_CE_FP, PTQ_METRICS, PTQ_SECONDS, TRAIN_LR, TRAIN_TOKENS, MetricLogger, ptq_key
 
 Tokens = Union[torch.Tensor, np.ndarray, Sequence[int]]

@@ -3,9 +3,9 @@ on the grid of ``primitives`` and the deployment formats (``gguf``, ``float_form
 ``formats``), configured by ``QuantConfig``; the engine walks a model block by block.
 
 QUANTIZERS imports the modules that register the built-in quantizers on its first lookup, so that importing
-this package and parsing a label need no torch (``quantize.config``, ``label_catalogue``).
+this package and parsing a label need no torch (``quantize.catalogue``, ``label_catalogue``).
 """
-from quantdyn.quantize.config import PRESETS, QUANTIZERS, QuantConfig, parse_quantizer, quant_preset
+from quantdyn.quantize.catalogue import PRESETS, QUANTIZERS, QuantConfig, parse_quantizer, quant_preset
 
 __all__ = ["PRESETS", "QUANTIZERS", "QuantConfig", "QuantResult", "num_threads", "parse_quantizer", "quant_preset"]
 

@@ -35,7 +35,7 @@ import time
 import torch
 
 from quantdyn.errors import QuantdynError
-from quantdyn.quantize.config import QUANTIZERS, QuantConfig, QuantMethod, compute_dtype
+from quantdyn.quantize.catalogue import QUANTIZERS, QuantConfig, QuantMethod, compute_dtype
 from quantdyn.quantize.gptq import ActStats, stats_from
 from quantdyn.quantize.primitives import (
     QuantResult,

@@ -1,6 +1,6 @@
 """The deployment formats as quantizers: every GGUF block type and mix (``quantize.gguf``) and the float
 formats (``quantize.float_formats``) registered in QUANTIZERS, so that the engine, sweeps, the monitor and
-studies take them like rtn or gptq (labels: see ``quantize.config``, "Deployment formats").
+studies take them like rtn or gptq (labels: see ``quantize.catalogue``, "Deployment formats").
 
 Each entry turns the pure format function's output into a :class:`QuantResult`: the codes, the scale of every
 group, the format's stored fields (``storage``) and its bits per weight. With calibration statistics the
@@ -30,7 +30,7 @@ import torch
 from quantdyn.errors import QuantdynError
 from quantdyn.quantize import float_formats as ff
 from quantdyn.quantize import gguf, gguf_mixes
-from quantdyn.quantize.config import QUANTIZERS, FormatSpec, QuantConfig, QuantMethod, TensorSite
+from quantdyn.quantize.catalogue import QUANTIZERS, FormatSpec, QuantConfig, QuantMethod, TensorSite
 from quantdyn.quantize.gptq import ActStats
 from quantdyn.quantize.primitives import QuantResult, layer_loss
 from quantdyn.quantize.rtn import rtn

@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 import torch
 
 from quantdyn.errors import QuantdynError
-from quantdyn.quantize.config import QUANTIZERS, QuantConfig, QuantMethod, compute_dtype
+from quantdyn.quantize.catalogue import QUANTIZERS, QuantConfig, QuantMethod, compute_dtype
 from quantdyn.quantize.primitives import (
     QuantResult,
     all_finite,

@@ -38,7 +38,7 @@ import torch
 from quantdyn import __version__
 from quantdyn.errors import QuantdynError
 from quantdyn.files import write_text_atomic
-from quantdyn.quantize.config import (QUANTIZERS, FormatSpec, QuantConfig, QuantMethod, TensorSite,
+from quantdyn.quantize.catalogue import (QUANTIZERS, FormatSpec, QuantConfig, QuantMethod, TensorSite,
                                       config_for_tensor, grid_bits_per_weight, parse_quantizer)
 from quantdyn.quantize.gguf import GGML_TYPES
 from quantdyn.quantize.gguf_mixes import MIXES
@@ -373,7 +373,7 @@ def _make_auto_method(label: str) -> QuantMethod:
                        fp_calibration=fp_calibration)
 
 
-# the families themselves are declared with QUANTIZERS (quantize/config.py), which calls these on first use
+# the families themselves are declared with QUANTIZERS (quantize/catalogue.py), which calls these on first use
 make_plan_method, canonical_plan = _make_plan_method, _canonical_plan
 make_auto_method, canonical_auto = _make_auto_method, _canonical_auto
 

@@ -84,7 +84,7 @@ class QuantResult:
     E8M0/E4M3 scale bytes, NF4's double-quantized absmax ...); exporters read these."""
     bits_per_weight: float | None = None
     """Storage bits per weight with the scales, as the format stores it (None: see
-    ``quantize.config.grid_bits_per_weight``)."""
+    ``quantize.catalogue.grid_bits_per_weight``)."""
 
 
 # ----------------------------------------------------------------------------- threads

@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from quantdyn.errors import QuantdynError
 from quantdyn.models.adapters import adapter_for, get_weight, model_type_of
-from quantdyn.quantize.config import QuantConfig
+from quantdyn.quantize.catalogue import QuantConfig
 from quantdyn.quantize.rotation import check_width, rotate
 
 R1_LAYOUTS: dict[str, dict[str, tuple[str, ...]]] = {

@@ -11,7 +11,7 @@ import time
 import torch
 
 from quantdyn.errors import QuantdynError
-from quantdyn.quantize.config import QUANTIZERS, QuantConfig, QuantMethod, compute_dtype
+from quantdyn.quantize.catalogue import QUANTIZERS, QuantConfig, QuantMethod, compute_dtype
 from quantdyn.quantize.primitives import QuantResult, clipped_fraction, layer_loss, rtn_weight
 
 

@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 
 from quantdyn.errors import QuantdynError
-from quantdyn.quantize.config import parse_quantizer
+from quantdyn.quantize.catalogue import parse_quantizer
 from quantdyn.results.schema import number
 from quantdyn.train.checkpoint import read_metrics
 

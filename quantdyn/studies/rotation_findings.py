@@ -31,7 +31,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from quantdyn.quantize.config import parse_quantizer
+from quantdyn.quantize.catalogue import parse_quantizer
 from quantdyn.results.schema import PTQ, number
 from quantdyn.results.stats import (
     Z,

@@ -35,7 +35,7 @@ import yaml
 from quantdyn.config import apply_overrides, from_dict, load_yaml, parse_override
 from quantdyn.errors import QuantdynError, unknown_name
 from quantdyn.launch.grid import parse_vary
-from quantdyn.quantize.config import parse_quantizer
+from quantdyn.quantize.catalogue import parse_quantizer
 from quantdyn.runs import control_branch, cooldown_branch, lawa_name
 from quantdyn.schedules import DECAY_SHAPES
 from quantdyn.sources.trajectory import TrajectoryConfig

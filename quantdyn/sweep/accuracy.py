@@ -35,7 +35,7 @@ from quantdyn.evaluate.lm_eval_tasks import (
 )
 from quantdyn.evaluate.tasks import BUILTIN_TASKS
 from quantdyn.models.hf_io import checkpoint_hash
-from quantdyn.quantize.config import parse_quantizer, row_fields
+from quantdyn.quantize.catalogue import parse_quantizer, row_fields
 from quantdyn.results.schema import ACCURACY
 from quantdyn.results.schema import calib_hash as calib_identity
 from quantdyn.results.stats import mean_se

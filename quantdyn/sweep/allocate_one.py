@@ -26,7 +26,7 @@ from quantdyn.engine.sensitivity import Sensitivity, SensitivityConfig, measure_
 from quantdyn.errors import QuantdynError
 from quantdyn.export.llama_quantize import llama_quantize_args
 from quantdyn.models.hf_io import checkpoint_hash
-from quantdyn.quantize.config import parse_quantizer
+from quantdyn.quantize.catalogue import parse_quantizer
 from quantdyn.quantize.plan import (KEEP, Plan, budget_range, calibration_kind, check_candidate, check_plan_budget,
                                     check_types_fit, write_plan)
 from quantdyn.results.schema import calib_hash as calib_identity

@@ -17,7 +17,7 @@ from quantdyn.engine.measure import MeasureConfig, measure
 from quantdyn.engine.rows import ptq_fields, ptq_what
 from quantdyn.errors import QuantdynError
 from quantdyn.models.hf_io import checkpoint_hash
-from quantdyn.quantize.config import parse_quantizer
+from quantdyn.quantize.catalogue import parse_quantizer
 from quantdyn.results.schema import calib_hash as calib_identity
 from quantdyn.results.schema import INTERPOLATION, row_key
 from quantdyn.results.stats import mean_se

@@ -23,11 +23,11 @@ from quantdyn.engine.measure import MeasureConfig, check_budget, measure
 from quantdyn.engine.rows import calibration_draws, ptq_fields, repeat_labels
 from quantdyn.engine.sensitivity import check_quantizers_fit
 from quantdyn.engine.streams import parse_bytes
-from quantdyn.engine.writer import ExportSink, QuantizedCheckpointWriter
+from quantdyn.engine.sinks import ExportSink, QuantizedCheckpointWriter
 from quantdyn.errors import QuantdynError
 from quantdyn.export import push_to_hub as push
 from quantdyn.models.hf_io import checkpoint_hash
-from quantdyn.quantize.config import QuantConfig, parse_quantizer, quant_preset
+from quantdyn.quantize.catalogue import QuantConfig, parse_quantizer, quant_preset
 from quantdyn.quantize.residual_rotation import check_rotations
 from quantdyn.results.schema import PTQ
 from quantdyn.runtime import git_sha, provenance, resolve_device

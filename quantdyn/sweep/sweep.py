@@ -35,7 +35,7 @@ from quantdyn.engine.sensitivity import SensitivityConfig, check_quantizers_fit,
 from quantdyn.errors import QuantdynError, unknown_name
 from quantdyn.models.hf_io import checkpoint_hash, load_causal_lm
 from quantdyn.progress import progress as counted
-from quantdyn.quantize.config import parse_quantizer
+from quantdyn.quantize.catalogue import parse_quantizer
 from quantdyn.quantize.residual_rotation import check_rotations
 from quantdyn.results.schema import ANALYSIS, FP, PTQ, QAT
 from quantdyn.results.schema import calib_hash as calib_identity

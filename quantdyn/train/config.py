@@ -10,7 +10,7 @@ from quantdyn.data.prepare import DataConfig
 from quantdyn.data.tokenizer import parse_tokenizer_spec
 from quantdyn.errors import QuantdynError, unknown_name
 from quantdyn.models.gpt import ModelConfig
-from quantdyn.quantize.config import parse_quantizer
+from quantdyn.quantize.catalogue import parse_quantizer
 from quantdyn.runs import RunDir
 from quantdyn.schedules import ScheduleConfig
 from quantdyn.train.loggers import LOGGERS

@@ -46,7 +46,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from quantdyn.errors import QuantdynError, unknown_name
-from quantdyn.quantize.config import BlockTransform
+from quantdyn.quantize.catalogue import BlockTransform
 from quantdyn.quantize.primitives import fake_quantize, find_params
 
 METHODS = ("ste", "quest")

@@ -247,7 +247,7 @@ def _same(a, b) -> bool:
 
 def _config_classes():
     from quantdyn.data.prepare import DataConfig
-    from quantdyn.quantize.config import QuantConfig
+    from quantdyn.quantize.catalogue import QuantConfig
     from quantdyn.sweep.sweep import SweepConfig
     from quantdyn.train.config import RunConfig
 
@@ -281,7 +281,7 @@ def test_fuzzed_configs_are_built_or_refused_in_one_line(cls):
     st.sampled_from(["method", "bits", "group_size", "sym", "damp_percent", "block_size", "preset", "name", "frob"]),
     _junk_values(), max_size=4)))
 def test_fuzzed_quantizer_specs(spec):
-    from quantdyn.quantize.config import parse_quantizer
+    from quantdyn.quantize.catalogue import parse_quantizer
 
     TALLY["fuzzed quantizer specs:trials"] += 1
     try:

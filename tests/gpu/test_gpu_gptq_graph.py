@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import quantdyn.quantize.gptq as gptq_mod
-from quantdyn.quantize.config import QuantConfig
+from quantdyn.quantize.catalogue import QuantConfig
 from quantdyn.quantize.gptq import gptq
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from quantdyn.models.gpt import GPT, ModelConfig
-from quantdyn.quantize.config import QuantConfig
+from quantdyn.quantize.catalogue import QuantConfig
 
 SHAPE = ModelConfig(n_layer=2, d_model=128, n_head=4, vocab_size=512, max_seq_len=256)
 

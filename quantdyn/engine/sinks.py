@@ -46,7 +46,7 @@ from quantdyn.files import atomic_dir
 from quantdyn.models.adapters import get_weight, model_type_of
 from quantdyn.models.hf_io import save_hf_into
 from quantdyn.models.weights import CheckpointWeights
-from quantdyn.quantize.config import QuantConfig, parse_quantizer
+from quantdyn.quantize.catalogue import QuantConfig, parse_quantizer
 from quantdyn.quantize.primitives import QuantResult
 
 _COPY_SUFFIXES = (".json", ".model", ".txt", ".tiktoken")

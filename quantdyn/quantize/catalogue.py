@@ -1,4 +1,4 @@
-"""Quantizer configuration, named presets, the QUANTIZERS registry and
+"""The quantizer catalogue: quantizer configuration, named presets, the QUANTIZERS registry and
 short-name parsing ("gptq4", "rtn3g64", "gptq4-gptqmodel", "awq4-sym").
 
 Labels

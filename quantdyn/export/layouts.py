@@ -77,7 +77,7 @@ from quantdyn import __version__
 from quantdyn.config import config_hash, to_dict
 from quantdyn.errors import QuantdynError
 from quantdyn.export.packing import pack_rows
-from quantdyn.quantize.config import QUANTIZERS, QuantConfig
+from quantdyn.quantize.catalogue import QUANTIZERS, QuantConfig
 from quantdyn.quantize.rotation import hadamard_matrix
 from quantdyn.registry import Registry
 
