@@ -57,10 +57,9 @@ from quantdyn.models.adapters import get_weight, model_type_of
 from quantdyn.models.weights import CheckpointWeights
 from quantdyn.quantize.allocate import Allocation, allocate
 from quantdyn.quantize.catalogue import QUANTIZERS, QuantConfig, TensorSite, config_for_tensor, grid_bits_per_weight
-from quantdyn.quantize.gguf_mixes import tensor_category
 from quantdyn.quantize.gptq import stats_update
-from quantdyn.quantize.plan import (KEEP, Plan, PlanTensor, budget_range, check_candidate, check_plan_budget,
-                                    check_types_fit, is_auto, parse_auto, plan_of, register_plan)
+from quantdyn.quantize.plan import (KEEP, ModelTensor, Plan, PlanTensor, budget_range, check_candidate,
+                                    check_plan_budget, check_types_fit, is_auto, parse_auto, plan_of, register_plan)
 from quantdyn.results.schema import SENSITIVITY
 from quantdyn.sources.hub import open_checkpoint
 
@@ -84,30 +83,7 @@ class SensitivityConfig:
                                 f"logits_budget_mb ({self.logits_budget_mb}) must be >= 1")
 
 
-@dataclass(frozen=True)
-class SensTensor:
-    """One linear of the model."""
-
-    name: str
-    """Full name without ``.weight``."""
-    block: int
-    path: str
-    """Path inside the block."""
-    shape: tuple[int, int]
-
-    @property
-    def group(self) -> str:
-        """Its tensor group: ``attn`` or ``mlp`` (by llama.cpp's category), ``other`` for anything else."""
-        cat = tensor_category(self.path)
-        if cat.startswith("attn"):
-            return "attn"
-        if cat.startswith("ffn"):
-            return "mlp"
-        low = self.path.lower()
-        return "attn" if "attn" in low or "attention" in low else "mlp" if "mlp" in low or "ffn" in low else "other"
-
-
-def tensor_group(t: SensTensor) -> str:
+def tensor_group(t: ModelTensor) -> str:
     return f"{t.block}.{t.group}"
 
 
@@ -115,7 +91,7 @@ def tensor_group(t: SensTensor) -> str:
 class Sensitivity:
     """What the pass found on one checkpoint (module docstring)."""
 
-    tensors: list[SensTensor]
+    tensors: list[ModelTensor]
     types: list[str]
     model_type: str
     n_blocks: int
@@ -282,14 +258,14 @@ def _source(model, device: torch.device) -> BlockSource:
     return LazyModel(weights, torch.float32, device)  # gradients in float32 whatever the checkpoint stores
 
 
-def model_tensors(source: BlockSource) -> list[SensTensor]:
+def model_tensors(source: BlockSource) -> list[ModelTensor]:
     """Every quantizable linear of the blocks, from the skeleton (no weight is read)."""
     out = []
     prefix = source.adapter.blocks
     for b, block in enumerate(source.blocks):
         for grp in source.adapter.linear_groups(block):
             for name, m in grp:
-                out.append(SensTensor(f"{prefix}.{b}.{name}", b, name, tuple(get_weight(m).shape)))
+                out.append(ModelTensor(f"{prefix}.{b}.{name}", b, name, tuple(get_weight(m).shape)))
     return out
 
 

@@ -41,7 +41,7 @@ from quantdyn.files import write_text_atomic
 from quantdyn.quantize.catalogue import (QUANTIZERS, FormatSpec, QuantConfig, QuantMethod, TensorSite,
                                       config_for_tensor, grid_bits_per_weight, parse_quantizer)
 from quantdyn.quantize.gguf import GGML_TYPES
-from quantdyn.quantize.gguf_mixes import MIXES
+from quantdyn.quantize.gguf_mixes import MIXES, tensor_category
 from quantdyn.quantize.primitives import QuantResult
 
 PLAN_FORMAT = "quantdyn-plan"
@@ -53,8 +53,8 @@ PLAN_PREFIX, AUTO_PREFIX = "plan:", "auto@"
 
 
 @dataclass(frozen=True)
-class PlanTensor:
-    """One linear of a plan."""
+class ModelTensor:
+    """One block linear of a model: its name, where it sits and its shape (what sensitivity rows and plans name)."""
 
     name: str
     """The layer's full name in the checkpoint, without ``.weight`` (``gpt_neox.layers.0.mlp.dense_4h_to_h``)."""
@@ -64,6 +64,23 @@ class PlanTensor:
     """Its path inside the block (``mlp.dense_4h_to_h``)."""
     shape: tuple[int, int]
     """(out_features, in_features)."""
+
+    @property
+    def group(self) -> str:
+        """Its tensor group: ``attn`` or ``mlp`` (by llama.cpp's category), ``other`` for anything else."""
+        cat = tensor_category(self.path)
+        if cat.startswith("attn"):
+            return "attn"
+        if cat.startswith("ffn"):
+            return "mlp"
+        low = self.path.lower()
+        return "attn" if "attn" in low or "attention" in low else "mlp" if "mlp" in low or "ffn" in low else "other"
+
+
+@dataclass(frozen=True)
+class PlanTensor(ModelTensor):
+    """One linear of a plan: a model tensor and its type."""
+
     type: str
     """The quantizer label it is quantized with (``q4_k``, ``gptq3g64``, ``f16``)."""
 
