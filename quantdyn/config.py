@@ -105,26 +105,25 @@ def moved_keys(cls) -> dict[str, str]:
 
 
 def _move_keys(cls, data: dict[str, Any], where: str) -> dict[str, Any]:
-    """``data`` with the moved keys of ``cls`` put at their new place (the new place given too and different: an
-    error naming both)."""
-    moved = moved_keys(cls)
-    for old in [k for k in data if k in moved]:
-        value = data.pop(old)
-        *parents, leaf = moved[old].split(".")
+    """``data`` with the moved keys of ``cls`` put at their new place (``set_dotted``; the new place given too and
+    different: an error naming both)."""
+    for old, new in moved_keys(cls).items():
+        if old not in data:
+            continue
+        value, path = data.pop(old), new.split(".")
         node = data
-        for part in parents:
-            node[part] = dict(node.get(part) or {})
-            node = node[part]
-        if leaf in node and node[leaf] != value:
+        for part in path[:-1]:
+            node = node.get(part) if isinstance(node.get(part), dict) else {}
+        if path[-1] in node and node[path[-1]] != value:
             at = f"{where}." if where else ""
-            raise QuantdynError(f"config keys '{at}{old}' and '{at}{moved[old]}' are the same setting with different "
-                                f"values ({value!r} and {node[leaf]!r}); keep '{at}{moved[old]}'")
-        node[leaf] = value
+            raise QuantdynError(f"config keys '{at}{old}' and '{at}{new}' are the same setting with different "
+                                f"values ({value!r} and {node[path[-1]]!r}); keep '{at}{new}'")
+        data = set_dotted(data, path, value)
     return data
 
 
 @functools.lru_cache(maxsize=None)
-def field_docs(cls_or_path, name: str | None = None) -> dict[str, str]:
+def field_docs(cls_or_path) -> dict[str, str]:
     """``{field: its docstring on one line}`` of a config dataclass, read from its source text without importing
     it: ``cls_or_path`` is the class, or ``"package/module.py:ClassName"`` under the quantdyn package (so a
     command's ``-h`` can show a torch-importing module's field docs without importing torch). A field's help is

@@ -72,7 +72,7 @@ def sweep(
 
     The trajectory is a run, checkpoint directories, hub revisions or a public-trajectory preset; rows go to
     the results store, and a rerun skips the rows already there."""
-    from quantdyn.config import from_dict, load_yaml
+    from quantdyn.config import from_dict, load_yaml, set_dotted
     from quantdyn.sweep.sweep import SweepConfig, run_sweep
 
     data = load_yaml(spec) if spec else {}
@@ -108,7 +108,7 @@ def sweep(
     for key, value in (("dtype", dtype), ("max_memory", max_memory), ("spill_dir", spill_dir), ("streams", streams)):
         if value:  # the option wins over the spec's value, wherever the spec put it (SweepConfig.MOVED)
             data.pop(key, None)
-            data["engine"] = {**(data.get("engine") or {}), key: value}
+            data = set_dotted(data, ["engine", key], value)
     if not spec and not traj:
         raise QuantdynError("give a sweep spec YAML or a trajectory (--run, --checkpoint, --hub or --preset)")
     cfg = from_dict(SweepConfig, data)
