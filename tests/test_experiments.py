@@ -77,6 +77,33 @@ def test_overrides_shorthand_order_and_file_errors(tmp_path):
     assert isinstance(demo_spec(), StudySpec) and demo_spec().sweep.quant_repeats == 1
 
 
+def test_a_scale_on_the_command_line_writes_apart_from_the_files_own_outputs(tmp_path):
+    # a smoke run of a study file must not land in (or be refused by) the full size's runs, store and report
+    p = tmp_path / "s.yaml"
+    base = _base(seeds=[0], sweep={"quant_repeats": 1, "store": "runs/x/results"}, report="report/x")
+    base["run"]["out_dir"] = "runs/x"
+    p.write_text(yaml.safe_dump(base))
+    own = load_study_spec(p)
+    assert (own.run.out_dir, own.sweep.store, own.report) == ("runs/x", "runs/x/results", "report/x")
+    tiny = load_study_spec(p, ["scale=cpu-tiny"])
+    assert (tiny.run.out_dir, tiny.sweep.store, tiny.report) == ("runs/x-cpu-tiny", "runs/x-cpu-tiny/results",
+                                                                 "report/x-cpu-tiny")
+    assert load_study_spec(p, ["scale=cpu"]).run.out_dir == "runs/x"  # the file's own scale: as written
+    # a store outside the run directory gets the suffix too; paths on the command line win
+    base["sweep"]["store"] = "stores/x"
+    p.write_text(yaml.safe_dump(base))
+    s = load_study_spec(p, ["scale=pythia-14m", "report=elsewhere"])
+    assert (s.run.out_dir, s.sweep.store, s.report) == ("runs/x-pythia-14m", "stores/x-pythia-14m", "elsewhere")
+    s = load_study_spec(p, ["run.out_dir=mine", "scale=cpu-tiny"])
+    assert s.run.out_dir == "mine"
+    # a file that declares its scale writes as written at that scale, apart at another one
+    base["scale"] = "cpu-tiny"
+    p.write_text(yaml.safe_dump(base))
+    assert load_study_spec(p).run.out_dir == "runs/x"
+    assert load_study_spec(p, ["scale=cpu-tiny"]).run.out_dir == "runs/x"
+    assert load_study_spec(p, ["scale=cpu"]).run.out_dir == "runs/x-cpu"
+
+
 def test_every_shipped_study_config_is_valid_at_every_scale():
     from pathlib import Path
 

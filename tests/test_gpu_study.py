@@ -44,7 +44,7 @@ def test_gpu_study_stops_on_sigterm_and_the_same_command_resumes_it(tmp_path):
            "run.train.steps=16", "run.train.checkpoint_every=8", "run.train.eval_every=8", "run.schedule.warmup=2",
            "cooldowns.from_steps=[16]", "cooldowns.decay_steps=4"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    run = tmp_path / "runs" / "studies" / "cooldown_gpu" / "cd70m-s0"
+    run = tmp_path / "runs" / "studies" / "cooldown_gpu-cpu-tiny" / "cd70m-s0"
     first = run / "checkpoints" / "step-0000008" / "model.safetensors"
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     t0 = time.monotonic()
@@ -55,7 +55,7 @@ def test_gpu_study_stops_on_sigterm_and_the_same_command_resumes_it(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-3000:]
     assert err.strip().splitlines()[-1].startswith("interrupted; rerun the same command"), err[-3000:]
-    assert not (tmp_path / "report" / "cooldown_gpu" / "study.json").is_file()
+    assert not (tmp_path / "report" / "cooldown_gpu-cpu-tiny" / "study.json").is_file()
     # on a loaded machine the signal can land after the main run's last 8 steps (then a later stage is what was
     # stopped, and the main run has nothing to resume): the resume line is asked for only when it had
     main_done = (run / "checkpoints" / "step-0000016" / "model.safetensors").is_file()
@@ -63,11 +63,11 @@ def test_gpu_study_stops_on_sigterm_and_the_same_command_resumes_it(tmp_path):
     again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
     assert again.returncode == 0, again.stderr[-3000:]
     assert main_done or "resuming at step" in again.stdout, again.stdout[-3000:]
-    rows = [r for r in ResultStore(tmp_path / "runs" / "studies" / "cooldown_gpu" / "results").rows()
+    rows = [r for r in ResultStore(tmp_path / "runs" / "studies" / "cooldown_gpu-cpu-tiny" / "results").rows()
             if r["kind"] == "ptq"]
     # main run steps 8, 16 + the cooldown and the control ends (20), 2 quantizers each
     assert len(rows) == 8 and {r["quantizer"] for r in rows} == {"rtn3", "gptq3"}
-    state = yaml.safe_load((tmp_path / "report" / "cooldown_gpu" / "study.json").read_text())
+    state = yaml.safe_load((tmp_path / "report" / "cooldown_gpu-cpu-tiny" / "study.json").read_text())
     assert state["findings"] and "Findings" in again.stdout
     # a third run finds everything done: it trains and measures nothing
     third = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)

@@ -11,7 +11,11 @@ A scale rewrites the study dict before it is typed:
 * batch, sequence length and the training evaluation size are set;
 * the sweep's calibration and evaluation sizes are set;
 * data: a scale may name a corpus and tokenizer for its size (GPU scales read a FineWeb-Edu sample);
-  ``run.data.source=...`` on the command line wins, as every override does.
+  ``run.data.source=...`` on the command line wins, as every override does;
+* outputs: a scale asked for on the command line that is not the file's own (``scale=cpu-tiny`` on a file
+  written for the CPU) writes apart, :func:`apart_paths`: run.out_dir, sweep.store and report get ``-<scale>``,
+  so a smoke run never lands in (or is refused by) the full size's runs, store and report; paths given on the
+  command line win.
 
 ``cpu`` leaves the spec as written (the study files are sized for it).  The GPU scales' sizes are
 choices, not measurements: no GPU was lent while they were written, so none of their timings is
@@ -147,4 +151,27 @@ def apply_scale(spec: dict, name: str) -> dict:
         sdata["eval_windows"] = sc.eval_windows
     if sc.calib_samples:
         sdata["calib_samples"] = sc.calib_samples
+    return out
+
+
+def _suffixed(path: str, name: str) -> str:
+    return f"{path.rstrip('/')}-{name}"
+
+
+def apart_paths(spec: dict, name: str) -> dict:
+    """``spec`` (a new dict) with its outputs apart for scale ``name``: run.out_dir, sweep.store and report, each
+    where the spec gives it, get ``-<name>``; a store inside run.out_dir moves with it (runs/x/results ->
+    runs/x-<name>/results)."""
+    out = copy.deepcopy(spec)
+    run = out.get("run") or {}
+    old_dir = str(run["out_dir"]).rstrip("/") if run.get("out_dir") else ""
+    if old_dir:
+        run["out_dir"] = _suffixed(old_dir, name)
+    sweep = out.get("sweep") or {}
+    store = str(sweep.get("store") or "")
+    if store:
+        inside = old_dir and (store + "/").startswith(old_dir + "/")
+        sweep["store"] = run["out_dir"] + store[len(old_dir):] if inside else _suffixed(store, name)
+    if out.get("report"):
+        out["report"] = _suffixed(str(out["report"]), name)
     return out

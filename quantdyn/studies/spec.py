@@ -40,7 +40,7 @@ from quantdyn.runs import control_branch, cooldown_branch, lawa_name
 from quantdyn.schedules import DECAY_SHAPES
 from quantdyn.sources.trajectory import TrajectoryConfig
 from quantdyn.studies.families import FINDING_FAMILIES
-from quantdyn.studies.scales import SCALES, apply_scale
+from quantdyn.studies.scales import SCALES, apart_paths, apply_scale
 from quantdyn.sweep.sweep import SweepConfig
 from quantdyn.train.config import RunConfig
 
@@ -275,16 +275,20 @@ def _spec_path(key: list[str]) -> list[str]:
 
 
 def spec_from_dict(data: dict, overrides: Sequence[str] = (), where: str = "study spec") -> StudySpec:
-    """Type a study dict: the scale (from the dict or an override) first, then the overrides, then checks."""
+    """Type a study dict: the scale (from the dict or an override) first, then the overrides, then checks. A scale
+    on the command line that is not the file's own moves the outputs apart (scales.apart_paths)."""
     data = dict(data or {})
     if "run" not in data:
         raise QuantdynError(f"{where} has no 'run' section (a run config)")
     parsed = [(_spec_path(parse_override(o)[0]), o) for o in overrides]
     scale = next((o.split("=", 1)[1].strip() for p, o in parsed if p == ["scale"]), None)
+    own = str(data.get("scale") or "cpu")
     if scale is not None:
         data["scale"] = scale
     if data.get("scale"):
         data = apply_scale(data, str(data["scale"]))
+        if scale is not None and scale != own:
+            data = apart_paths(data, scale)  # a smoke (or GPU) size never writes into the file's own outputs
     rest = [".".join(p) + "=" + o.split("=", 1)[1] for p, o in parsed if p != ["scale"]]
     data = apply_overrides(data, rest)
     return from_dict(StudySpec, data)
