@@ -36,6 +36,8 @@ def rotations(found: Sequence[Mapping], out: Path) -> bool:
     ax.set_xlabel("decay effect: Δ CE(decayed) − Δ CE(constant-LR control) (nats), ± 2 × uncertainty", fontsize=8)
     ax.tick_params(labelsize=7)
     ax.grid(alpha=0.3, axis="x")
-    ax.legend(fontsize=7, loc="lower left")
+    ax.set_ylim(-0.6, len(rows) - 0.4)
+    # above the axes: inside them the legend hid a row's points (the last row's, where it sat)
+    ax.legend(fontsize=7, loc="lower left", bbox_to_anchor=(0, 1.0), ncol=2, frameon=False)
     save_figure(fig, out)
     return True
