@@ -148,16 +148,22 @@ def cost(ckpt: str, args, calib, evals) -> dict:
             "reps": args.reps, "goal": 3.0}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("checkpoints", nargs="*", help="default: a random-weight 2 x 256 GPT-NeoX written here (only "
-                    "exercises the code: its numbers mean nothing)")
+def add_plan_options(ap: argparse.ArgumentParser) -> None:
+    """The candidate types, data, window counts and Fisher draws of a plan (shared with bench/plan_transfer.py, so
+    the two benchmarks measure the same plans by default)."""
     ap.add_argument("--types", default="q3_k,q4_k,q5_k,q6_k")
     ap.add_argument("--data", default="builtin:kjv")
     ap.add_argument("--tokenizer", default=None, help="default: the checkpoint's own")
     ap.add_argument("--calib", type=int, default=32)
     ap.add_argument("--eval", type=int, default=200)
     ap.add_argument("--draws", type=int, default=2)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("checkpoints", nargs="*", help="default: a random-weight 2 x 256 GPT-NeoX written here (only "
+                    "exercises the code: its numbers mean nothing)")
+    add_plan_options(ap)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="GGUF plans only, 1 cost repetition")
     ap.add_argument("--out", default="")

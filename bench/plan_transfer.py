@@ -23,7 +23,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from allocation import loadavg, windows  # noqa: E402
+from allocation import add_plan_options, loadavg, windows  # noqa: E402
 from common import record, write_results  # noqa: E402
 
 from quantdyn.engine.measure import measure  # noqa: E402
@@ -39,12 +39,7 @@ def main(argv=None) -> int:
     ap.add_argument("--endpoint", required=False)
     ap.add_argument("--control", default=None, help="the constant-LR control's last checkpoint (optional)")
     ap.add_argument("--budgets", default="3.9,4.5")
-    ap.add_argument("--types", default="q3_k,q4_k,q5_k,q6_k")
-    ap.add_argument("--data", default="builtin:kjv")
-    ap.add_argument("--tokenizer", default=None)
-    ap.add_argument("--calib", type=int, default=32)
-    ap.add_argument("--eval", type=int, default=200)
-    ap.add_argument("--draws", type=int, default=2)
+    add_plan_options(ap)
     ap.add_argument("--quick", action="store_true", help="without checkpoints: two random models (code path only)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)

@@ -111,6 +111,17 @@ def _kill9(p: subprocess.Popen) -> None:
     p.wait()
 
 
+def _kill9_once_written(p: subprocess.Popen, path: Path, timeout_s: float) -> None:
+    """Wait, the process alive, until ``path`` exists (a checkpoint it writes), then :func:`_kill9` it: a kill in the
+    middle of its run."""
+    deadline = time.time() + timeout_s
+    while not path.exists():
+        assert p.poll() is None, p.communicate()[1][-3000:]
+        assert time.time() < deadline, f"no checkpoint within {timeout_s:.0f} s"
+        time.sleep(0.002)
+    _kill9(p)
+
+
 def _curve(run_dir, key="train/loss"):
     return {r["step"]: r[key] for r in read_metrics(run_dir) if key in r}
 
@@ -139,12 +150,7 @@ def test_fsdp2_two_processes_kill_resume_match_one_process(tmp_path, kjv_small):
     run = tmp_path / "fsdp"
     p = _torchrun(2, [str(TINY), *_tiny_overrides(tmp_path, data_cfg, "fsdp", 2, "fsdp2", steps=10_000), "--quiet"])
     first = run / "checkpoints" / f"step-{EVERY:07d}" / "model.safetensors"
-    deadline = time.time() + 240
-    while not first.exists():
-        assert p.poll() is None, p.communicate()[1][-3000:]
-        assert time.time() < deadline, "no checkpoint within 240 s"
-        time.sleep(0.002)
-    _kill9(p)
+    _kill9_once_written(p, first, 240)
     done = [c.step for c in list_checkpoints(run)]
     assert done and max(done) < STEPS, done  # killed mid-run
 

@@ -467,9 +467,8 @@ def test_a_cooldown_from_an_hf_checkpoint_killed_mid_branch_resumes_bit_exact(tm
     import os
     import subprocess
     import sys
-    import time
 
-    from test_fsdp import _kill9
+    from test_fsdp import _kill9_once_written
 
     argv = lambda out: _cooldown_argv(models["olmo2"], out, "--peak-lr", "1e-3", "train.checkpoint_every=2",  # noqa: E731
                                       decays="20")
@@ -480,12 +479,7 @@ def test_a_cooldown_from_an_hf_checkpoint_killed_mid_branch_resumes_bit_exact(tm
     p = subprocess.Popen([sys.executable, "-m", "quantdyn.cli", *argv(out)], env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     first = out / "branches" / "cooldown-s0-d20-linear" / "checkpoints" / "step-0000004" / "model.safetensors"
-    deadline = time.time() + 300
-    while not first.exists():
-        assert p.poll() is None, p.communicate()[1][-3000:]
-        assert time.time() < deadline, "no checkpoint within 300 s"
-        time.sleep(0.002)
-    _kill9(p)
+    _kill9_once_written(p, first, 300)
     steps = [c.step for c in list_checkpoints(out / "branches" / "cooldown-s0-d20-linear")]
     assert max(steps) < 20, steps  # killed mid-branch
     r = cli(*argv(out))
