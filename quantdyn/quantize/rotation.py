@@ -132,10 +132,6 @@ def _paley(m: int) -> torch.Tensor | None:
     return None
 
 
-def _power_of_two(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
-
-
 @lru_cache(maxsize=None)
 def hadamard_factor(n: int) -> int | None:
     """The order m of the non-Sylvester factor of width ``n`` (n = m · 2ᵏ, m = 1 or a Paley order; the

@@ -13,12 +13,10 @@ so a monitored run and a sweep over its checkpoints get the same figure.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from quantdyn.errors import QuantdynError
 from quantdyn.quantize.catalogue import parse_quantizer
 from quantdyn.results.schema import number
-from quantdyn.train.checkpoint import read_metrics
 
 _PTQ = re.compile(r"^ptq/(.+)/([A-Za-z0-9_]+)$")
 _DCE = re.compile(r"^dce_(.+?)(_se)?$")
@@ -85,10 +83,3 @@ def monitored_points(metrics: list[dict]) -> tuple[list[dict], dict[str, list[di
         pts.sort(key=lambda p: p["step"])
     fp.sort(key=lambda p: p["step"])
     return fp, series, sorted(lr)
-
-
-def has_monitor(run_dir: str | Path | None) -> bool:
-    """Whether ``run_dir``'s metrics.jsonl holds monitored quantization errors."""
-    if run_dir is None:
-        return False
-    return bool(monitored_points(read_metrics(run_dir))[1])

@@ -75,14 +75,6 @@ def panel_grid(n: int, max_cols: int = 3, panel_height: float = 2.4, width: floa
     return fig, flat[:n]
 
 
-def bottom_axes(axes: list, n_cols: int) -> list:
-    """The lowest panel of each column among ``axes`` (a flat list in row order)."""
-    low: dict[int, object] = {}
-    for k, ax in enumerate(axes):
-        low[k % n_cols] = ax
-    return list(low.values())
-
-
 LR_STYLE = {"color": LR_COLOR, "lw": 1.0, "ls": "-", "alpha": 0.8}
 """How every figure draws the LR (grey, behind the data)."""
 LR_TEXT = "0.4"

@@ -222,14 +222,3 @@ def rotation_label(f: Mapping, with_family: bool) -> str | None:
         return None
     fam = f"{f['seed_family']} · " if with_family and f.get("seed_family") else ""
     return f"{fam}{f['quantizer']} − {f['plain']} · {f['branch']}"
-
-
-def summary_table(found: Sequence[Mapping], z: float = Z) -> list[dict]:
-    """One line per rotations finding for docs and the figure's CSV: both decay effects, their difference, words."""
-    return [{"quantizer": f["quantizer"], "plain": f["plain"], "branch": f.get("branch"),
-             "decay_plain": f["decay_plain"], "decay_plain_se": f["decay_plain_se"],
-             "decay_rotated": f["decay_rotated"], "decay_rotated_se": f["decay_rotated_se"],
-             "difference": f["effect"], "difference_se": f["se"], "n_seeds": f.get("n_seeds"),
-             "what": rotation_effect_words(f, z), "verdict": f["verdict"]}
-            for f in found if f.get("family") == FAMILY]
-

@@ -22,10 +22,6 @@ def local_state_dict(model: torch.nn.Module) -> StateDict:
     return {k: v.to_local() if hasattr(v, "to_local") else v for k, v in model.state_dict().items()}
 
 
-def _float_keys(sd: StateDict) -> list[str]:
-    return [k for k, v in sd.items() if torch.is_floating_point(v)]
-
-
 def weighted_average(states: Sequence[StateDict], weights: Sequence[float] | None = None) -> StateDict:
     """Σ w_i·θ_i / Σ w_i over state dicts (non-float tensors taken from the last)."""
     if not states:
