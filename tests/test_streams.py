@@ -1,4 +1,4 @@
-"""Activation stream storage (quantize/streams.py): where spilled streams go and what is left behind."""
+"""Activation stream storage (engine/streams.py): where spilled streams go and what is left behind."""
 import os
 import subprocess
 import sys

@@ -20,7 +20,7 @@ stays in full precision, as with every quantizer without ``-head``.
 
 Bits per weight are counted exactly as result rows count them (``engine.rows.storage_fields``): per tensor the
 format's own storage (GGUF: the block type after llama.cpp's shape fallback; a grid: scales, zero points and
-act-order's index, ``config.grid_bits_per_weight``; f16: 16), averaged over tensors weighted by their size.
+act-order's index, ``catalogue.grid_bits_per_weight``; f16: 16), averaged over tensors weighted by their size.
 """
 from __future__ import annotations
 

@@ -6,16 +6,18 @@ computes those whose inputs are in its rows (:func:`families_in`); the findings 
 answer's sentences, the overview figure and each family's own figure and report section all follow from the
 registered :class:`FindingFamily`, in registration order (the order of the findings and of their sections).
 
-Adding a family is one ``register_family(FindingFamily(...))`` at the end of this module, e.g.::
+Adding a family is one ``register_family(FindingFamily(...))`` at the end of this module, e.g. the rotations
+family below::
 
     register_family(FindingFamily(
-        name="rotations", about="a rotation before quantizing lowers the error",
-        needs="sweep.quantizers with a rotated quantizer and its plain twin",
-        in_spec=lambda spec: any(q.startswith("quarot") for q in spec.sweep.quantizers),
-        in_rows=lambda rows: any(str(r.get("quantizer")).startswith("quarot") for r in PTQ.select(rows)),
-        compute=lambda i: rotation_findings(i.rows, i.runs, i.spec.quantizers, i.spec.z),
-        figure=FamilyFigure("findings_rotations.png", "Rotations against their plain twins", "Δ CE of ...",
-                            draw=lambda found, detail, out: draw_rotations(detail, out))))
+        name="rotations", about="the LR-decay effect with a rotation before quantizing minus without it",
+        needs="cooldowns with control: true and a rotated quantizer beside its plain twin (rtn4 and rtn4+had)",
+        in_spec=lambda spec: spec.cooldowns.control and bool(rot.rotation_pairs(list(spec.sweep.quantizers))),
+        in_rows=lambda rows: bool(rot.rotation_pairs(sorted({str(r.get("quantizer")) for r in PTQ.select(rows)}))),
+        compute=lambda i: rot.rotation_findings(i.rows, i.runs, i.spec.quantizers, i.spec.z),
+        sentence=rot.rotation_sentence, label=rot.rotation_label,
+        figure=FamilyFigure("findings_rotations.png", "Does a rotation remove the LR-decay effect?", "The decay ...",
+                            draw=lambda found, detail, out: _rotation_figure().rotations(found, out))))
 
 ``compute`` returns (finding rows, {name: detail table}) like studies/findings.py's functions (rows from
 :func:`quantdyn.studies.findings.finding_row` / ``correlation_row``, whose ``family`` is the family's name); the
