@@ -218,7 +218,7 @@ class FormatSpec(NamedTuple):
 class TensorSite:
     """Where a weight sits, for formats that choose per tensor (llama.cpp's mixes and shape fallbacks)."""
 
-    name: str
+    path: str
     """The layer's path inside its block (``attention.query_key_value``), or the head's path."""
     block: int
     """Block index; -1 for the head."""

@@ -81,10 +81,10 @@ def _gguf_for_tensor(cfg: QuantConfig, site: TensorSite) -> tuple[str, dict]:
     imatrix = cfg.method.endswith("-imatrix")
     base = cfg.method.removesuffix("-imatrix")
     cols = site.shape[1]
-    where = "the head" if site.block < 0 else f"layer {site.name} of block {site.block}"
+    where = "the head" if site.block < 0 else f"layer {site.path} of block {site.block}"
     t = base
     if base in gguf_mixes.MIXES:
-        category = "output" if site.block < 0 else gguf_mixes.tensor_category(site.name)
+        category = "output" if site.block < 0 else gguf_mixes.tensor_category(site.path)
         t = gguf_mixes.mix_type(base, category, max(site.block, 0), site.n_blocks, cols)
     try:
         fb = gguf_mixes.fallback_type(t, cols)
@@ -122,7 +122,7 @@ def _rows_of(block: int, label: str) -> Callable[[QuantConfig, TensorSite], tupl
     def for_tensor(cfg: QuantConfig, site: TensorSite) -> tuple[str, dict]:
         cols = site.shape[1]
         if block and cols % block:
-            where = "the head" if site.block < 0 else f"layer {site.name} of block {site.block}"
+            where = "the head" if site.block < 0 else f"layer {site.path} of block {site.block}"
             raise QuantdynError(f"{where} has {cols} input features; {label} needs a multiple of {block} "
                                 f"(one scale per {block} consecutive weights of a row)")
         return cfg.method, {}

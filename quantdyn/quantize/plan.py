@@ -344,7 +344,8 @@ def _keep(W: torch.Tensor, stats, cfg: QuantConfig) -> QuantResult:
                        seconds=time.perf_counter() - t0, format=KEEP, bits_per_weight=16.0)
 
 
-def _dominant_bits(qcs: list[QuantConfig]) -> int:
+def _max_bits(qcs: list[QuantConfig]) -> int:
+    """The largest bit width among ``qcs`` (8 without any): the bits of a plan's label."""
     return max((qc.bits for qc in qcs), default=8)
 
 
@@ -355,9 +356,9 @@ def _make_plan_method(label: str) -> QuantMethod:
     needs_calibration, fp_calibration = calibration_kind([qc for qc in qcs.values() if qc is not None])
 
     def for_tensor(cfg: QuantConfig, site: TensorSite):
-        entry = plan.type_at(site.block, site.name)
+        entry = plan.type_at(site.block, site.path)
         if entry is None or site.block < 0:
-            where = "the head" if site.block < 0 else f"layer {site.name} of block {site.block}"
+            where = "the head" if site.block < 0 else f"layer {site.path} of block {site.block}"
             raise QuantdynError(f"plan {name} has no type for {where}; it was made for a {plan.model_type} model of "
                                 f"{plan.n_blocks} blocks: allocate a plan for this checkpoint")
         if tuple(site.shape) != entry.shape:
@@ -369,7 +370,7 @@ def _make_plan_method(label: str) -> QuantMethod:
         resolved, notes = config_for_tensor(qc, site)
         return resolved, {**notes, "plan_type": entry.type}
 
-    return QuantMethod(_keep, needs_calibration, FormatSpec(name, _dominant_bits([q for q in qcs.values() if q]), 0),
+    return QuantMethod(_keep, needs_calibration, FormatSpec(name, _max_bits([q for q in qcs.values() if q]), 0),
                        for_tensor, fp_calibration=fp_calibration)
 
 
@@ -386,7 +387,7 @@ def _make_auto_method(label: str) -> QuantMethod:
     def for_tensor(cfg, site):
         not_allocated()
 
-    return QuantMethod(not_allocated, True, FormatSpec(name, _dominant_bits(qcs), 0), for_tensor,
+    return QuantMethod(not_allocated, True, FormatSpec(name, _max_bits(qcs), 0), for_tensor,
                        fp_calibration=fp_calibration)
 
 
