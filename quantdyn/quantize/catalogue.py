@@ -125,7 +125,7 @@ class QuantConfig:
     r1: bool = dataclasses.field(default=False, metadata=OMIT_DEFAULT)
     """Rotate the residual stream (QuaRot's R1; label ``+r1``; quantize/residual_rotation.py), fused into the
     embedding, the layers that read and write the stream and the head: exact for RMSNorm pre-norm models
-    (llama, qwen2) only; others are refused."""
+    (llama, qwen2, qwen3) only; others are refused."""
     rotation_seed: int = dataclasses.field(default=0, metadata=OMIT_DEFAULT)
     """Seed of the rotations' random signs (label ``+seed<N>``), >= 0; recorded in every row."""
 

@@ -9,8 +9,9 @@ residual stream) and folds it into the weights offline, so that the rotated mode
 * every layer that writes into the stream (o_proj, down_proj): W -> Rᵀ W, its bias b -> b R.
 
 It is exact for pre-norm models whose norm is an RMSNorm: with γ = 1, RMSNorm(h R) = RMSNorm(h) R because an
-orthogonal R keeps the root mean square of every row. Registered as exact: ``llama`` and ``qwen2`` (their blocks
-name the layers as above). Refused with one line, before anything is measured:
+orthogonal R keeps the root mean square of every row. Registered as exact: ``llama``, ``qwen2`` and ``qwen3``
+(their blocks name the layers as above; qwen3's per-head q/k norms act on the projections' outputs, which R1
+leaves unchanged). Refused with one line, before anything is measured:
 
 * LayerNorm models (quantdyn's own GPT, GPT-NeoX, GPT-2, OLMo-1's non-parametric LayerNorm): LayerNorm subtracts
   each row's mean, and the mean of h R is not that of h. SliceGPT (Ashkboos et al. 2024) makes them exact by
@@ -44,21 +45,24 @@ R1_LAYOUTS: dict[str, dict[str, tuple[str, ...]]] = {
               "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj"),
               "writes": ("self_attn.o_proj", "mlp.down_proj")},
 }
-R1_LAYOUTS["qwen2"] = R1_LAYOUTS["llama"]
+R1_LAYOUTS["qwen2"] = R1_LAYOUTS["qwen3"] = R1_LAYOUTS["llama"]
 """Model types where R1 is exact: {norm: the layers reading it, "writes": the layers writing the stream}."""
 
+_LAYERNORM = "normalises with LayerNorm, whose mean subtraction does not commute with a rotation of the stream"
 _WHY_NOT = {
     "olmo2": "olmo2 normalises the attention and MLP outputs (RMSNorm on the residual branch, after the layer), "
              "which a rotation of the residual stream cannot pass",
+    **{mt: f"{mt} {_LAYERNORM}" for mt in ("quantdyn-gpt", "gpt_neox", "gpt2", "olmo")},
 }
-_LAYERNORM = "normalises with LayerNorm, whose mean subtraction does not commute with a rotation of the stream"
+"""Why R1 is not exact, for the architectures known not to allow it."""
 
 
 def check_r1(model_type: str) -> None:
     """One line naming the architecture when R1 is not exact for it."""
     if model_type in R1_LAYOUTS:
         return
-    why = _WHY_NOT.get(model_type, f"{model_type} {_LAYERNORM}")
+    why = _WHY_NOT.get(model_type, f"{model_type} is not among them (an architecture is added to R1_LAYOUTS once "
+                                   "R1 is shown exact for it)")
     raise QuantdynError(f"+r1 (residual-stream rotation) is exact only for RMSNorm pre-norm models "
                         f"({', '.join(sorted(R1_LAYOUTS))}); {why}; use +had (every layer's input rotated) instead")
 
