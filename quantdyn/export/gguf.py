@@ -41,6 +41,7 @@ import torch
 from quantdyn.errors import QuantdynError
 from quantdyn.export.layouts import EXPORT_FORMATS, ExportFormat
 from quantdyn.files import atomic_file
+from quantdyn.models.adapters import hf_model_type
 from quantdyn.quantize import gguf as qg
 from quantdyn.quantize import gguf_mixes
 from quantdyn.quantize.catalogue import QUANTIZERS, QuantConfig, parse_quantizer
@@ -64,8 +65,8 @@ def _file_type(label: str) -> int | None:
     return None
 
 
-_ARCH = {"gpt_neox": "gptneox", "quantdyn-gpt": "gptneox", "llama": "llama"}
-"""quantdyn/HF model_type -> GGUF architecture."""
+_ARCH = {"gpt_neox": "gptneox", "llama": "llama"}
+"""HF model_type -> GGUF architecture (quantdyn's GPT is a gpt_neox: models.adapters.hf_model_type)."""
 
 # GGUF metadata value types
 _U32, _I32, _F32, _BOOL, _STR, _ARR, _U64 = 4, 5, 6, 7, 8, 9, 10
@@ -142,10 +143,10 @@ def gguf_tensor_name(arch: str, hf_name: str) -> str:
 
 def gguf_arch(model_type: str) -> str:
     """The GGUF architecture of a quantdyn/HF model_type (one line for one GGUF export does not write)."""
-    if model_type not in _ARCH:
+    if hf_model_type(model_type) not in _ARCH:
         raise QuantdynError(f"GGUF export writes GPT-NeoX and LLaMA models; model_type '{model_type}' is not "
                             f"supported (supported: {', '.join(sorted(_ARCH))})")
-    return _ARCH[model_type]
+    return _ARCH[hf_model_type(model_type)]
 
 
 def _rope_base(cfg: dict) -> float:
@@ -440,7 +441,7 @@ def _check_layer(name: str, out_features: int, in_features: int, qcfg: QuantConf
 def _check(qcfg: QuantConfig, model_type: str, model_dtype: torch.dtype, options: dict):
     """The export-format check for ``check_exportable('gguf', ...)``: a one-line refusal or None."""
     gguf_quantizer(qcfg)
-    if model_type not in _ARCH:
+    if hf_model_type(model_type) not in _ARCH:
         raise QuantdynError(f"GGUF export writes GPT-NeoX and LLaMA models; model_type '{model_type}' is not supported")
     return None
 

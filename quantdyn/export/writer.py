@@ -49,6 +49,7 @@ from quantdyn.export.layouts import (
 from quantdyn.export.plans import check_int_plan, ct_groups, gptq_dynamic, is_plan, layer_config, llmcompressor_recipe
 from quantdyn.export.shards import DEFAULT_SHARD_BYTES, Shards, cpu_tensor
 from quantdyn.files import atomic_dir
+from quantdyn.models.adapters import hf_model_type
 from quantdyn.quantize.catalogue import QuantConfig, parse_quantizer
 from quantdyn.quantize.primitives import QuantResult, n_groups
 from quantdyn.runtime import git_sha
@@ -65,10 +66,6 @@ class _Aborted(Exception):
 def _model_dtype(source_config: dict) -> torch.dtype:
     name = source_config.get("dtype") or source_config.get("torch_dtype") or "float32"
     return SCALE_DTYPES.get(str(name).replace("torch.", ""), torch.float32)
-
-
-def _family(model_type: str) -> str:
-    return "gpt_neox" if model_type == "quantdyn-gpt" else model_type
 
 
 def _check_out_dir(out: Path) -> None:
@@ -100,10 +97,10 @@ class ExportWriter:
             self._layer_cfgs = {}
             types = check_int_plan(self.qcfg, self.format.name)
             for qc in types:
-                self.settings = check_exportable(fmt, qc, _family(self.model_type), _model_dtype(source_config),
+                self.settings = check_exportable(fmt, qc, hf_model_type(self.model_type), _model_dtype(source_config),
                                                  layers=layers, **options)
         else:
-            self.settings = check_exportable(fmt, self.qcfg, _family(self.model_type), _model_dtype(source_config),
+            self.settings = check_exportable(fmt, self.qcfg, hf_model_type(self.model_type), _model_dtype(source_config),
                                              layers=layers, **options)
         self.out_dir = Path(out_dir)
         _check_out_dir(self.out_dir)

@@ -191,6 +191,12 @@ def model_type_of(model: nn.Module) -> str:
     return str(mt)
 
 
+def hf_model_type(model_type: str) -> str:
+    """The HF ``model_type`` on disk of a model whose :func:`model_type_of` is ``model_type``: quantdyn's GPT is
+    saved as GPT-NeoX (models/hf_io.py), every other model as itself."""
+    return "gpt_neox" if model_type == "quantdyn-gpt" else model_type
+
+
 def adapter_for(model: nn.Module) -> FamilyAdapter:
     """The adapter of ``model`` (by isinstance for quantdyn's GPT, else by config.model_type)."""
     mt = model_type_of(model)
