@@ -161,6 +161,23 @@ def test_a_type_a_tensor_cannot_hold_names_the_tensor_and_llama_cpps_fallback():
     check_types_fit([("x", 0, "mlp.down_proj", (256, 320))], ("q5_0", "rtn4g64"))
 
 
+def test_a_plans_main_type_holds_the_most_weights_f16_aside_ties_to_the_first():
+    from quantdyn.export.llama_quantize import llama_quantize_args
+
+    def plan(*types_shapes):
+        return Plan("gpt_neox", 4, tuple(PlanTensor(f"gpt_neox.layers.{b}.mlp.dense_4h_to_h", b, "mlp.dense_4h_to_h",
+                                                    shape, ty) for b, (ty, shape) in enumerate(types_shapes)))
+
+    # f16 holds 4096 weights, q6_k and q4_k 2048 each: q6_k comes first in the tensors
+    p = plan(("f16", (64, 64)), ("q6_k", (32, 64)), ("q4_k", (64, 32)))
+    assert p.types_by_weight() == ["f16", "q6_k", "q4_k"] and p.main_type == "q6_k"
+    assert llama_quantize_args(p)[-1] == "18"  # LLAMA_FTYPE_MOSTLY_Q6_K
+    p = plan(("q4_k", (64, 32)), ("q6_k", (32, 64)), ("q4_k", (32, 32)))  # q4_k 3072 > q6_k 2048
+    assert p.main_type == "q4_k" and llama_quantize_args(p)[-1] == "14"  # LLAMA_FTYPE_MOSTLY_Q4_K_S
+    p = plan(("f16", (32, 32)))
+    assert p.main_type is None and llama_quantize_args(p)[-1] == "1"  # LLAMA_FTYPE_MOSTLY_F16
+
+
 def test_registry_families_make_entries_on_first_use_and_are_not_listed():
     from quantdyn.registry import Registry
 

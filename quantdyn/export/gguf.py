@@ -72,17 +72,17 @@ _ARCH = {"gpt_neox": "gptneox", "llama": "llama"}
 _U32, _I32, _F32, _BOOL, _STR, _ARR, _U64 = 4, 5, 6, 7, 8, 9, 10
 
 
-def _plan_types(qcfg: QuantConfig) -> list[str] | None:
-    """The types of a ``plan:`` or ``auto@`` quantizer (by weights, most first), None for any other quantizer."""
+def _plan_types(qcfg: QuantConfig) -> tuple[list[str], str | None] | None:
+    """The types of a ``plan:`` or ``auto@`` quantizer and the one that names the file (a plan's: by weights, most
+    first, and Plan.main_type; auto@'s: nearest the budget first, and the nearest but f16), None for any other
+    quantizer."""
     plan = plan_of(qcfg)
     if plan is not None:
-        sizes: dict[str, int] = {}
-        for t in plan.tensors:
-            sizes[t.type] = sizes.get(t.type, 0) + t.shape[0] * t.shape[1]
-        return sorted(sizes, key=lambda k: -sizes[k])
+        return plan.types_by_weight(), plan.main_type
     if is_auto(qcfg):
         budget, types = parse_auto(qcfg.method)
-        return sorted(types, key=lambda t: abs(_nominal_bpw(t) - budget))
+        near = sorted(types, key=lambda t: abs(_nominal_bpw(t) - budget))
+        return near, next((t for t in near if t != KEEP), None)
     return None
 
 
@@ -94,13 +94,13 @@ def gguf_quantizer(qcfg: QuantConfig) -> str:
     """The GGUF label of ``qcfg`` (``q4_k_m``) or a one-line refusal; a plan's (or an ``auto@`` label's) own types
     must all be GGUF block types or f16, and its file type is that of its largest type (auto@: the type nearest
     the budget)."""
-    types = _plan_types(qcfg)
-    if types is not None:
+    planned = _plan_types(qcfg)
+    if planned is not None:
+        types, main = planned
         other = [t for t in types if t != KEEP and t.removesuffix("-imatrix") not in qg.GGML_TYPES]
         if other:
             raise QuantdynError(f"GGUF export holds llama.cpp's block types and F16; {qcfg.name} has type {other[0]}: "
                                 "export its integer types as gptq or compressed-tensors")
-        main = next((t for t in types if t != KEEP), None)
         return main.removesuffix("-imatrix") if main is not None else "q8_0"
     spec = QUANTIZERS.get(qcfg.method).format
     base = qcfg.method.removesuffix("-imatrix")

@@ -49,10 +49,7 @@ def llama_quantize_args(plan: Plan, source: str = "model-f32.gguf", out: str = "
     lines = tensor_type_lines(plan)
     if lines is None:
         return None
-    sizes: dict[str, int] = {}
-    for t in plan.tensors:
-        sizes[t.type] = sizes.get(t.type, 0) + t.shape[0] * t.shape[1]
-    main = max((k for k in sizes if k != KEEP), key=lambda k: sizes[k], default=None)
+    main = plan.main_type
     ftype = GGML_TYPES.get(main).file_type if main is not None else 1  # 1: LLAMA_FTYPE_MOSTLY_F16
     args = ["--token-embedding-type", "f32", "--output-tensor-type", "f32"]
     for line in lines:

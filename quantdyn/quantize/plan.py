@@ -111,6 +111,19 @@ class Plan:
     def assignment(self) -> dict[str, str]:
         return {t.name: t.type for t in self.tensors}
 
+    def types_by_weight(self) -> list[str]:
+        """Its types, the one holding the most weights first (ties: in the order of the tensors)."""
+        sizes: dict[str, int] = {}
+        for t in self.tensors:
+            sizes[t.type] = sizes.get(t.type, 0) + t.shape[0] * t.shape[1]
+        return sorted(sizes, key=lambda k: -sizes[k])
+
+    @property
+    def main_type(self) -> str | None:
+        """The type holding the most weights, f16 aside (ties: the first in tensor order); None when every tensor
+        is f16. It names a GGUF file's type (export/gguf.py, export/llama_quantize.py)."""
+        return next((t for t in self.types_by_weight() if t != KEEP), None)
+
     @property
     def digest(self) -> str:
         """8 hex digits of the assignment and the architecture: what makes two plans the same quantizer."""
