@@ -175,4 +175,4 @@ def _awq_entry(W: torch.Tensor, stats: ActStats | None, cfg: QuantConfig) -> Qua
     return awq(W, stats, cfg)
 
 
-QUANTIZERS.add("awq", QuantMethod(fn=_awq_entry, needs_calibration=True))
+QUANTIZERS.add("awq", QuantMethod(fn=_awq_entry, needs_calibration=True, needs_abs_stats=True))

@@ -248,6 +248,9 @@ class QuantMethod(NamedTuple):
     model), not from the stream through this quantizer's own already quantized blocks (GPTQ's sequential way).
     An in-place walk (``quantize_model``) has no full-precision copy of a block once it is quantized: there the
     stream goes through the quantized block."""
+    needs_abs_stats: bool = False
+    """Whether the calibration statistics must also hold Σ|x| per input feature (``ActStats.abs_sum``, AWQ's
+    activation scales; ``gptq.stats_update(need_abs=...)``), besides the Hessian."""
 
 
 BUILTIN_MODULES = ("quantdyn.quantize.rtn", "quantdyn.quantize.gptq", "quantdyn.quantize.awq",
