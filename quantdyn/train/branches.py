@@ -75,18 +75,21 @@ def _branch_pair(parent: RunConfig, from_step: int, decay_steps: int, shape: str
     return cool, ctrl
 
 
-def run_branch(cfg: RunConfig, branch_dir: Path, source: CheckpointInfo, parent: dict, progress: bool = True,
+def run_branch(cfg: RunConfig, branch_dir: Path, source: CheckpointInfo | None, parent: dict, progress: bool = True,
                hooks: Sequence = (), verbose: bool = False) -> Path:
-    """Train one branch from ``source``; resume or skip if it already ran. ``hooks``: the trainer's step
-    hooks (e.g. ``quantdyn.monitor.hooks_for(cfg)``)."""
+    """Train one branch, resume it, or skip it when it is done. ``source``: the parent run's checkpoint it starts
+    from (weights and optimizer state); None: it starts from the checkpoint ``cfg.model.hf``, its step 0 written
+    first. ``parent``: the branch's link to its parent (run.json); ``hooks``: the trainer's step hooks (e.g.
+    ``quantdyn.monitor.hooks_for(cfg)``)."""
     if RunDir(branch_dir).status(cfg.train.steps) == "finished":
         return branch_dir
-
     partial = latest_resumable(branch_dir)
     kw = dict(parent=parent, progress=progress, hooks=hooks, verbose=verbose)
-    if partial is not None and partial.step > source.step:
+    if partial is not None and partial.step > (source.step if source is not None else -1):
         return train(cfg, branch_dir, resume=partial, **kw)
-    return train(cfg, branch_dir, init_from=source, **kw)
+    if source is not None:
+        return train(cfg, branch_dir, init_from=source, **kw)
+    return train(cfg, branch_dir, overwrite=True, **kw)  # a branch killed before its step 0 leaves nothing to keep
 
 
 def cooldown(
@@ -194,7 +197,7 @@ def cooldown_from_checkpoint(
             link = {"run_dir": BRANCH_PARENT, "run": record.name, "from_step": 0, "kind": kind,
                     "decay_steps": d, "shape": shape if kind == "cooldown" else "constant",
                     "source": source.get("ref", parent.model.hf), "model": parent.model.hf}
-            paths.append(_run_checkpoint_branch(cfg, bdir, link, progress, hooks, verbose))
+            paths.append(run_branch(cfg, bdir, None, link, progress, hooks=hooks, verbose=verbose))
             _share_branch_point(record, source, RunDir(paths[0]).checkpoint(0), RunDir(bdir).checkpoint(0), out)
     return paths
 
@@ -235,16 +238,3 @@ def _share_branch_point(record: RunConfig, source: dict, first: Path, this: Path
             "kind": "checkpoint", "run": record.name, "step": 0, "tokens": 0, "lr": record.optim.lr,
             "peak_lr": record.optim.lr, "total_steps": record.train.steps, "schedule": to_dict(record.schedule),
             "config": to_dict(record), "source": source, "branch_point": True})
-
-
-def _run_checkpoint_branch(cfg: RunConfig, bdir: Path, link: dict, progress: bool, hooks: Sequence,
-                           verbose: bool) -> Path:
-    """Train one branch from the checkpoint (its step 0 written first), resume it, or skip it when done."""
-    if RunDir(bdir).status(cfg.train.steps) == "finished":
-        return bdir
-    partial = latest_resumable(bdir)
-    kw = dict(parent=link, progress=progress, hooks=hooks, verbose=verbose)
-    if partial is not None:
-        return train(cfg, bdir, resume=partial, **kw)
-    return train(cfg, bdir, overwrite=True, **kw)  # a branch killed before its step 0 leaves nothing to keep
-
