@@ -254,8 +254,8 @@ class QuantMethod(NamedTuple):
 
 
 BUILTIN_MODULES = ("quantdyn.quantize.rtn", "quantdyn.quantize.gptq", "quantdyn.quantize.awq",
-                   "quantdyn.quantize.formats")
-"""The modules that register the built-in quantizers (each imports torch)."""
+                   "quantdyn.quantize.formats", "quantdyn.quantize.plan")
+"""The modules that register the built-in quantizers and what makes the plan families (each imports torch)."""
 
 
 def _import_builtins() -> None:
@@ -268,18 +268,34 @@ QUANTIZERS: LazyRegistry[QuantMethod] = LazyRegistry("quantizer", load=_import_b
 first lookup; parsing a label does not look here until they are (:func:`label_catalogue`)."""
 
 
-def _plan_family(function: str) -> Callable[[str], Any]:
-    """``quantize.plan``'s ``function``, imported when a plan label is first read (it imports torch and the
-    quantizers: a plan's types are checked against their implementations)."""
+PLAN_PREFIX, AUTO_PREFIX = "plan:", "auto@"
+"""The per-tensor plan labels (``plan:FILE``, ``auto@BUDGET:TYPES``, quantize/plan.py): names made from what they
+point to, so they are families of the registry, not entries of the catalogue file. They are declared here, so that
+a label is parsed without torch; quantize/plan.py (one of BUILTIN_MODULES) registers what makes and spells them
+(:func:`implement_family`)."""
+
+_FAMILY_MAKERS: dict[str, tuple[Callable[[str], QuantMethod], Callable[[str], str]]] = {}
+
+
+def implement_family(prefix: str, make: Callable[[str], QuantMethod], canonical: Callable[[str], str]) -> None:
+    """What makes the quantizer of a name of the declared family ``prefix`` (PLAN_PREFIX, AUTO_PREFIX) and what
+    spells it canonically: registered by the module that implements the family when it is imported."""
+    if prefix not in (PLAN_PREFIX, AUTO_PREFIX) or prefix in _FAMILY_MAKERS:
+        raise ValueError(f"quantizer family '{prefix}' is not declared or is implemented twice")
+    _FAMILY_MAKERS[prefix] = (make, canonical)
+
+
+def _family(prefix: str, which: int) -> Callable[[str], Any]:
+    """The family's maker (0) or spelling (1); the first call imports the built-in modules, its own among them."""
     def call(name: str) -> Any:
-        return getattr(import_module("quantdyn.quantize.plan"), function)(name)
+        if prefix not in _FAMILY_MAKERS:
+            QUANTIZERS.names()  # loads the built-in modules, the family's own among them
+        return _FAMILY_MAKERS[prefix][which](name)
     return call
 
 
-QUANTIZERS.add_family("plan:", _plan_family("make_plan_method"), _plan_family("canonical_plan"))
-QUANTIZERS.add_family("auto@", _plan_family("make_auto_method"), _plan_family("canonical_auto"))
-"""The per-tensor plan labels (``plan:FILE``, ``auto@BUDGET:TYPES``, quantize/plan.py): names made from what they
-point to, so they are families of the registry, not entries of the catalogue file."""
+for _prefix in (PLAN_PREFIX, AUTO_PREFIX):
+    QUANTIZERS.add_family(_prefix, _family(_prefix, 0), _family(_prefix, 1))
 
 CATALOGUE_FILE = Path(__file__).with_name("catalogue.json")
 """Every built-in quantizer's name and format spec, written from QUANTIZERS by ``python tools/quantizer_catalogue.py``

@@ -38,8 +38,9 @@ import torch
 from quantdyn import __version__
 from quantdyn.errors import QuantdynError
 from quantdyn.files import write_text_atomic
-from quantdyn.quantize.catalogue import (QUANTIZERS, FormatSpec, QuantConfig, QuantMethod, TensorSite,
-                                      config_for_tensor, grid_bits_per_weight, parse_quantizer)
+from quantdyn.quantize.catalogue import (AUTO_PREFIX, PLAN_PREFIX, QUANTIZERS, FormatSpec, QuantConfig, QuantMethod,
+                                      TensorSite, config_for_tensor, grid_bits_per_weight, implement_family,
+                                      parse_quantizer)
 from quantdyn.quantize.gguf import GGML_TYPES
 from quantdyn.quantize.gguf_mixes import MIXES, tensor_category
 from quantdyn.quantize.primitives import QuantResult
@@ -49,7 +50,6 @@ PLAN_FORMAT = "quantdyn-plan"
 PLAN_VERSION = 1
 KEEP = "f16"
 """The type of a tensor a plan keeps in 16-bit floats (llama.cpp's F16)."""
-PLAN_PREFIX, AUTO_PREFIX = "plan:", "auto@"
 
 
 @dataclass(frozen=True)
@@ -405,8 +405,8 @@ def _make_auto_method(label: str) -> QuantMethod:
 
 
 # the families themselves are declared with QUANTIZERS (quantize/catalogue.py), which calls these on first use
-make_plan_method, canonical_plan = _make_plan_method, _canonical_plan
-make_auto_method, canonical_auto = _make_auto_method, _canonical_auto
+implement_family(PLAN_PREFIX, _make_plan_method, _canonical_plan)
+implement_family(AUTO_PREFIX, _make_auto_method, _canonical_auto)
 
 
 def budget_range(tensors: list[tuple[str, int, str, tuple[int, int]]], n_blocks: int,
