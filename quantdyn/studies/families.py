@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from quantdyn.analysis.correlate import CorrelateConfig
 from quantdyn.launch.grid import parse_vary
@@ -38,8 +38,8 @@ from quantdyn.runs import control_of, is_cooldown
 from quantdyn.studies import findings as fd
 from quantdyn.studies import rotation_findings as rot
 
-if TYPE_CHECKING:  # annotations only: spec.py imports this module
-    from quantdyn.studies.spec import FindingsSpec, StudySpec
+# A family reads a study's spec (studies/spec.py: StudySpec, its FindingsSpec), but spec.py imports this module to
+# check the families a study names, so the spec's types are named in the docstrings, not imported (imports go one way).
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,8 @@ class FindingInputs:
     """The rows, one per measurement (findings.dedupe) with the FP SE on PTQ rows (findings.with_fp_se)."""
     runs: Sequence[str]
     """The runs compared (a study's, or every run trained here)."""
-    spec: FindingsSpec
-    """Which quantizers, the verdict's z, the bootstrap's size ... (StudySpec.findings)."""
+    spec: Any
+    """Which quantizers, the verdict's z, the bootstrap's size ...: the study's FindingsSpec (StudySpec.findings)."""
     reference_branch: str | None = None
     """The cooldown branch whose endpoint is "the decayed endpoint" (averaging; None: none)."""
     fp_windows: Mapping[str, Sequence[float]] | None = None
@@ -87,8 +87,8 @@ class FindingFamily:
     """The claim it tests and what it compares, in one line."""
     needs: str
     """What a study needs for it (the error when findings.compute names it without them)."""
-    in_spec: Callable[[StudySpec], bool]
-    """Whether a study spec has its inputs."""
+    in_spec: Callable[[Any], bool]
+    """Whether a study spec (a StudySpec) has its inputs."""
     in_rows: Callable[[Sequence[Mapping]], bool]
     """Whether a store's rows have its inputs (a report without a spec computes it then)."""
     compute: Callable[[FindingInputs], tuple[list[dict], dict]]
