@@ -161,6 +161,26 @@ def test_a_type_a_tensor_cannot_hold_names_the_tensor_and_llama_cpps_fallback():
     check_types_fit([("x", 0, "mlp.down_proj", (256, 320))], ("q5_0", "rtn4g64"))
 
 
+def test_f16_is_a_registered_type_like_any_other():
+    """f16, what a plan leaves unquantized, is a quantizer of the registry: parsed, quantized and counted as the other
+    types are (no special case in the plans)."""
+    from quantdyn.quantize.catalogue import QUANTIZERS
+    from quantdyn.quantize.plan import check_candidate, fallback_of
+
+    qc = parse_quantizer("F16")
+    assert (qc.name, qc.bits, qc.group_size) == ("f16", 16, 0) and check_candidate("F16") == qc
+    assert not QUANTIZERS.get("f16").needs_calibration
+    W = torch.randn(8, 64, generator=torch.Generator().manual_seed(0)) * 3
+    res = QUANTIZERS.get("f16").fn(W, None, qc)
+    assert torch.equal(res.weight, W.to(torch.float16).to(torch.float32)) and not torch.equal(res.weight, W)
+    assert (res.bits, res.bits_per_weight, res.format) == (16, 16.0, "f16")
+    assert type_bits_per_weight("f16", (8, 100)) == 16.0 and fallback_of("f16", (8, 100)) is None
+    with pytest.raises(QuantdynError, match="f16 has bits=16 by definition"):
+        parse_quantizer({"method": "f16", "bits": 3})
+    assert parse_quantizer("auto@6:F16,q4_k").name == "auto@6:f16,q4_k"
+    assert QUANTIZERS.get(parse_quantizer("auto@6:f16,q4_k").method).format.bits == 4  # f16 has no codes
+
+
 def test_a_plans_main_type_holds_the_most_weights_f16_aside_ties_to_the_first():
     from quantdyn.export.llama_quantize import llama_quantize_args
 

@@ -25,9 +25,9 @@ GGUF block types, FP8, NF4, MXFP4 and NVFP4 register under their own labels (mod
 ``q3_k_m q4_k_m q5_k_m``, each GGUF label but ``q8_0`` also as ``<label>-imatrix`` (llama.cpp's
 quantization with an importance matrix from the calibration activations), ``fp8`` (per tensor),
 ``fp8-channel``, ``w8a8-fp8`` (FP8 per channel weights and FP8 per-token activations), ``nf4``,
-``mxfp4``, ``nvfp4``. A format fixes its bits and group size; the only token a format label takes
-is ``head``/``nohead`` (``q4_k_m-head``). GGUF tensors whose rows do not fit the block take
-llama.cpp's fallback type (recorded in the layer rows).
+``mxfp4``, ``nvfp4``, ``f16`` (the weight kept in 16-bit floats, llama.cpp's F16). A format fixes its
+bits and group size; the only token a format label takes is ``head``/``nohead`` (``q4_k_m-head``).
+GGUF tensors whose rows do not fit the block take llama.cpp's fallback type (recorded in the layer rows).
 
 Rotations
 ---------
@@ -139,8 +139,8 @@ class QuantConfig:
         spec = catalogue.get(self.method).format
         if spec is not None:
             _check_format_fields(self, spec)
-        bits = _integer(self.bits)
-        if bits is None or not 2 <= bits <= 8:
+        bits = _integer(self.bits)  # a format's own (f16: 16), else a grid's
+        if bits is None or (spec is None and not 2 <= bits <= 8):
             raise QuantdynError(f"quantizer bits={self.bits!r} is not supported; choose an integer from 2 to 8")
         g = self.group_size
         gi = 0 if g is None else _integer(g)

@@ -16,6 +16,8 @@ result also carries the layer loss ½ tr(ΔW H ΔWᵀ) like RTN's.
   (``gguf_mixes.fallback_type``); the layer row records ``gguf_type`` and ``gguf_fallback_from``.
 * ``w8a8-fp8`` is ``fp8-channel`` weights plus FP8 per-token activations (``QuantMethod.act_quant``),
   applied by the engine to the input of every quantized layer.
+* ``f16`` keeps the weight in 16-bit floats (llama.cpp's F16): what a per-tensor plan gives a tensor it leaves
+  unquantized (``quantize.plan``), a type like the others.
 * ``w4a4`` is rtn4's weights (4-bit asymmetric, group 128, round to nearest) plus 4-bit integer per-token
   activations (:func:`int4_per_token`): QuaRot's W4A4 setting without its rotations; ``w4a4+had`` quantizes the
   rotated activations x R (quantize/rotation.py), the setting where rotations matter most.
@@ -129,6 +131,22 @@ def _rows_of(block: int, label: str) -> Callable[[QuantConfig, TensorSite], tupl
     return for_tensor
 
 
+# ----------------------------------------------------------------------------- F16
+
+F16 = "f16"
+"""The type that keeps a tensor in 16-bit floats (llama.cpp's F16): no codes, 16 bits per weight."""
+
+
+def _f16(W: torch.Tensor, stats: ActStats | None, cfg: QuantConfig) -> QuantResult:
+    """The weight rounded to float16 (what a GGUF F16 tensor stores)."""
+    t0 = time.perf_counter()
+    Wq = W.to(torch.float16).to(W.dtype)
+    rows, cols = W.shape
+    return QuantResult(weight=Wq, codes=torch.zeros(0, dtype=torch.uint8), scales=torch.ones(rows, 1),
+                       zeros=torch.zeros(rows, 1), g_idx=torch.zeros(cols, dtype=torch.int32), bits=16,
+                       seconds=time.perf_counter() - t0, format=F16, bits_per_weight=16.0)
+
+
 # ----------------------------------------------------------------------------- W4A4
 
 
@@ -177,6 +195,7 @@ def _register() -> None:
                                         _rows_of(32, "mxfp4")))
     QUANTIZERS.add("nvfp4", QuantMethod(_float_fn(ff.nvfp4, 4), False, FormatSpec("nvfp4", 4, 16),
                                         _rows_of(16, "nvfp4")))
+    QUANTIZERS.add(F16, QuantMethod(_f16, False, FormatSpec(F16, 16, 0)))
 
 
 _register()

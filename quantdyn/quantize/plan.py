@@ -41,15 +41,16 @@ from quantdyn.files import write_text_atomic
 from quantdyn.quantize.catalogue import (AUTO_PREFIX, PLAN_PREFIX, QUANTIZERS, FormatSpec, QuantConfig, QuantMethod,
                                       TensorSite, config_for_tensor, grid_bits_per_weight, implement_family,
                                       parse_quantizer)
+from quantdyn.quantize.formats import F16
 from quantdyn.quantize.gguf import GGML_TYPES
 from quantdyn.quantize.gguf_mixes import MIXES, tensor_category
-from quantdyn.quantize.primitives import QuantResult
 
 PLAN_FORMAT = "quantdyn-plan"
 """The ``format`` field of a plan file."""
 PLAN_VERSION = 1
-KEEP = "f16"
-"""The type of a tensor a plan keeps in 16-bit floats (llama.cpp's F16)."""
+KEEP = F16
+"""The type of a tensor a plan keeps in 16-bit floats (llama.cpp's F16; registered in quantize/formats.py like
+every other type): it has no codes, so a plan's bits and main type leave it aside and exports keep it dense."""
 
 
 @dataclass(frozen=True)
@@ -200,10 +201,8 @@ def write_plan(plan: Plan, path: str | Path) -> Path:
 
 # ----------------------------------------------------------------------------- candidate types
 
-def check_candidate(label: str, where: str = "") -> QuantConfig | None:
-    """The QuantConfig of a candidate type (None for ``f16``), or a one-line refusal of a type no plan holds."""
-    if label == KEEP:
-        return None
+def check_candidate(label: str, where: str = "") -> QuantConfig:
+    """The QuantConfig of a candidate type, or a one-line refusal of a type no plan holds."""
     at = f"{where}: " if where else ""
     qc = parse_quantizer(label)
     method = QUANTIZERS.get(qc.method)
@@ -238,9 +237,7 @@ _BPW_CACHE: dict[tuple[str, tuple[int, int]], float] = {}
 def type_bits_per_weight(label: str, shape: tuple[int, int], site: TensorSite | None = None) -> float:
     """Bits per weight of one tensor of ``shape`` in type ``label``, as its layer row will count them: GGUF types
     after llama.cpp's shape fallback, grids with ``grid_bits_per_weight``, float formats from the format itself
-    (run once per shape on zeros), f16 16."""
-    if label == KEEP:
-        return 16.0
+    (run once per shape on zeros: f16 16)."""
     qc = parse_quantizer(label)
     site = site or TensorSite("", 0, 1, tuple(shape))
     resolved, _ = config_for_tensor(qc, site)
@@ -264,8 +261,6 @@ def tensor_bits(plan: Plan) -> int:
 def fallback_of(label: str, shape: tuple[int, int]) -> str | None:
     """The type llama.cpp would store a tensor of ``shape`` in instead of the GGUF type ``label`` (None: it fits or
     ``label`` is not a GGUF type). A plan's tensor must hold its type as it is."""
-    if label == KEEP:
-        return None
     qc = parse_quantizer(label)
     resolved, notes = config_for_tensor(qc, TensorSite("", 0, 1, tuple(shape)))
     return resolved.method if notes.get("gguf_fallback_from") else None
@@ -284,11 +279,11 @@ def parse_auto(label: str) -> tuple[float, tuple[str, ...]]:
                             "bits per weight, e.g. auto@4.5:q3_k,q4_k,q5_k,q6_k")
     budget = float(m["budget"])
     items = [t.strip() for t in m["types"].split(",") if t.strip()]
-    types = sorted({KEEP if t.lower() == KEEP else (check_candidate(t, f"quantizer '{label}'").name) for t in items})
+    types = sorted({check_candidate(t, f"quantizer '{label}'").name for t in items})
     if len(types) < 2:
         raise QuantdynError(f"quantizer '{label}' needs at least two candidate types to allocate between, e.g. "
                             "auto@4.5:q3_k,q4_k,q5_k,q6_k")
-    calibration_kind([parse_quantizer(t) for t in types if t != KEEP])
+    calibration_kind([parse_quantizer(t) for t in types])
     return budget, tuple(types)
 
 
@@ -347,26 +342,20 @@ def is_auto(qc: QuantConfig) -> bool:
     return qc.method.startswith(AUTO_PREFIX)
 
 
-def _keep(W: torch.Tensor, stats, cfg: QuantConfig) -> QuantResult:
-    """A plan's ``f16`` entry: the weight rounded to float16 (what a GGUF F16 tensor stores)."""
-    t0 = time.perf_counter()
-    Wq = W.to(torch.float16).to(W.dtype)
-    rows, cols = W.shape
-    return QuantResult(weight=Wq, codes=torch.zeros(0, dtype=torch.uint8), scales=torch.ones(rows, 1),
-                       zeros=torch.zeros(rows, 1), g_idx=torch.zeros(cols, dtype=torch.int32), bits=16,
-                       seconds=time.perf_counter() - t0, format=KEEP, bits_per_weight=16.0)
-
-
 def _max_bits(qcs: list[QuantConfig]) -> int:
-    """The largest bit width among ``qcs`` (8 without any): the bits of a plan's label."""
-    return max((qc.bits for qc in qcs), default=8)
+    """The largest bit width of the codes among ``qcs``, f16 aside (8 without any): the bits of a plan's label."""
+    return max((qc.bits for qc in qcs if qc.method != KEEP), default=8)
 
 
 def _make_plan_method(label: str) -> QuantMethod:
     name = _canonical_plan(label)
     plan = _PLANS[name]
     qcs = {t: check_candidate(t, f"plan {name}") for t in sorted({t.type for t in plan.tensors})}
-    needs_calibration, fp_calibration = calibration_kind([qc for qc in qcs.values() if qc is not None])
+    needs_calibration, fp_calibration = calibration_kind(list(qcs.values()))
+
+    def per_tensor(*args, **kwargs):
+        raise QuantdynError(f"plan {name} quantizes each tensor with its own type: run it through the engine "
+                            "(measure, sweep, quantize), which gives every layer its place in the model")
 
     def for_tensor(cfg: QuantConfig, site: TensorSite):
         entry = plan.type_at(site.block, site.path)
@@ -377,20 +366,17 @@ def _make_plan_method(label: str) -> QuantMethod:
         if tuple(site.shape) != entry.shape:
             raise QuantdynError(f"plan {name} was made for {entry.name} of shape {list(entry.shape)}, this checkpoint's "
                                 f"is {list(site.shape)}: allocate a plan for this checkpoint")
-        qc = qcs[entry.type]
-        if qc is None:
-            return cfg.method, {"plan_type": KEEP}
-        resolved, notes = config_for_tensor(qc, site)
+        resolved, notes = config_for_tensor(qcs[entry.type], site)
         return resolved, {**notes, "plan_type": entry.type}
 
-    return QuantMethod(_keep, needs_calibration, FormatSpec(name, _max_bits([q for q in qcs.values() if q]), 0),
+    return QuantMethod(per_tensor, needs_calibration, FormatSpec(name, _max_bits(list(qcs.values())), 0),
                        for_tensor, fp_calibration=fp_calibration)
 
 
 def _make_auto_method(label: str) -> QuantMethod:
     name = _canonical_auto(label)
     _, types = parse_auto(name)
-    qcs = [parse_quantizer(t) for t in types if t != KEEP]
+    qcs = [parse_quantizer(t) for t in types]
     _, fp_calibration = calibration_kind(qcs)  # calibration windows always: the sensitivity pass runs on them
 
     def not_allocated(*args, **kwargs):

@@ -27,7 +27,7 @@ from quantdyn.errors import QuantdynError
 from quantdyn.export.llama_quantize import llama_quantize_args
 from quantdyn.models.hf_io import checkpoint_hash
 from quantdyn.quantize.catalogue import parse_quantizer
-from quantdyn.quantize.plan import (KEEP, Plan, budget_range, calibration_kind, check_candidate, check_plan_budget,
+from quantdyn.quantize.plan import (Plan, budget_range, calibration_kind, check_candidate, check_plan_budget,
                                     check_types_fit, write_plan)
 from quantdyn.results.schema import calib_hash as calib_identity
 from quantdyn.results.schema import row_key
@@ -54,12 +54,11 @@ def check_types(types: Sequence[str]) -> tuple[str, ...]:
     """Canonical candidate types (one line for one that no plan holds, or for types that calibrate differently)."""
     out = []
     for t in types:
-        qc = check_candidate(t, f"type '{t}'")
-        out.append(KEEP if qc is None else qc.name)
+        out.append(check_candidate(t, f"type '{t}'").name)
     out = list(dict.fromkeys(out))
     if len(out) < 2:
         raise QuantdynError("give at least two candidate types to allocate between, e.g. --types q3_k,q4_k,q5_k,q6_k")
-    calibration_kind([parse_quantizer(t) for t in out if t != KEEP])
+    calibration_kind([parse_quantizer(t) for t in out])
     return tuple(out)
 
 
