@@ -213,11 +213,19 @@ def quantize_layer(name: str, module: nn.Module, stats: ActStats | None, cfg: Qu
     With ``+had`` the weight is quantized as Q(W R) from the rotated statistics and the module holds Q(W R) Rᵀ
     (quantize/rotation.py); activation quantization then quantizes x R."""
     W, cfg, notes = _layer_weight(module, cfg, site or TensorSite(name, 0, 1, tuple(get_weight(module).shape)))
-    fn = QUANTIZERS.get(cfg.method).fn
     with num_threads(threads):
-        res = fn(W, stats, cfg) if hadamard_seed(cfg) is None else quantize_rotated(fn, W, stats, cfg, name)
+        res = quantize_weight(W, stats, cfg, name)
     res = _apply_result(name, module, res, cfg, notes)
     return res, W
+
+
+def quantize_weight(W: torch.Tensor, stats: ActStats | None, cfg: QuantConfig, name: str) -> QuantResult:
+    """One weight W (out, in) quantized as the engine quantizes a layer with ``cfg`` (already resolved for its
+    tensor, config_for_tensor): the registered method, or with ``+had`` the method on W R with the rotated
+    statistics and the result's weight rotated back, Q(W R) Rᵀ (quantize/rotation.py quantize_rotated).
+    ``name`` names the layer in errors. The quantizer may work on W in place: pass a copy to keep it."""
+    fn = QUANTIZERS.get(cfg.method).fn
+    return fn(W, stats, cfg) if hadamard_seed(cfg) is None else quantize_rotated(fn, W, stats, cfg, name)
 
 
 def _layer_weight(module: nn.Module, cfg: QuantConfig, site: TensorSite) -> tuple[torch.Tensor, QuantConfig, dict]:

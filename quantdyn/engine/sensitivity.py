@@ -17,7 +17,8 @@ and sequence gives an unbiased estimate of the sum of the per-token KLs. The pas
    run the FP blocks forward, keeping every block's input;
 2. at the head, sample ŷ and take the gradient of Σ log p(ŷ) with respect to the last hidden states;
 3. walk the blocks backwards, one loaded at a time: collect each linear's FP input statistics, quantize it with
-   every candidate type (ΔW = Q(W) − W: the same pure functions and shape fallbacks the engine quantizes with),
+   every candidate type (ΔW = Q(W) − W: the same pure functions, shape fallbacks and ``+had`` rotations the
+   engine quantizes with, blockwise.quantize_weight; with ``+had`` ΔW = Q(W R) Rᵀ − W),
    rerun the block with gradients and pull the adjoint through it, read every linear's output gradient g and
    input x, form each sequence's weight gradient G = Σ_positions gᵀx and record s = <G, ΔW> per sequence, draw,
    tensor and type.
@@ -48,7 +49,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from quantdyn.engine.blockwise import block_output, capture_inputs, check_calibration, first_block_inputs, vocab_size_of
+from quantdyn.engine.blockwise import (block_output, capture_inputs, check_calibration, first_block_inputs,
+                                      quantize_weight, vocab_size_of)
 from quantdyn.engine.lazy_model import BlockSource, InMemoryModel, LazyModel
 from quantdyn.engine.phases import PhaseTimer
 from quantdyn.engine.streams import trim_heap
@@ -56,7 +58,7 @@ from quantdyn.errors import QuantdynError
 from quantdyn.models.adapters import get_weight, model_type_of
 from quantdyn.models.weights import CheckpointWeights
 from quantdyn.quantize.allocate import Allocation, allocate
-from quantdyn.quantize.catalogue import QUANTIZERS, QuantConfig, TensorSite, config_for_tensor, grid_bits_per_weight
+from quantdyn.quantize.catalogue import QuantConfig, TensorSite, config_for_tensor, grid_bits_per_weight
 from quantdyn.quantize.gptq import stats_update
 from quantdyn.quantize.plan import (KEEP, ModelTensor, Plan, PlanTensor, budget_range, check_candidate,
                                     check_plan_budget, check_types_fit, is_auto, parse_auto, plan_of, register_plan)
@@ -276,8 +278,9 @@ def model_type_of_source(source: BlockSource) -> str:
 
 
 @torch.no_grad()
-def _quantize_candidates(layers, types, stats, b: int, n_blocks: int):
-    """Per layer: {type index: ΔW}, layer losses and bits per weight."""
+def _quantize_candidates(layers, types, stats, b: int, n_blocks: int, prefix: str):
+    """Per layer: {type index: ΔW}, layer losses and bits per weight. ΔW is in the layer's own basis: for a ``+had``
+    type Q(W R) Rᵀ − W, the weight the engine's measurement puts in the layer (blockwise.quantize_weight)."""
     deltas, losses, bpws = [], [], []
     for name, m in layers:
         W = get_weight(m).detach().float()
@@ -289,8 +292,7 @@ def _quantize_candidates(layers, types, stats, b: int, n_blocks: int):
             else:
                 qc = check_candidate(label)
                 resolved, _ = config_for_tensor(qc, TensorSite(name, b, n_blocks, tuple(W.shape)))
-                method = QUANTIZERS.get(resolved.method)
-                res = method.fn(W.clone(), st, resolved)
+                res = quantize_weight(W.clone(), st, resolved, f"{prefix}.{b}.{name}")  # +had: rotated, as measured
                 Wq = res.weight.float()
                 bpw = res.bits_per_weight if res.bits_per_weight is not None else grid_bits_per_weight(resolved, *W.shape)
             dW = Wq - W
@@ -376,7 +378,7 @@ def measure_sensitivity(model, types: list[str] | tuple[str, ...], ids: torch.Te
             with _phase(secs, "statistics"), torch.no_grad():
                 stats = _block_stats(block, layers, hs[b], cap, b)
             with _phase(secs, "quantize"):
-                deltas, losses, bpws = _quantize_candidates(layers, types, stats, b, n_blocks)
+                deltas, losses, bpws = _quantize_candidates(layers, types, stats, b, n_blocks, adapter.blocks)
             del stats
             for jj in range(len(layers)):
                 layer_loss[first + jj] = torch.tensor(losses[jj], dtype=torch.float64)
