@@ -7,7 +7,8 @@ whole model with them.
   replaced by a recording stub (no block weights are needed: a skeleton works), and returns
   block 0's hidden states per batch and the other arguments every block receives (rotary
   tables / ``position_embeddings``, masks, which may differ per layer, e.g. Qwen2's
-  sliding-window layers), deduplicated across blocks and batches.
+  sliding-window layers), deduplicated across blocks and batches; :func:`capture_block_inputs`
+  does it for several token sets from a BlockSource, loading only what the capture needs.
 * :func:`quantize_block` collects each linear layer's input statistics (H = 2/N Σ x xᵀ,
   mean |x|) by running the block on its calibration inputs — one true-sequential group at a
   time when asked, so later groups see the already quantized earlier ones — and quantizes
@@ -21,7 +22,9 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
+from quantdyn.engine.lazy_model import BlockSource
 from quantdyn.engine.phases import PhaseTimer, time_phase
+from quantdyn.engine.streams import trim_heap
 from quantdyn.errors import QuantdynError
 from quantdyn.models.adapters import get_weight, set_weight
 from quantdyn.models.gpt import GPT
@@ -194,6 +197,32 @@ def capture_inputs(model: nn.Module, blocks: nn.ModuleList, ids: torch.Tensor, d
             if "forward" in blk.__dict__:
                 del blk.forward
     return CapturedInputs(hiddens, table, per_layer)
+
+
+@torch.no_grad()
+def capture_block_inputs(source: BlockSource, sets: Sequence[tuple[torch.Tensor, int]], device: torch.device,
+                         timer: PhaseTimer | None = None) -> list[CapturedInputs]:
+    """:func:`capture_inputs` for each token set of ``sets`` ((ids [N, T], sequences per batch) each, in order) from
+    a BlockSource: the modules before block 0 (the embedding) are loaded for the capture alone; block 0 is loaded
+    to learn whether the blocks return tuples, and stays loaded (a walk starts there). ``timer`` gets the loads
+    and the ``capture`` phase."""
+    if not sets:
+        return []
+    model, blocks = source.model, source.blocks
+    pre = source.pre_block()
+    for m in pre:
+        source.load(m, device, timer)
+    try:
+        with time_phase(timer, "capture"):
+            h0, (rest0, kw0) = first_block_inputs(model, blocks, sets[0][0][:1].to(device))
+        source.load(blocks[0], device, timer)
+        with time_phase(timer, "capture"):
+            returns_tuple = isinstance(blocks[0](h0, *rest0, **kw0), (tuple, list))
+            return [capture_inputs(model, blocks, ids, device, batch_size, returns_tuple) for ids, batch_size in sets]
+    finally:
+        for m in pre:
+            source.unload(m)
+        trim_heap()
 
 
 def check_finite_weights(groups: list[list[tuple[str, nn.Module]]], prefix: str) -> None:

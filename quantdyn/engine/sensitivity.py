@@ -47,23 +47,20 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.nn as nn
 
-from quantdyn.engine.blockwise import (block_output, capture_inputs, check_calibration, first_block_inputs,
-                                      quantize_weight, vocab_size_of)
-from quantdyn.engine.lazy_model import BlockSource, InMemoryModel, LazyModel
+from quantdyn.engine.blockwise import (block_output, capture_block_inputs, check_calibration, quantize_weight,
+                                      vocab_size_of)
+from quantdyn.engine.lazy_model import BlockSource, block_source
 from quantdyn.engine.phases import PhaseTimer
 from quantdyn.engine.streams import trim_heap
 from quantdyn.errors import QuantdynError
 from quantdyn.models.adapters import get_weight, model_type_of
-from quantdyn.models.weights import CheckpointWeights
 from quantdyn.quantize.allocate import Allocation, allocate
 from quantdyn.quantize.catalogue import QuantConfig, TensorSite, config_for_tensor, grid_bits_per_weight
 from quantdyn.quantize.gptq import stats_update
 from quantdyn.quantize.plan import (KEEP, ModelTensor, Plan, PlanTensor, budget_range, check_candidate,
                                     check_plan_budget, check_types_fit, is_auto, parse_auto, plan_of, register_plan)
 from quantdyn.results.schema import SENSITIVITY
-from quantdyn.sources.hub import open_checkpoint
 
 
 @dataclass(frozen=True)
@@ -251,15 +248,6 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> float | None:
 # ----------------------------------------------------------------------------- the pass
 
 
-def _source(model, device: torch.device) -> BlockSource:
-    if isinstance(model, BlockSource):
-        return model
-    if isinstance(model, nn.Module):
-        return InMemoryModel(model)
-    weights = model if isinstance(model, CheckpointWeights) else open_checkpoint(model)
-    return LazyModel(weights, torch.float32, device)  # gradients in float32 whatever the checkpoint stores
-
-
 def model_tensors(source: BlockSource) -> list[ModelTensor]:
     """Every quantizable linear of the blocks, from the skeleton (no weight is read)."""
     out = []
@@ -322,7 +310,7 @@ def measure_sensitivity(model, types: list[str] | tuple[str, ...], ids: torch.Te
         raise QuantdynError("the sensitivity pass needs at least one candidate type")
     for t in types:
         check_candidate(t)
-    source = _source(model, device)
+    source = block_source(model, torch.float32, device)  # gradients in float32 whatever the checkpoint stores
     mdl, blocks, adapter = source.model, source.blocks, source.adapter
     ids = check_calibration(ids, vocab_size_of(mdl))
     tensors = model_tensors(source)
@@ -339,18 +327,7 @@ def measure_sensitivity(model, types: list[str] | tuple[str, ...], ids: torch.Te
     fisher = torch.zeros(len(tensors), len(types), dtype=torch.float64)
     bpw = torch.zeros(len(tensors), len(types), dtype=torch.float64)
     try:
-        pre = source.pre_block()
-        for mod in pre:
-            source.load(mod, device, timer)
-        try:
-            with _phase(secs, "capture"), torch.no_grad():
-                h0, (rest0, kw0) = first_block_inputs(mdl, blocks, ids[:1].to(device))
-                source.load(blocks[0], device, timer)
-                returns_tuple = isinstance(blocks[0](h0, *rest0, **kw0), (tuple, list))
-                cap = capture_inputs(mdl, blocks, ids, device, cfg.batch_size, returns_tuple)
-        finally:
-            for mod in pre:
-                source.unload(mod)
+        (cap,) = capture_block_inputs(source, [(ids, cfg.batch_size)], device, timer)
         hs: list[list[torch.Tensor]] = [list(cap.hiddens)]
         cap.hiddens = []
         with torch.no_grad():
@@ -566,7 +543,7 @@ def check_quantizers_fit(variants, model) -> None:
            if isinstance(v, QuantConfig) and (is_auto(v) or plan_of(v) is not None)]
     if not qcs:
         return
-    source = model if isinstance(model, BlockSource) else _source(model, torch.device("cpu"))
+    source = block_source(model, torch.float32, torch.device("cpu"))
     for qc in qcs:
         if is_auto(qc):
             check_auto_fits(qc, source)
@@ -579,7 +556,7 @@ def allocate_auto(model, autos: dict[str, QuantConfig], calib_ids, device: torch
     """For every ``auto@`` variant: measure this checkpoint's sensitivity to its types (once per set of types and
     calibration windows), allocate under its budget and return the plan as a quantizer with a summary for the
     rows ({label: (plan QuantConfig, summary)})."""
-    source = _source(model, device)
+    source = block_source(model, torch.float32, device)  # gradients in float32 whatever the checkpoint stores
     out: dict[str, tuple[QuantConfig, dict]] = {}
     done: dict[tuple, Sensitivity] = {}
     for label, qc in autos.items():

@@ -43,10 +43,9 @@ import torch.nn as nn
 from quantdyn.engine.blockwise import (
     BlockJob,
     CapturedInputs,
-    capture_inputs,
+    capture_block_inputs,
     check_calibration,
     check_finite_weights,
-    first_block_inputs,
     layer_row,
     gptq_batchable,
     quantize_blocks,
@@ -232,36 +231,17 @@ def walk(
         if id(ids) not in checked:
             checked[id(ids)] = check_calibration(ids, vocab)
         calib_of[label] = checked[id(ids)]
-    calibrating = list(calib_of)
     probes = {name: _check_probe(name, ids, vocab) for name, ids in probes.items()}
     was_training = model.training
     model.eval()
     store = None
     timer = PhaseTimer()
     try:
-        cals: dict[int, CapturedInputs] = {}
-        caps: dict[str, CapturedInputs] = {}
-        if calibrating or probes:
-            pre = source.pre_block()
-            for m in pre:
-                source.load(m, device, timer)
-            try:
-                first = calib_of[calibrating[0]][:1] if calibrating else next(iter(probes.values()))[:1]
-                with timer("capture"):
-                    h0, (rest0, kw0) = first_block_inputs(model, blocks, first.to(device))
-                source.load(blocks[0], device, timer)
-                with timer("capture"):
-                    returns_tuple = isinstance(blocks[0](h0, *rest0, **kw0), (tuple, list))
-                    for ids in calib_of.values():
-                        if id(ids) not in cals:
-                            cals[id(ids)] = capture_inputs(model, blocks, ids, device, cfg.calib_batch_size,
-                                                           returns_tuple)
-                    for name, ids in probes.items():
-                        caps[name] = capture_inputs(model, blocks, ids, device, cfg.batch_size, returns_tuple)
-            finally:
-                for m in pre:
-                    source.unload(m)
-                trim_heap()
+        distinct = {id(ids): ids for ids in calib_of.values()}
+        captured = capture_block_inputs(source, [(ids, cfg.calib_batch_size) for ids in distinct.values()]
+                                        + [(ids, cfg.batch_size) for ids in probes.values()], device, timer)
+        cals: dict[int, CapturedInputs] = dict(zip(distinct, captured))
+        caps: dict[str, CapturedInputs] = dict(zip(probes, captured[len(distinct):]))
         need = sum(_stream_bytes(c) for c in caps.values()) * (1 + len(qcfgs) + len(transforms))
         need += sum(_stream_bytes(cals[id(ids)]) for ids in calib_of.values())
         cal_of = {label: cals[id(ids)] for label, ids in calib_of.items()}
