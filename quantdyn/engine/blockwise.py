@@ -7,7 +7,8 @@ whole model with them.
   replaced by a recording stub (no block weights are needed: a skeleton works), and returns
   block 0's hidden states per batch and the other arguments every block receives (rotary
   tables / ``position_embeddings``, masks, which may differ per layer, e.g. Qwen2's
-  sliding-window layers), deduplicated across blocks and batches.
+  sliding-window layers), deduplicated across blocks and batches; :func:`capture_block_inputs`
+  does it for several token sets from a BlockSource, loading only what the capture needs.
 * :func:`quantize_block` collects each linear layer's input statistics (H = 2/N Σ x xᵀ,
   mean |x|) by running the block on its calibration inputs — one true-sequential group at a
   time when asked, so later groups see the already quantized earlier ones — and quantizes
@@ -21,7 +22,9 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
+from quantdyn.engine.lazy_model import BlockSource
 from quantdyn.engine.phases import PhaseTimer, time_phase
+from quantdyn.engine.streams import trim_heap
 from quantdyn.errors import QuantdynError
 from quantdyn.models.adapters import get_weight, set_weight
 from quantdyn.models.gpt import GPT
@@ -196,6 +199,32 @@ def capture_inputs(model: nn.Module, blocks: nn.ModuleList, ids: torch.Tensor, d
     return CapturedInputs(hiddens, table, per_layer)
 
 
+@torch.no_grad()
+def capture_block_inputs(source: BlockSource, sets: Sequence[tuple[torch.Tensor, int]], device: torch.device,
+                         timer: PhaseTimer | None = None) -> list[CapturedInputs]:
+    """:func:`capture_inputs` for each token set of ``sets`` ((ids [N, T], sequences per batch) each, in order) from
+    a BlockSource: the modules before block 0 (the embedding) are loaded for the capture alone; block 0 is loaded
+    to learn whether the blocks return tuples, and stays loaded (a walk starts there). ``timer`` gets the loads
+    and the ``capture`` phase."""
+    if not sets:
+        return []
+    model, blocks = source.model, source.blocks
+    pre = source.pre_block()
+    for m in pre:
+        source.load(m, device, timer)
+    try:
+        with time_phase(timer, "capture"):
+            h0, (rest0, kw0) = first_block_inputs(model, blocks, sets[0][0][:1].to(device))
+        source.load(blocks[0], device, timer)
+        with time_phase(timer, "capture"):
+            returns_tuple = isinstance(blocks[0](h0, *rest0, **kw0), (tuple, list))
+            return [capture_inputs(model, blocks, ids, device, batch_size, returns_tuple) for ids, batch_size in sets]
+    finally:
+        for m in pre:
+            source.unload(m)
+        trim_heap()
+
+
 def check_finite_weights(groups: list[list[tuple[str, nn.Module]]], prefix: str) -> None:
     for grp in groups:
         for name, m in grp:
@@ -213,11 +242,19 @@ def quantize_layer(name: str, module: nn.Module, stats: ActStats | None, cfg: Qu
     With ``+had`` the weight is quantized as Q(W R) from the rotated statistics and the module holds Q(W R) Rᵀ
     (quantize/rotation.py); activation quantization then quantizes x R."""
     W, cfg, notes = _layer_weight(module, cfg, site or TensorSite(name, 0, 1, tuple(get_weight(module).shape)))
-    fn = QUANTIZERS.get(cfg.method).fn
     with num_threads(threads):
-        res = fn(W, stats, cfg) if hadamard_seed(cfg) is None else quantize_rotated(fn, W, stats, cfg, name)
+        res = quantize_weight(W, stats, cfg, name)
     res = _apply_result(name, module, res, cfg, notes)
     return res, W
+
+
+def quantize_weight(W: torch.Tensor, stats: ActStats | None, cfg: QuantConfig, name: str) -> QuantResult:
+    """One weight W (out, in) quantized as the engine quantizes a layer with ``cfg`` (already resolved for its
+    tensor, config_for_tensor): the registered method, or with ``+had`` the method on W R with the rotated
+    statistics and the result's weight rotated back, Q(W R) Rᵀ (quantize/rotation.py quantize_rotated).
+    ``name`` names the layer in errors. The quantizer may work on W in place: pass a copy to keep it."""
+    fn = QUANTIZERS.get(cfg.method).fn
+    return fn(W, stats, cfg) if hadamard_seed(cfg) is None else quantize_rotated(fn, W, stats, cfg, name)
 
 
 def _layer_weight(module: nn.Module, cfg: QuantConfig, site: TensorSite) -> tuple[torch.Tensor, QuantConfig, dict]:
@@ -337,7 +374,7 @@ def quantize_blocks(jobs: Sequence[BlockJob], block_idx: int, prefix: str, layer
             stats: dict[str, ActStats | None] = {name: None for name, _ in plan[gi]}
             if job.inputs is not None:
                 with time_phase(timer, "calib_forward"):
-                    shared = _collect_stats(job.block, plan[gi], job.inputs, job.args_of, job.cfg.method == "awq", stats,
+                    shared = _collect_stats(job.block, plan[gi], job.inputs, job.args_of, QUANTIZERS.get(job.cfg.method).needs_abs_stats, stats,
                                              hadamard_seed(job.cfg))
                 for name, first in shared.items():
                     stats[name] = stats[first]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -32,6 +33,7 @@ from quantdyn.models.adapters import FamilyAdapter, adapter_for
 from quantdyn.models.gpt import GPT
 from quantdyn.models.hf_io import model_config_from_hf
 from quantdyn.models.weights import CheckpointWeights
+from quantdyn.sources.hub import open_checkpoint
 
 _COMPUTE_DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                    "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -277,3 +279,17 @@ class InMemoryModel(BlockSource):
 
     def unload(self, module: nn.Module) -> None:
         module.to(self.home)
+
+
+def block_source(model: "str | Path | nn.Module | CheckpointWeights | BlockSource", dtype: torch.dtype | None,
+                 device: torch.device) -> BlockSource:
+    """The BlockSource of any model reference the engine takes: a BlockSource as it is; a model in memory as an
+    InMemoryModel (its blocks compute as they are stored); CheckpointWeights or a checkpoint reference (a local
+    directory, hub-id[@revision]) read lazily, its blocks computing in ``dtype`` on ``device`` (None: auto, see
+    LazyModel)."""
+    if isinstance(model, BlockSource):
+        return model
+    if isinstance(model, nn.Module):
+        return InMemoryModel(model)
+    weights = model if isinstance(model, CheckpointWeights) else open_checkpoint(model)
+    return LazyModel(weights, dtype, device)

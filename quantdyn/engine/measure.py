@@ -37,7 +37,7 @@ import torch.nn as nn
 from quantdyn.analysis.propagation import block_sums, finalize_propagation, input_sums
 from quantdyn.config import shared_fields
 from quantdyn.engine.blockwise import block_output
-from quantdyn.engine.lazy_model import BlockSource, InMemoryModel, LazyModel, compute_dtype_of
+from quantdyn.engine.lazy_model import BlockSource, block_source, compute_dtype_of
 from quantdyn.engine.noise_floor import NOISE_FLOOR_LABEL, BF16NoiseFloor, floor_rounding
 from quantdyn.engine.sensitivity import allocate_auto, check_quantizers_fit
 from quantdyn.engine.streams import fmt_bytes, parse_bytes, trim_heap
@@ -49,7 +49,6 @@ from quantdyn.quantize.catalogue import QuantConfig, parse_quantizer
 from quantdyn.quantize.primitives import QuantResult
 from quantdyn.quantize.plan import is_auto
 from quantdyn.quantize.residual_rotation import check_rotations
-from quantdyn.sources.hub import open_checkpoint
 
 log = logging.getLogger("quantdyn")
 
@@ -147,15 +146,6 @@ class Measurement:
         return float(self.fp_window_ce.mean())
 
 
-def _source(model, dtype: torch.dtype | None, device: torch.device) -> BlockSource:
-    if isinstance(model, BlockSource):
-        return model
-    if isinstance(model, nn.Module):
-        return InMemoryModel(model)
-    weights = model if isinstance(model, CheckpointWeights) else open_checkpoint(model)
-    return LazyModel(weights, dtype, device)
-
-
 def check_budget(source: BlockSource, budget: int) -> int:
     """Bytes left for streams under ``budget`` (0 = automatic); too small a budget is an error, raised before
     any weight is read, that gives the minimum budget."""
@@ -235,7 +225,7 @@ def measure(
         probes["eval"] = eval_windows[:, :-1]
     if propagation_ids is not None:
         probes["prop"] = propagation_ids
-    source = _source(model, compute_dtype_of(cfg.dtype), device)
+    source = block_source(model, compute_dtype_of(cfg.dtype), device)
     check_rotations(source.model, variants.values())  # +had widths, +r1 architectures: one line before any work
     if noise_floor is None:  # auto: where the floor costs one block pass (float32 blocks), not an fp32 pass more
         noise_floor = source.dtype == torch.float32

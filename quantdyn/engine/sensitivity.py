@@ -17,7 +17,8 @@ and sequence gives an unbiased estimate of the sum of the per-token KLs. The pas
    run the FP blocks forward, keeping every block's input;
 2. at the head, sample ŷ and take the gradient of Σ log p(ŷ) with respect to the last hidden states;
 3. walk the blocks backwards, one loaded at a time: collect each linear's FP input statistics, quantize it with
-   every candidate type (ΔW = Q(W) − W: the same pure functions and shape fallbacks the engine quantizes with),
+   every candidate type (ΔW = Q(W) − W: the same pure functions, shape fallbacks and ``+had`` rotations the
+   engine quantizes with, blockwise.quantize_weight; with ``+had`` ΔW = Q(W R) Rᵀ − W),
    rerun the block with gradients and pull the adjoint through it, read every linear's output gradient g and
    input x, form each sequence's weight gradient G = Σ_positions gᵀx and record s = <G, ΔW> per sequence, draw,
    tensor and type.
@@ -46,22 +47,20 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.nn as nn
 
-from quantdyn.engine.blockwise import block_output, capture_inputs, check_calibration, first_block_inputs, vocab_size_of
-from quantdyn.engine.lazy_model import BlockSource, InMemoryModel, LazyModel
+from quantdyn.engine.blockwise import (block_output, capture_block_inputs, check_calibration, quantize_weight,
+                                      vocab_size_of)
+from quantdyn.engine.lazy_model import BlockSource, block_source
 from quantdyn.engine.phases import PhaseTimer
 from quantdyn.engine.streams import trim_heap
 from quantdyn.errors import QuantdynError
-from quantdyn.models.adapters import get_weight, model_type_of
-from quantdyn.models.weights import CheckpointWeights
+from quantdyn.models.adapters import get_weight, hf_model_type, model_type_of
 from quantdyn.quantize.allocate import Allocation, allocate
-from quantdyn.quantize.catalogue import QUANTIZERS, QuantConfig, TensorSite, config_for_tensor, grid_bits_per_weight
+from quantdyn.quantize.catalogue import QuantConfig, TensorSite, config_for_tensor, grid_bits_per_weight
 from quantdyn.quantize.gptq import stats_update
-from quantdyn.quantize.plan import (KEEP, ModelTensor, Plan, PlanTensor, budget_range, check_candidate,
+from quantdyn.quantize.plan import (ModelTensor, Plan, PlanTensor, budget_range, check_candidate,
                                     check_plan_budget, check_types_fit, is_auto, parse_auto, plan_of, register_plan)
 from quantdyn.results.schema import SENSITIVITY
-from quantdyn.sources.hub import open_checkpoint
 
 
 @dataclass(frozen=True)
@@ -249,15 +248,6 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> float | None:
 # ----------------------------------------------------------------------------- the pass
 
 
-def _source(model, device: torch.device) -> BlockSource:
-    if isinstance(model, BlockSource):
-        return model
-    if isinstance(model, nn.Module):
-        return InMemoryModel(model)
-    weights = model if isinstance(model, CheckpointWeights) else open_checkpoint(model)
-    return LazyModel(weights, torch.float32, device)  # gradients in float32 whatever the checkpoint stores
-
-
 def model_tensors(source: BlockSource) -> list[ModelTensor]:
     """Every quantizable linear of the blocks, from the skeleton (no weight is read)."""
     out = []
@@ -271,28 +261,24 @@ def model_tensors(source: BlockSource) -> list[ModelTensor]:
 
 def model_type_of_source(source: BlockSource) -> str:
     """The architecture a plan records: the HF model_type (quantdyn's GPT is GPT-NeoX on disk)."""
-    mt = model_type_of(source.model)
-    return "gpt_neox" if mt == "quantdyn-gpt" else mt
+    return hf_model_type(model_type_of(source.model))
 
 
 @torch.no_grad()
-def _quantize_candidates(layers, types, stats, b: int, n_blocks: int):
-    """Per layer: {type index: ΔW}, layer losses and bits per weight."""
+def _quantize_candidates(layers, types, stats, b: int, n_blocks: int, prefix: str):
+    """Per layer: {type index: ΔW}, layer losses and bits per weight. ΔW is in the layer's own basis: for a ``+had``
+    type Q(W R) Rᵀ − W, the weight the engine's measurement puts in the layer (blockwise.quantize_weight)."""
     deltas, losses, bpws = [], [], []
     for name, m in layers:
         W = get_weight(m).detach().float()
         st = stats.get(name)
         d, lo, bp = {}, [], []
         for i, label in enumerate(types):
-            if label == KEEP:
-                Wq, bpw = W.half().float(), 16.0
-            else:
-                qc = check_candidate(label)
-                resolved, _ = config_for_tensor(qc, TensorSite(name, b, n_blocks, tuple(W.shape)))
-                method = QUANTIZERS.get(resolved.method)
-                res = method.fn(W.clone(), st, resolved)
-                Wq = res.weight.float()
-                bpw = res.bits_per_weight if res.bits_per_weight is not None else grid_bits_per_weight(resolved, *W.shape)
+            qc = check_candidate(label)
+            resolved, _ = config_for_tensor(qc, TensorSite(name, b, n_blocks, tuple(W.shape)))
+            res = quantize_weight(W.clone(), st, resolved, f"{prefix}.{b}.{name}")  # +had: rotated, as measured
+            Wq = res.weight.float()
+            bpw = res.bits_per_weight if res.bits_per_weight is not None else grid_bits_per_weight(resolved, *W.shape)
             dW = Wq - W
             d[i] = dW
             if st is not None:
@@ -320,7 +306,7 @@ def measure_sensitivity(model, types: list[str] | tuple[str, ...], ids: torch.Te
         raise QuantdynError("the sensitivity pass needs at least one candidate type")
     for t in types:
         check_candidate(t)
-    source = _source(model, device)
+    source = block_source(model, torch.float32, device)  # gradients in float32 whatever the checkpoint stores
     mdl, blocks, adapter = source.model, source.blocks, source.adapter
     ids = check_calibration(ids, vocab_size_of(mdl))
     tensors = model_tensors(source)
@@ -337,18 +323,7 @@ def measure_sensitivity(model, types: list[str] | tuple[str, ...], ids: torch.Te
     fisher = torch.zeros(len(tensors), len(types), dtype=torch.float64)
     bpw = torch.zeros(len(tensors), len(types), dtype=torch.float64)
     try:
-        pre = source.pre_block()
-        for mod in pre:
-            source.load(mod, device, timer)
-        try:
-            with _phase(secs, "capture"), torch.no_grad():
-                h0, (rest0, kw0) = first_block_inputs(mdl, blocks, ids[:1].to(device))
-                source.load(blocks[0], device, timer)
-                returns_tuple = isinstance(blocks[0](h0, *rest0, **kw0), (tuple, list))
-                cap = capture_inputs(mdl, blocks, ids, device, cfg.batch_size, returns_tuple)
-        finally:
-            for mod in pre:
-                source.unload(mod)
+        (cap,) = capture_block_inputs(source, [(ids, cfg.batch_size)], device, timer)
         hs: list[list[torch.Tensor]] = [list(cap.hiddens)]
         cap.hiddens = []
         with torch.no_grad():
@@ -376,7 +351,7 @@ def measure_sensitivity(model, types: list[str] | tuple[str, ...], ids: torch.Te
             with _phase(secs, "statistics"), torch.no_grad():
                 stats = _block_stats(block, layers, hs[b], cap, b)
             with _phase(secs, "quantize"):
-                deltas, losses, bpws = _quantize_candidates(layers, types, stats, b, n_blocks)
+                deltas, losses, bpws = _quantize_candidates(layers, types, stats, b, n_blocks, adapter.blocks)
             del stats
             for jj in range(len(layers)):
                 layer_loss[first + jj] = torch.tensor(losses[jj], dtype=torch.float64)
@@ -554,8 +529,7 @@ def check_plan_fits(qc: QuantConfig, source: BlockSource) -> None:
             raise QuantdynError(f"{label} was made for {t.name} of shape {list(t.shape)}; this checkpoint's is "
                                 f"{list(here[t.name][2])}: allocate a plan on this checkpoint")
     for t in plan.tensors:
-        if t.type != KEEP:
-            check_types_fit([(t.name, t.block, t.path, t.shape)], (t.type,))
+        check_types_fit([(t.name, t.block, t.path, t.shape)], (t.type,))
 
 
 def check_quantizers_fit(variants, model) -> None:
@@ -564,7 +538,7 @@ def check_quantizers_fit(variants, model) -> None:
            if isinstance(v, QuantConfig) and (is_auto(v) or plan_of(v) is not None)]
     if not qcs:
         return
-    source = model if isinstance(model, BlockSource) else _source(model, torch.device("cpu"))
+    source = block_source(model, torch.float32, torch.device("cpu"))
     for qc in qcs:
         if is_auto(qc):
             check_auto_fits(qc, source)
@@ -577,7 +551,7 @@ def allocate_auto(model, autos: dict[str, QuantConfig], calib_ids, device: torch
     """For every ``auto@`` variant: measure this checkpoint's sensitivity to its types (once per set of types and
     calibration windows), allocate under its budget and return the plan as a quantizer with a summary for the
     rows ({label: (plan QuantConfig, summary)})."""
-    source = _source(model, device)
+    source = block_source(model, torch.float32, device)  # gradients in float32 whatever the checkpoint stores
     out: dict[str, tuple[QuantConfig, dict]] = {}
     done: dict[tuple, Sensitivity] = {}
     for label, qc in autos.items():

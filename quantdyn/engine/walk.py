@@ -7,18 +7,19 @@ ids and named *probe* token sets (e.g. the evaluation windows), and runs (as the
 reference's ``llama_sequential``, generalised to several quantizers at once):
 
 1. capture the inputs of every block for each token set: block 0's hidden states and the
-   other arguments each block receives (``blockwise.capture_inputs``; only the embedding
-   needs weights);
+   other arguments each block receives (``_capture``, ``blockwise.capture_block_inputs``; only
+   the embedding needs weights), and put the hidden states into streams (``_open_streams``);
 2. for each block, loaded onto the compute device alone:
    for each quantizer, on a copy of the block (one extra block in memory at any time):
    collect its layers' input statistics from *that quantizer's own* calibration stream (the
    outputs of its already quantized earlier blocks), quantize the layers
-   (``blockwise.quantize_block``, true-sequential groups when asked), then advance its
-   calibration stream and its probe streams through the quantized block;
+   (``blockwise.quantize_blocks``, true-sequential groups when asked), then advance its
+   calibration stream and its probe streams through the quantized block
+   (``_quantize_and_advance``; block transforms: ``_transform_and_advance``);
    then advance the full-precision probe streams through the block itself — computed once,
-   shared by all quantizers;
+   shared by all quantizers (``_advance_full_precision``);
 3. at the end, the final norm and head are loaded; quantizers with ``quantize_head``
-   quantize a copy of the head from their calibration stream.
+   quantize a copy of the head from their calibration stream (``_quantize_heads``).
 
 The streams (lists of activation batches) live on the device, in host RAM or spilled to
 disk, as a memory budget decides (``engine/streams.py``). Each quantizer's work equals
@@ -43,10 +44,9 @@ import torch.nn as nn
 from quantdyn.engine.blockwise import (
     BlockJob,
     CapturedInputs,
-    capture_inputs,
+    capture_block_inputs,
     check_calibration,
     check_finite_weights,
-    first_block_inputs,
     layer_row,
     gptq_batchable,
     quantize_blocks,
@@ -191,6 +191,34 @@ def _stream_bytes(cap: CapturedInputs) -> int:
     return sum(h.numel() * h.element_size() for h in cap.hiddens)
 
 
+@dataclass
+class _Walking:
+    """What a walk carries from one phase to the next (:func:`walk`)."""
+
+    source: BlockSource
+    device: torch.device
+    cfg: WalkConfig
+    timer: PhaseTimer
+    qcfgs: dict[str, QuantConfig]
+    """The weight quantizers by label."""
+    transforms: dict[str, BlockTransform]
+    """The BlockTransform variants by label."""
+    probe_caps: dict[str, CapturedInputs] = field(default_factory=dict)
+    """Per probe set: the other arguments every block receives (its hidden states moved into ``fp``)."""
+    calib_caps: dict[str, CapturedInputs] = field(default_factory=dict)
+    """Per calibrating quantizer: the same for its calibration set (shared by labels with the same set)."""
+    store: StreamStore | None = None
+    fp: dict[str, Stream] = field(default_factory=dict)
+    """Per probe set: the full-precision stream (the inputs of the next block)."""
+    qs: dict[str, dict[str, Stream]] = field(default_factory=dict)
+    """Per variant and probe set: the variant's stream."""
+    qcal: dict[str, Stream] = field(default_factory=dict)
+    """Per calibrating quantizer: its own calibration stream (through its quantized blocks)."""
+    variants: dict[str, VariantQuantization] = field(default_factory=dict)
+    probe_seconds: float = 0.0
+    block_errors: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+
+
 @torch.no_grad()
 def walk(
     source: BlockSource,
@@ -210,18 +238,63 @@ def walk(
     with different calibration draws; labels without an entry get no calibration); identical tensors are
     captured once. ``on_layer(label, layer name, result, quantized module)`` sees every quantized layer (to pack
     or export codes); ``progress(block, n_blocks)`` is called after each block."""
-    device = torch.device(device)
-    model, blocks, adapter = source.model, source.blocks, source.adapter
-    prefix = adapter.blocks
     transforms = {label: q for label, q in quantizers.items() if isinstance(q, BlockTransform)}
     qcfgs = {label: parse_quantizer(q) for label, q in quantizers.items() if label not in transforms}
+    _check_walk(cfg, qcfgs, transforms, probes, observe)
+    vocab = vocab_size_of(source.model)
+    calib_of = _calibration_sets(qcfgs, calib_ids, cfg, vocab)
+    probes = {name: _check_probe(name, ids, vocab) for name, ids in probes.items()}
+    w = _Walking(source, torch.device(device), cfg, PhaseTimer(), qcfgs, transforms)
+    model = source.model
+    was_training = model.training
+    model.eval()
+    try:
+        _capture(w, calib_of, probes)
+        _open_streams(w, calib_of)
+        batches = _quantizer_batches(qcfgs, cfg, w.device)
+        for b, block in enumerate(source.blocks):
+            source.load(block, w.device, w.timer)
+            check_finite_weights(source.adapter.linear_groups(block), f"{source.adapter.blocks}.{b}")
+            for batch in batches:  # one quantizer, or GPTQ quantizers quantized together (batch_quantizers)
+                _quantize_and_advance(w, b, block, batch, on_layer, observer, observe)
+            _transform_and_advance(w, b, block, observer, observe)
+            _advance_full_precision(w, b, block)
+            source.unload(block)
+            if w.device.type == "cpu":
+                trim_heap()
+            if progress is not None:
+                progress(b + 1, len(source.blocks))
+        norm, head = source.tail()
+        source.load(norm, w.device, w.timer)
+        source.load(head, w.device, w.timer)
+        _quantize_heads(w, norm, head, on_layer)
+        for label, tr in transforms.items():
+            w.variants[label] = VariantQuantization(None, head=tr.head(copy.deepcopy(head)))
+        for s in w.qcal.values():
+            s.close()
+        finals: dict[str | None, dict[str, Stream]] = {None: w.fp, **w.qs}
+        return Walk(source, w.variants, finals, norm, head, w.probe_seconds, w.store, w.timer, w.block_errors)
+    except BaseException:
+        if w.store is not None:
+            w.store.close()
+        raise
+    finally:
+        model.train(was_training)
+
+
+def _check_walk(cfg: WalkConfig, qcfgs: Mapping, transforms: Mapping, probes: Mapping, observe: str | None) -> None:
     if cfg.in_place and (len(qcfgs) != 1 or probes or transforms):
         raise ValueError("an in-place walk takes exactly one quantizer and no probe sets")
     if observe is not None and observe not in probes:
         raise ValueError(f"observed probe set '{observe}' is not among the probes")
     if cfg.block_errors is not None and cfg.block_errors not in probes:
         raise ValueError(f"probe set '{cfg.block_errors}' for block errors is not among the probes")
-    vocab = vocab_size_of(model)
+
+
+def _calibration_sets(qcfgs: Mapping[str, QuantConfig], calib_ids, cfg: WalkConfig,
+                      vocab: int | None) -> dict[str, torch.Tensor]:
+    """{label: its calibration ids} for the quantizers that calibrate (those that need it; with ``calibrate_all``
+    every one given ids), each distinct set validated once: labels given the same tensor share one object."""
     calib_of: dict[str, torch.Tensor] = {}
     for label, qc in qcfgs.items():
         ids = calib_ids.get(label) if isinstance(calib_ids, Mapping) else calib_ids
@@ -232,177 +305,162 @@ def walk(
         if id(ids) not in checked:
             checked[id(ids)] = check_calibration(ids, vocab)
         calib_of[label] = checked[id(ids)]
-    calibrating = list(calib_of)
-    probes = {name: _check_probe(name, ids, vocab) for name, ids in probes.items()}
-    was_training = model.training
-    model.eval()
-    store = None
-    timer = PhaseTimer()
-    try:
-        cals: dict[int, CapturedInputs] = {}
-        caps: dict[str, CapturedInputs] = {}
-        if calibrating or probes:
-            pre = source.pre_block()
-            for m in pre:
-                source.load(m, device, timer)
-            try:
-                first = calib_of[calibrating[0]][:1] if calibrating else next(iter(probes.values()))[:1]
-                with timer("capture"):
-                    h0, (rest0, kw0) = first_block_inputs(model, blocks, first.to(device))
-                source.load(blocks[0], device, timer)
-                with timer("capture"):
-                    returns_tuple = isinstance(blocks[0](h0, *rest0, **kw0), (tuple, list))
-                    for ids in calib_of.values():
-                        if id(ids) not in cals:
-                            cals[id(ids)] = capture_inputs(model, blocks, ids, device, cfg.calib_batch_size,
-                                                           returns_tuple)
-                    for name, ids in probes.items():
-                        caps[name] = capture_inputs(model, blocks, ids, device, cfg.batch_size, returns_tuple)
-            finally:
-                for m in pre:
-                    source.unload(m)
-                trim_heap()
-        need = sum(_stream_bytes(c) for c in caps.values()) * (1 + len(qcfgs) + len(transforms))
-        need += sum(_stream_bytes(cals[id(ids)]) for ids in calib_of.values())
-        cal_of = {label: cals[id(ids)] for label, ids in calib_of.items()}
-        store = StreamStore(device, need, cfg.stream_bytes, cfg.spill_dir or None,
-                            force={"auto": None, "memory": "device", "disk": "disk"}[cfg.streams])
-        fp: dict[str, Stream] = {}
-        for name, c in caps.items():
-            fp[name] = store.new(f"fp-{name}")
-            for h in c.hiddens:
-                fp[name].append(h)
-            c.hiddens = []
-        qs: dict[str, dict[str, Stream]] = {}
-        qcal: dict[str, Stream] = {}
-        for label in [*qcfgs, *transforms]:
-            qs[label] = {}
-            for name in caps:
-                qs[label][name] = store.new(f"q{len(qs)}-{name}")
-                qs[label][name].copy_from(fp[name])
-            if label in cal_of:
-                qcal[label] = store.new(f"q{len(qs)}-calib")
-                for h in cal_of[label].hiddens:
-                    qcal[label].append(h)
-        for c in cals.values():
-            c.hiddens = []
-        variants = {label: VariantQuantization(qc, n_calibration=int(calib_of[label].shape[0]) if label in qcal else 0)
-                    for label, qc in qcfgs.items()}
-        batches = _quantizer_batches(qcfgs, cfg, device)
-        probe_seconds = 0.0
-        block_errors: dict[str, dict[str, list[float]]] = {}
+    return calib_of
 
-        def forward_variant(label: str, b: int, block: nn.Module, qblock: nn.Module, probe_args: dict) -> None:
-            """A variant's streams through its quantized block (and the observer, which sees both blocks)."""
-            with time_phase(timer if caps else None, "eval_forward"):  # nothing to time without probes
-                if observer is not None:
-                    observer(label, b, block, qblock, fp[observe], qs[label][observe], probe_args[observe])
-                for name in caps:
-                    run_block(qblock, qs[label][name], probe_args[name])
 
-        for b, block in enumerate(blocks):
-            source.load(block, device, timer)
-            groups = adapter.linear_groups(block)
-            check_finite_weights(groups, f"{prefix}.{b}")
-            probe_args = {name: (lambda i, b=b, c=c: c.args(b, i)) for name, c in caps.items()}
-            for batch in batches:  # one quantizer, or GPTQ quantizers quantized together (batch_quantizers)
-                t0 = time.perf_counter()
-                jobs: dict[str, BlockJob] = {}
-                for label in batch:
-                    qblock = block if cfg.in_place else copy.deepcopy(block)
-                    qgroups = groups if cfg.in_place else adapter.linear_groups(qblock)
-                    if qcfgs[label].r1 and not cfg.in_place:  # +r1: this copy rotated, between the model's basis
-                        qblock = residual_rotated_block(qblock, model_type_of(model), qcfgs[label].rotation_seed)
-                    hook = (lambda full, res, m, label=label: on_layer(label, full, res, m)) if on_layer else None
-                    cal_args = (lambda i, b=b, c=cal_of[label]: c.args(b, i)) if label in cal_of else None
-                    jobs[label] = BlockJob(qblock, qgroups,
-                                           qcal.get(label), cal_args, qcfgs[label], hook)
-                with num_threads(cfg.quantize_threads or None):
-                    rows_of = quantize_blocks(list(jobs.values()), b, prefix, cfg.layer_threads,
-                                              n_blocks=len(blocks), timer=timer, diagnostics=cfg.layer_diagnostics)
-                    for label, job in jobs.items():
-                        if label in qcal:  # statistics of the FP model's activations where the method asks (imatrix)
-                            fp_stats = QUANTIZERS.get(job.cfg.method).fp_calibration and not cfg.in_place
-                            with timer("calib_forward"):
-                                run_block(block if fp_stats else job.block, qcal[label], job.args_of)
-                share = (time.perf_counter() - t0) / len(batch)  # a batch's quantizers share its time equally
-                for label, rows in zip(jobs, rows_of):
-                    variants[label].rows += rows
-                    variants[label].seconds += share
-                    t0 = time.perf_counter()
-                    forward_variant(label, b, block, jobs[label].block, probe_args)
-                    probe_seconds += time.perf_counter() - t0
-                del jobs
-                if device.type == "cpu":
-                    trim_heap()  # before the next quantizer: this one's Hessians and temporaries are freed
-            for label, tr in transforms.items():
-                t0 = time.perf_counter()
-                with timer("quantize_layers"):
-                    qblock = tr.block(copy.deepcopy(block))
-                forward_variant(label, b, block, qblock, probe_args)
-                probe_seconds += time.perf_counter() - t0
-                del qblock
-            t0 = time.perf_counter()
-            with time_phase(timer if caps else None, "eval_forward"):
-                for name in caps:
-                    run_block(block, fp[name], probe_args[name])
-                if cfg.block_errors is not None:
-                    _compare_streams(fp[cfg.block_errors], {label: q[cfg.block_errors] for label, q in qs.items()},
-                                     block_errors)
-            probe_seconds += time.perf_counter() - t0
-            source.unload(block)
-            if device.type == "cpu":
-                trim_heap()
-            if progress is not None:
-                progress(b + 1, len(blocks))
+def _capture(w: _Walking, calib_of: dict[str, torch.Tensor], probes: dict[str, torch.Tensor]) -> None:
+    """Phase 1: every block's inputs for each distinct calibration set and each probe set (blockwise)."""
+    distinct = {id(ids): ids for ids in calib_of.values()}
+    captured = capture_block_inputs(w.source, [(ids, w.cfg.calib_batch_size) for ids in distinct.values()]
+                                    + [(ids, w.cfg.batch_size) for ids in probes.values()], w.device, w.timer)
+    cals: dict[int, CapturedInputs] = dict(zip(distinct, captured))
+    w.probe_caps = dict(zip(probes, captured[len(distinct):]))
+    w.calib_caps = {label: cals[id(ids)] for label, ids in calib_of.items()}
 
-        norm, head = source.tail()
-        source.load(norm, device, timer)
-        source.load(head, device, timer)
-        for label, qc in qcfgs.items():
-            if not qc.quantize_head:
-                continue
-            t0 = time.perf_counter()
-            v = variants[label]
-            if cfg.in_place:
-                qhead = head
-                emb = source.pre_block()[0]
-                if any(qhead.weight is p for p in emb.parameters()):  # tied: keep the embedding in full precision
-                    qhead.weight = nn.Parameter(qhead.weight.detach().clone())
-                    if hasattr(getattr(model, "config", None), "tie_word_embeddings"):
-                        model.config.tie_word_embeddings = False
-            else:
-                qhead = copy.deepcopy(head)
-            stats = None
-            # +r1 in a measurement: the head sees the stream in the model's basis and gets R on its input (+had)
-            head_qc = dataclasses.replace(qc, hadamard=True) if qc.r1 and not cfg.in_place else qc
-            with num_threads(cfg.quantize_threads or None):
-                if label in qcal:
-                    with timer("calib_forward"):
-                        for i in range(len(qcal[label])):
-                            stats = fold_stats(stats, norm(qcal[label][i]), qc.method == "awq", hadamard_seed(head_qc))
-                with timer("quantize_layers"):
-                    site = TensorSite(adapter.head, -1, len(blocks), tuple(qhead.weight.shape))
-                    res, W = quantize_layer(adapter.head, qhead, stats, head_qc, cfg.layer_threads, site)
-                with timer("diagnostics"):
-                    v.rows.append(layer_row(-1, adapter.head, adapter.head, W, res, stats, qc,
-                                            output_error=cfg.layer_diagnostics))
-            if on_layer is not None:
-                on_layer(label, adapter.head, res, qhead)
-            v.head = None if cfg.in_place else qhead
-            v.seconds += time.perf_counter() - t0
-        for label, tr in transforms.items():
-            variants[label] = VariantQuantization(None, head=tr.head(copy.deepcopy(head)))
-        for s in qcal.values():
-            s.close()
-        finals: dict[str | None, dict[str, Stream]] = {None: fp, **qs}
-        return Walk(source, variants, finals, norm, head, probe_seconds, store, timer, block_errors)
-    except BaseException:
-        if store is not None:
-            store.close()
-        raise
-    finally:
-        model.train(was_training)
+
+def _open_streams(w: _Walking, calib_of: dict[str, torch.Tensor]) -> None:
+    """The streams, sized for the store's budget: per probe set the FP stream and a copy per variant; per
+    calibrating quantizer its calibration stream. The captured hidden states move into them."""
+    caps, n_variants = w.probe_caps, len(w.qcfgs) + len(w.transforms)
+    need = sum(_stream_bytes(c) for c in caps.values()) * (1 + n_variants)
+    need += sum(_stream_bytes(w.calib_caps[label]) for label in calib_of)
+    cfg = w.cfg
+    w.store = store = StreamStore(w.device, need, cfg.stream_bytes, cfg.spill_dir or None,
+                                  force={"auto": None, "memory": "device", "disk": "disk"}[cfg.streams])
+    for name, c in caps.items():
+        w.fp[name] = store.new(f"fp-{name}")
+        for h in c.hiddens:
+            w.fp[name].append(h)
+        c.hiddens = []
+    for label in [*w.qcfgs, *w.transforms]:
+        w.qs[label] = {}
+        for name in caps:
+            w.qs[label][name] = store.new(f"q{len(w.qs)}-{name}")
+            w.qs[label][name].copy_from(w.fp[name])
+        if label in w.calib_caps:
+            w.qcal[label] = store.new(f"q{len(w.qs)}-calib")
+            for h in w.calib_caps[label].hiddens:
+                w.qcal[label].append(h)
+    for c in w.calib_caps.values():
+        c.hiddens = []
+    w.variants = {label: VariantQuantization(qc, n_calibration=int(calib_of[label].shape[0]) if label in w.qcal else 0)
+                  for label, qc in w.qcfgs.items()}
+
+
+def _probe_args(w: _Walking, b: int) -> dict[str, Callable[[int], tuple]]:
+    return {name: (lambda i, b=b, c=c: c.args(b, i)) for name, c in w.probe_caps.items()}
+
+
+def _forward_variant(w: _Walking, label: str, b: int, block: nn.Module, qblock: nn.Module,
+                     observer: Observer | None, observe: str | None) -> None:
+    """A variant's probe streams through its block (and the observer, which sees both blocks first)."""
+    t0 = time.perf_counter()
+    probe_args = _probe_args(w, b)
+    with time_phase(w.timer if w.probe_caps else None, "eval_forward"):  # nothing to time without probes
+        if observer is not None:
+            observer(label, b, block, qblock, w.fp[observe], w.qs[label][observe], probe_args[observe])
+        for name in w.probe_caps:
+            run_block(qblock, w.qs[label][name], probe_args[name])
+    w.probe_seconds += time.perf_counter() - t0
+
+
+def _quantize_and_advance(w: _Walking, b: int, block: nn.Module, batch: list[str], on_layer,
+                          observer: Observer | None, observe: str | None) -> None:
+    """Phase 2, per quantizer (or batch of GPTQ quantizers): quantize its copy of block ``b`` from its own
+    calibration stream (blockwise.quantize_blocks), advance that stream, then its probe streams."""
+    cfg, source = w.cfg, w.source
+    t0 = time.perf_counter()
+    jobs: dict[str, BlockJob] = {}
+    for label in batch:
+        qblock = block if cfg.in_place else copy.deepcopy(block)
+        qgroups = source.adapter.linear_groups(qblock)
+        if w.qcfgs[label].r1 and not cfg.in_place:  # +r1: this copy rotated, between the model's basis
+            qblock = residual_rotated_block(qblock, model_type_of(source.model), w.qcfgs[label].rotation_seed)
+        hook = (lambda full, res, m, label=label: on_layer(label, full, res, m)) if on_layer else None
+        cal_args = (lambda i, b=b, c=w.calib_caps[label]: c.args(b, i)) if label in w.calib_caps else None
+        jobs[label] = BlockJob(qblock, qgroups, w.qcal.get(label), cal_args, w.qcfgs[label], hook)
+    with num_threads(cfg.quantize_threads or None):
+        rows_of = quantize_blocks(list(jobs.values()), b, source.adapter.blocks, cfg.layer_threads,
+                                  n_blocks=len(source.blocks), timer=w.timer, diagnostics=cfg.layer_diagnostics)
+        for label, job in jobs.items():
+            if label in w.qcal:  # statistics of the FP model's activations where the method asks (imatrix)
+                fp_stats = QUANTIZERS.get(job.cfg.method).fp_calibration and not cfg.in_place
+                with w.timer("calib_forward"):
+                    run_block(block if fp_stats else job.block, w.qcal[label], job.args_of)
+    share = (time.perf_counter() - t0) / len(batch)  # a batch's quantizers share its time equally
+    for label, rows in zip(jobs, rows_of):
+        w.variants[label].rows += rows
+        w.variants[label].seconds += share
+        _forward_variant(w, label, b, block, jobs[label].block, observer, observe)
+    del jobs
+    if w.device.type == "cpu":
+        trim_heap()  # before the next quantizer: this one's Hessians and temporaries are freed
+
+
+def _transform_and_advance(w: _Walking, b: int, block: nn.Module, observer: Observer | None,
+                           observe: str | None) -> None:
+    """Phase 2, per BlockTransform variant: its form of a copy of block ``b``, and its probe streams through it."""
+    for label, tr in w.transforms.items():
+        t0 = time.perf_counter()
+        with w.timer("quantize_layers"):
+            qblock = tr.block(copy.deepcopy(block))
+        w.probe_seconds += time.perf_counter() - t0
+        _forward_variant(w, label, b, block, qblock, observer, observe)
+        del qblock
+
+
+def _advance_full_precision(w: _Walking, b: int, block: nn.Module) -> None:
+    """Phase 2, last: the full-precision probe streams through block ``b`` (computed once for every variant), and
+    each variant's error against them where asked (``WalkConfig.block_errors``)."""
+    t0 = time.perf_counter()
+    probe_args = _probe_args(w, b)
+    with time_phase(w.timer if w.probe_caps else None, "eval_forward"):
+        for name in w.probe_caps:
+            run_block(block, w.fp[name], probe_args[name])
+        if w.cfg.block_errors is not None:
+            _compare_streams(w.fp[w.cfg.block_errors], {label: q[w.cfg.block_errors] for label, q in w.qs.items()},
+                             w.block_errors)
+    w.probe_seconds += time.perf_counter() - t0
+
+
+def _quantize_heads(w: _Walking, norm: nn.Module, head: nn.Module, on_layer) -> None:
+    """Phase 3: the quantizers with ``quantize_head`` quantize a copy of the head (in place: the head itself,
+    untied from the embedding) from their calibration stream through the final norm."""
+    cfg, source, timer = w.cfg, w.source, w.timer
+    adapter = source.adapter
+    for label, qc in w.qcfgs.items():
+        if not qc.quantize_head:
+            continue
+        t0 = time.perf_counter()
+        v = w.variants[label]
+        if cfg.in_place:
+            qhead = head
+            emb = source.pre_block()[0]
+            if any(qhead.weight is p for p in emb.parameters()):  # tied: keep the embedding in full precision
+                qhead.weight = nn.Parameter(qhead.weight.detach().clone())
+                if hasattr(getattr(source.model, "config", None), "tie_word_embeddings"):
+                    source.model.config.tie_word_embeddings = False
+        else:
+            qhead = copy.deepcopy(head)
+        stats = None
+        # +r1 in a measurement: the head sees the stream in the model's basis and gets R on its input (+had)
+        head_qc = dataclasses.replace(qc, hadamard=True) if qc.r1 and not cfg.in_place else qc
+        with num_threads(cfg.quantize_threads or None):
+            if label in w.qcal:
+                with timer("calib_forward"):
+                    for i in range(len(w.qcal[label])):
+                        stats = fold_stats(stats, norm(w.qcal[label][i]),
+                                            QUANTIZERS.get(qc.method).needs_abs_stats, hadamard_seed(head_qc))
+            with timer("quantize_layers"):
+                site = TensorSite(adapter.head, -1, len(source.blocks), tuple(qhead.weight.shape))
+                res, W = quantize_layer(adapter.head, qhead, stats, head_qc, cfg.layer_threads, site)
+            with timer("diagnostics"):
+                v.rows.append(layer_row(-1, adapter.head, adapter.head, W, res, stats, qc,
+                                        output_error=cfg.layer_diagnostics))
+        if on_layer is not None:
+            on_layer(label, adapter.head, res, qhead)
+        v.head = None if cfg.in_place else qhead
+        v.seconds += time.perf_counter() - t0
 
 
 def _quantizer_batches(qcfgs: Mapping[str, QuantConfig], cfg: WalkConfig, device: torch.device) -> list[list[str]]:

@@ -47,6 +47,9 @@ def check_int_plan(qcfg: QuantConfig, fmt: str) -> list[QuantConfig]:
         if t == KEEP:
             continue
         qc = parse_quantizer(t)
+        if qc.hadamard:  # one transform_config for the model: a per-tensor +had would be applied to every layer or none
+            raise QuantdynError(f"{fmt} exports of a plan hold no per-tensor rotation; {qcfg.name} has type {t}: "
+                                "measure it with quantdyn (quantize, sweep), or allocate without +had types to export")
         if QUANTIZERS.get(qc.method).format is not None:
             raise QuantdynError(f"{fmt} checkpoints hold integer grids; {qcfg.name} has type {t}: export a plan of GGUF "
                                 "types with --export gguf")

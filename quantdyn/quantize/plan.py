@@ -44,6 +44,7 @@ from quantdyn.quantize.catalogue import (AUTO_PREFIX, PLAN_PREFIX, QUANTIZERS, F
 from quantdyn.quantize.formats import F16
 from quantdyn.quantize.gguf import GGML_TYPES
 from quantdyn.quantize.gguf_mixes import MIXES, tensor_category
+from quantdyn.quantize.rotation import check_width
 
 PLAN_FORMAT = "quantdyn-plan"
 """The ``format`` field of a plan file."""
@@ -216,6 +217,9 @@ def check_candidate(label: str, where: str = "") -> QuantConfig:
         raise QuantdynError(f"{at}'{label}' quantizes activations of the whole model; a plan's types are weight-only")
     if qc.quantize_head or qc.true_sequential:
         raise QuantdynError(f"{at}'{label}': -head and -seq apply to a whole model, not to one tensor of a plan")
+    if qc.r1:
+        raise QuantdynError(f"{at}'{label}': +r1 rotates the residual stream of the whole model, not one tensor; a "
+                            f"plan's types may take +had (each layer's input rotated), e.g. {qc.method}+had")
     return qc
 
 
@@ -420,6 +424,8 @@ def check_types_fit(tensors: list[tuple[str, int, str, tuple[int, int]]], types:
     """One line naming the first tensor whose rows cannot hold one of ``types`` as it is, and llama.cpp's fallback."""
     for name, _, _, shape in tensors:
         for t in types:
+            if t != KEEP and parse_quantizer(t).hadamard:
+                check_width(shape[1], f"tensor {name}")
             try:
                 alt = fallback_of(t, shape)
             except QuantdynError:  # rows fit no GGUF block at all (not a multiple of 32)
