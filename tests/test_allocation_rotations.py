@@ -128,3 +128,18 @@ def test_a_plan_with_had_types_is_not_exported_as_integers(tmp_path, case, fmt):
     with pytest.raises(QuantdynError, match="exports of a plan hold no per-tensor rotation") as e:
         open_export(fmt, out, {"model_type": "gpt_neox"}, label, "gpt_neox")
     assert "\n" not in str(e.value) and not out.exists()
+
+
+def test_a_gguf_export_of_a_plan_with_had_types_says_no_format_holds_them(tmp_path, case):
+    """GGUF's refusal of a rotated plan type does not send the user to the integer exports (which refuse it too)."""
+    from quantdyn.export.gguf import gguf_quantizer
+    from quantdyn.quantize.catalogue import parse_quantizer
+
+    _, _, sens = case
+    plan = Plan(sens.model_type, sens.n_blocks, tuple(PlanTensor(t.name, t.block, t.path, t.shape,
+                                                                 ("q4_0", "q4_0+had")[j % 2])
+                                                      for j, t in enumerate(sens.tensors)))
+    qc = parse_quantizer(f"plan:{write_plan(plan, tmp_path / 'plan.json')}")
+    with pytest.raises(QuantdynError, match=r"rotated type q4_0\+had") as e:
+        gguf_quantizer(qc)
+    assert "gptq or compressed-tensors" not in str(e.value) and "\n" not in str(e.value)

@@ -99,6 +99,10 @@ def gguf_quantizer(qcfg: QuantConfig) -> str:
         types, main = planned
         other = [t for t in types if t != KEEP and t.removesuffix("-imatrix") not in qg.GGML_TYPES]
         if other:
+            if "+" in other[0]:  # a rotated type (+had): no export file carries a per-tensor rotation
+                raise QuantdynError(f"GGUF export holds llama.cpp's block types and F16; {qcfg.name} has the rotated "
+                                    f"type {other[0]}, which no export format holds per tensor: allocate without "
+                                    "+had types to export the plan")
             raise QuantdynError(f"GGUF export holds llama.cpp's block types and F16; {qcfg.name} has type {other[0]}: "
                                 "export its integer types as gptq or compressed-tensors")
         return main.removesuffix("-imatrix") if main is not None else "q8_0"
