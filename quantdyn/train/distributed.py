@@ -288,6 +288,9 @@ class FSDP2(Replicated):
         self.reshard_after_forward = True if cfg is None else cfg.reshard_after_forward
 
     def check_optimizer(self, optim_cfg) -> None:
+        if optim_cfg.sam_rho > 0:  # its global gradient norm over shards is untested here
+            raise QuantdynError("optim.sam_rho (SAM) is not supported with dist.strategy=fsdp2 yet; use "
+                                "dist.strategy=ddp (SAM's gradient norm is then the same on every process)")
         used = {optim_cfg.name} | {r.optimizer for r in optim_cfg.groups if r.optimizer != MAIN}
         matrix = sorted(n for n in used if OPTIMIZERS.get(n).matrix)
         if matrix:

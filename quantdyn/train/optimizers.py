@@ -166,6 +166,12 @@ class OptimConfig:
     extra: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for the run's optimizer class (checked against its signature),
     e.g. {'precondition_frequency': 5} for soap or {'ns_steps': 6} for muon."""
+    sam_rho: float = 0.0
+    """Sharpness-aware minimisation around the optimizer (train/sam.py): the radius ρ of the perturbation
+    (Foret et al. 2021 use 0.05); 0 = off. Each step then costs two forward/backward passes."""
+    sam_adaptive: bool = False
+    """ASAM (Kwon et al. 2021): the perturbation scaled by |w| element-wise (scale-invariant); needs sam_rho > 0
+    (ASAM's ρ is typically ~10x SAM's, e.g. 0.5)."""
 
     def __post_init__(self):
         spec = OPTIMIZERS.get(self.name)  # unknown name -> QuantdynError with did-you-mean
@@ -177,6 +183,10 @@ class OptimConfig:
             raise QuantdynError(f"optim.eps={self.eps} must be positive")
         if not self.weight_decay >= 0:
             raise QuantdynError(f"optim.weight_decay={self.weight_decay} must be >= 0")
+        if not (self.sam_rho >= 0 and math.isfinite(self.sam_rho)):
+            raise QuantdynError(f"optim.sam_rho={self.sam_rho} must be >= 0 (0 = no SAM; Foret et al. use 0.05)")
+        if self.sam_adaptive and not self.sam_rho > 0:
+            raise QuantdynError("optim.sam_adaptive=true needs optim.sam_rho > 0 (ASAM's radius, e.g. 0.5)")
         rows = {r.name: r for r in DEFAULT_GROUPS}
         seen: set[str] = set()
         for r in self.groups:

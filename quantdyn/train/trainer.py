@@ -96,6 +96,7 @@ from quantdyn.train.loggers import (
 )
 from quantdyn.train.optimizers import build_optimizer, optimizer_eval_mode, optimizer_train_mode
 from quantdyn.train.qat import prepare_qat
+from quantdyn.train.sam import perturbed
 from quantdyn.train.rng import restore_rng_states, rng_states
 
 
@@ -460,6 +461,8 @@ def write_run_files(run: TrainingRun, start_step: int, *, clear: bool, resuming:
             "data_cache": str(run.data.directory),
             "data_key": run.data.data_hash,
             "tokens_per_step": run.runtime.tokens_per_step,
+            # what one optimizer step costs in passes over its tokens (SAM: two), so that runs compare at equal compute
+            "forward_backward_per_step": forward_backward_passes(cfg),
             "world_size": run.runtime.world,
             "dist_strategy": run.runtime.strategy.name,
             "git_sha": git_sha(),
@@ -497,8 +500,10 @@ def open_console(run: TrainingRun, start_step: int, progress: bool) -> Progress:
     console = Progress(cfg.name, total=cfg.train.steps, initial=start_step, enabled=progress and runtime.is_main,
                        unit="steps", every_n=cfg.log.print_every or cfg.train.log_every)
     processes = f", {runtime.world} processes ({runtime.strategy.name})" if runtime.world > 1 else ""
+    sam = (f", {'ASAM' if cfg.optim.sam_adaptive else 'SAM'} rho={cfg.optim.sam_rho:g} (2 forward/backward per step)"
+           if cfg.optim.sam_rho > 0 else "")
     console.note(f"steps {start_step} -> {cfg.train.steps}, {runtime.tokens_per_step:,} tokens/step, "
-                 f"{runtime.device}{processes}")
+                 f"{runtime.device}{processes}{sam}")
     return console
 
 
@@ -527,14 +532,18 @@ def due_after(run: TrainingRun, done: int, stop_after: int | None) -> Due:
 
 def optimizer_step(run: TrainingRun, state: TrainState, step: int,
                    sync_loss: bool) -> tuple[float, float | None, torch.Tensor]:
-    """Optimizer step ``step`` (0-based): the schedule's LR, forward and backward over the step's micro-batches,
-    gradient clipping, the update, the online averages. Returns (LR, the step's loss when ``sync_loss``, else
+    """Optimizer step ``step`` (0-based): the schedule's LR, forward and backward over the step's micro-batches
+    (with ``optim.sam_rho``: a second forward and backward at the SAM-perturbed weights, train/sam.py; the loss
+    reported is the first one's, at the weights), gradient clipping, the update, the online averages. Returns (LR, the step's loss when ``sync_loss``, else
     None, the gradient norm before clipping as a device tensor)."""
     cfg = run.cfg
     lr = lr_at(step, cfg.optim.lr, cfg.schedule, cfg.train.steps)
     for g in state.optimizer.param_groups:
         g["lr"] = lr * g.get("lr_scale", 1.0)
     loss = forward_backward(run, state, step)
+    if cfg.optim.sam_rho > 0:  # SAM/ASAM: the gradient at w + ε on the same batches, the weights back at w
+        with perturbed(list(state.model.parameters()), cfg.optim.sam_rho, cfg.optim.sam_adaptive):
+            forward_backward(run, state, step)
     grad_norm = run.runtime.strategy.clip_grad_norm(state.model, cfg.train.grad_clip)
     loss_value = None
     if sync_loss:
@@ -551,6 +560,11 @@ def optimizer_step(run: TrainingRun, state: TrainState, step: int,
     if state.ema is not None:
         state.ema.update(state.model)
     return lr, loss_value, grad_norm
+
+
+def forward_backward_passes(cfg: RunConfig) -> int:
+    """Forward/backward passes over a step's tokens per optimizer step: 2 with SAM (train/sam.py), else 1."""
+    return 2 if cfg.optim.sam_rho > 0 else 1
 
 
 def forward_backward(run: TrainingRun, state: TrainState, step: int, stream: int = 0) -> torch.Tensor:
