@@ -53,6 +53,7 @@ The script exits non-zero when C or D falls outside its tolerance. Results: benc
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -86,46 +87,60 @@ def _site_packages_of_llama_cpp() -> Path:
     return Path(llama_cpp.__file__).resolve().parent.parent
 
 
-def build_llama_perplexity(work: Path, src: Path | None) -> tuple[Path, str]:
-    """Compile tools/perplexity of the llama.cpp vendored in the llama-cpp-python sdist against the installed
-    wheel's libllama / libllama-common / libggml (the library the Python bindings run)."""
+def llama_cpp_source(work: Path, src: Path | None = None) -> Path:
+    """The unpacked llama-cpp-python sdist whose ``vendor/llama.cpp`` the installed wheel was built from: ``src`` if
+    given, else ``work/src``, pip-downloaded and unpacked there the first time."""
+    if src is not None:
+        return src
+    src = work / "src"
+    if not (src / "vendor" / "llama.cpp").is_dir():
+        work.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                        f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(work)], check=True)
+        sdist = next(work.glob(f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"))
+        with tarfile.open(sdist) as tf:
+            tf.extractall(work, filter="data")
+        (work / f"llama_cpp_python-{LLAMA_CPP_PYTHON}").rename(src)
+    return src
+
+
+def build_llama_tool(work: Path, tool: str, src: Path | None) -> tuple[Path, str]:
+    """Compile tools/<tool> (``perplexity``, ``quantize``) of the llama.cpp vendored in the llama-cpp-python sdist
+    against the installed wheel's libllama / libllama-common / libggml (the library the Python bindings run): one
+    file, seconds. Returns the binary and its ``--version``."""
     from importlib.metadata import version as installed
 
     if installed("llama_cpp_python") != LLAMA_CPP_PYTHON:
         raise SystemExit(f"llama-cpp-python {installed('llama_cpp_python')} is installed, this script compiles "
-                         f"llama-perplexity from {LLAMA_CPP_PYTHON}'s sources: run `make crosscheck-llamacpp`")
-    binary = work / "llama-perplexity"
+                         f"llama-{tool} from {LLAMA_CPP_PYTHON}'s sources: run `make crosscheck-llamacpp`")
+    binary = work / f"llama-{tool}"
     site = _site_packages_of_llama_cpp()
     libdirs = [site / "lib", site / "llama_cpp" / "lib"]
     if not binary.exists():
-        if src is None:
-            src = work / "src"
-            if not (src / "vendor" / "llama.cpp").is_dir():
-                work.mkdir(parents=True, exist_ok=True)
-                subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                                f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(work)], check=True)
-                sdist = next(work.glob(f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"))
-                with tarfile.open(sdist) as tf:
-                    tf.extractall(work, filter="data")
-                (work / f"llama_cpp_python-{LLAMA_CPP_PYTHON}").rename(src)
-        v = src / "vendor" / "llama.cpp"
+        v = llama_cpp_source(work, src) / "vendor" / "llama.cpp"
         # the tool's own main, plus a flush of llama.cpp's logger, whose queue this llama.cpp leaves unwritten at
         # exit (its common/log.cpp, issue 22142): the final statistics would be lost now and then
-        main = work / "perplexity_main.cpp"
-        main.write_text('#include "log.h"\nint llama_perplexity(int argc, char ** argv);\n'
-                        "int main(int argc, char ** argv) {\n    int rc = llama_perplexity(argc, argv);\n"
+        main = work / f"{tool}_main.cpp"
+        main.write_text(f'#include "log.h"\nint llama_{tool}(int argc, char ** argv);\n'
+                        "int main(int argc, char ** argv) {\n"
+                        f"    int rc = llama_{tool}(argc, argv);\n"
                         "    common_log_pause(common_log_main());\n    return rc;\n}\n")
         cxx = shutil.which("g++") or shutil.which("c++")
         if cxx is None:
-            raise SystemExit("crosscheck-llamacpp needs a C++ compiler (g++) to build llama-perplexity")
+            raise SystemExit(f"building llama-{tool} needs a C++ compiler (g++)")
         cmd = [cxx, "-O2", "-std=c++17", f"-I{v / 'common'}", f"-I{v / 'include'}", f"-I{v / 'ggml' / 'include'}",
-               f"-I{v / 'vendor'}", str(v / "tools" / "perplexity" / "perplexity.cpp"),
+               f"-I{v / 'vendor'}", str(v / "tools" / tool / f"{tool}.cpp"),
                str(main), "-o", str(binary),
                *[f"-L{d}" for d in libdirs], "-lllama-common", "-lllama", "-lggml", "-lggml-base", "-lpthread",
                "-Wl,--disable-new-dtags," + ",".join(f"-rpath,{d}" for d in libdirs)]
         subprocess.run(cmd, check=True)
     version = subprocess.run([str(binary), "--version"], capture_output=True, text=True).stderr.strip()
     return binary, " ".join(version.split())
+
+
+def build_llama_perplexity(work: Path, src: Path | None) -> tuple[Path, str]:
+    """``llama-perplexity``, compiled by :func:`build_llama_tool`."""
+    return build_llama_tool(work, "perplexity", src)
 
 
 # ------------------------------------------------------------------ the model and its GGUF files
@@ -461,10 +476,14 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     binary, version = build_llama_perplexity(work, Path(a.llama_src) if a.llama_src else None)
-    ckpt = Path(a.checkpoint) if a.checkpoint else trained_checkpoint(work, a.steps)
-    ggufs = {fmt: export_gguf(ckpt, fmt, work / f"{fmt}.gguf") for fmt in FORMATS}
-    f32 = float_gguf(ggufs["q8_0"], ckpt, work / "f32.gguf")
-    base_file = work / "base.kld"
+    # the model's files apart per model (steps or checkpoint): a run at another size never reuses another's GGUFs
+    files = work / (f"steps-{a.steps}" if not a.checkpoint else
+                    "checkpoint-" + hashlib.sha1(str(Path(a.checkpoint).resolve()).encode()).hexdigest()[:10])
+    files.mkdir(parents=True, exist_ok=True)
+    ckpt = Path(a.checkpoint) if a.checkpoint else trained_checkpoint(files, a.steps)
+    ggufs = {fmt: export_gguf(ckpt, fmt, files / f"{fmt}.gguf") for fmt in FORMATS}
+    f32 = float_gguf(ggufs["q8_0"], ckpt, files / "f32.gguf")
+    base_file = files / "base.kld"
     base_out = run_perplexity(binary, f32, base_file, a, kjv_text(work / "kjv.txt"))
     base = read_base_file(base_file)
     if base["n_ctx"] != a.ctx:
