@@ -117,8 +117,18 @@ def test_int_plan_as_gptq_has_one_dynamic_override_per_layer_off_the_base(int_pl
         keys = set(f.keys())
     for name, t in a.items():  # f16 layers dense, the others packed
         assert (f"{name}.weight" in keys) == (t == "f16") and (f"{name}.qweight" in keys) == (t != "f16"), name
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
+    "transformers 5.24 loads GPTQ through optimum 2.3.0's GPTQQuantizer, which has no `dynamic`: every layer is built "
+    "with the base scheme (bits, group size) and f16 layers as quantized, so the per-layer overrides' tensors do not "
+    "fit (ignore_mismatched_sizes) -- seen when CI first ran this test in the crosscheck venv (issue 47); `dynamic` "
+    "is GPTQModel's own format (GPTQModel.load), not checked here: it needs a tokenizer the test model lacks"))
+def test_int_plan_as_gptq_loads_as_a_user_would(int_plan, tmp_path):
     for module, reason in _NEEDS["gptq"]:
         pytest.importorskip(module, reason=reason)
+    label, walk = int_plan
+    out = walk.export(label, "gptq", tmp_path / "gptq", checkpoint_format="gptq_v2")
     check_export_loads(walk, label, "gptq", out, _ids(8, 49, 7))
 
 
