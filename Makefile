@@ -59,17 +59,12 @@ clean:
 
 # Cross-checks against the tools people use (BENCHMARKS.md, "Cross-checks"). GPTQModel pins numpy==2.2.6,
 # so the crosscheck extra gets its own venv; it also runs the export tests that load GPTQ checkpoints
-# through transformers + GPTQModel (skipped in the main venv). llm-compressor pins transformers <= 5.17:
-# a third venv for the AWQ cross-check.
+# through transformers + GPTQModel (skipped in the main venv; `make crosscheck-load`, which CI runs).
+# llm-compressor pins transformers <= 5.17: a third venv for the AWQ cross-check.
 XVENV ?= .cache/venv-crosscheck
 AVENV ?= .cache/venv-crosscheck-awq
 .PHONY: crosscheck
-crosscheck:
-	test -x $(XVENV)/bin/python || $(PYTHON) -m venv $(XVENV)
-	$(XVENV)/bin/pip install -q --upgrade pip setuptools
-	$(XVENV)/bin/pip install -q $(TORCH_SPEC)
-	$(XVENV)/bin/pip install -q -e '.[test,eval,crosscheck]'
-	GPTQMODEL_CPU_WORKERS=2 $(XVENV)/bin/pytest -q -p no:cacheprovider tests/test_export.py
+crosscheck: crosscheck-load
 	GPTQMODEL_CPU_WORKERS=2 $(XVENV)/bin/python bench/crosscheck_gptqmodel.py
 	test -x $(AVENV)/bin/python || $(PYTHON) -m venv $(AVENV)
 	$(AVENV)/bin/pip install -q --upgrade pip setuptools
@@ -79,18 +74,41 @@ crosscheck:
 	$(MAKE) crosscheck-llamacpp
 
 # quantdyn's KL distribution, same-top-p and PPL ratio against llama.cpp's `llama-perplexity --kl-divergence`
-# on the same Q8_0/Q4_0 GGUF files (issue 29). llama-cpp-python builds llama.cpp from source (~22 min on 2
-# cores the first time; pip caches the wheel); the script compiles the perplexity tool against that build's
-# libraries in seconds. Its own venv: nothing of llama.cpp's enters the others.
+# on the same Q8_0/Q4_0 GGUF files (issue 29), then the tests that load quantdyn's GGUF files in llama.cpp
+# (LLAMA_CPP_TESTS). llama-cpp-python builds llama.cpp from source (~22 min on 2 cores the first time; pip caches
+# the wheel); the script compiles the perplexity tool against that build's libraries in seconds. Its own venv:
+# nothing of llama.cpp's enters the others.
 LVENV ?= .cache/venv-crosscheck-llamacpp
 LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36 gguf==0.19.0
-.PHONY: crosscheck-llamacpp
-crosscheck-llamacpp:
+LLAMACPP_ARGS ?=
+LLAMA_CPP_TESTS ?= tests/test_formats_export.py::test_llama_cpp_runs_the_export \
+	tests/test_plan_exports.py::test_gguf_plan_loads_in_llama_cpp
+.PHONY: crosscheck-llamacpp crosscheck-load gguf-plan-fixture
+$(LVENV)/.installed: pyproject.toml
 	test -x $(LVENV)/bin/python || $(PYTHON) -m venv $(LVENV)
 	$(LVENV)/bin/pip install -q --upgrade pip setuptools
 	$(LVENV)/bin/pip install -q $(TORCH_SPEC)
-	$(LVENV)/bin/pip install -q -e . $(LLAMA_CPP_SPEC)
-	$(LVENV)/bin/python bench/crosscheck_llamacpp.py
+	$(LVENV)/bin/pip install -q -e . pytest pytest-timeout $(LLAMA_CPP_SPEC)
+	touch $@
+
+crosscheck-llamacpp: $(LVENV)/.installed
+	$(LVENV)/bin/python bench/crosscheck_llamacpp.py $(LLAMACPP_ARGS)
+	QUANTDYN_NO_SKIP=1 $(LVENV)/bin/pytest -q -p no:cacheprovider --timeout=900 $(LLAMA_CPP_TESTS)
+
+# The GGUF plan reference of tests/fixtures/gguf_llamacpp.json made by llama.cpp's converter and llama-quantize
+# (tools/gguf_plan_fixture.py; the converter gets a venv of its own with llama.cpp's requirements for it).
+# GGUF_FIXTURE_ARGS=--check compares with the stored fixture instead of rewriting it.
+GGUF_FIXTURE_ARGS ?=
+gguf-plan-fixture: $(LVENV)/.installed
+	$(LVENV)/bin/python tools/gguf_plan_fixture.py $(GGUF_FIXTURE_ARGS)
+
+# CI's load tests (.ci/run): transformers + GPTQModel load quantdyn's GPTQ and compressed-tensors exports, whole
+# models and per-tensor plans, in the crosscheck venv; QUANTDYN_NO_SKIP=1 makes a skip there a failure
+CROSSCHECK_LOAD_TESTS ?= tests/test_export.py tests/test_plan_exports.py \
+	--deselect tests/test_plan_exports.py::test_gguf_plan_loads_in_llama_cpp
+crosscheck-load: $(XVENV)/.installed
+	QUANTDYN_NO_SKIP=1 GPTQMODEL_CPU_WORKERS=2 $(XVENV)/bin/pytest -q -p no:cacheprovider --timeout=900 \
+		$(CROSSCHECK_LOAD_TESTS)
 
 # ---------------------------------------------------------------------------------------------- the GPU image
 # The GPU machines (tools/gpu_bundle.py; BENCHMARKS.md, "GPU readiness / pipeline race", has the runbook) run

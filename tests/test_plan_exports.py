@@ -2,7 +2,7 @@
 as compressed-tensors (loaded with plain from_pretrained, compared with quantdyn's fake-quantized model as the
 existing exports are) and as GPTQ with GPTQModel's ``dynamic`` overrides, the llm-compressor recipe, and GGUF plans
 with per-tensor types (bytes against llama.cpp's own quantizer given the ``--tensor-type`` arguments, the fixture
-of tests/fixtures/gguf_llamacpp.json ``plans``)."""
+of tests/fixtures/gguf_llamacpp.json ``plans``, made by tools/gguf_plan_fixture.py)."""
 from __future__ import annotations
 
 import hashlib
@@ -117,8 +117,18 @@ def test_int_plan_as_gptq_has_one_dynamic_override_per_layer_off_the_base(int_pl
         keys = set(f.keys())
     for name, t in a.items():  # f16 layers dense, the others packed
         assert (f"{name}.weight" in keys) == (t == "f16") and (f"{name}.qweight" in keys) == (t != "f16"), name
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
+    "transformers 5.24 loads GPTQ through optimum 2.3.0's GPTQQuantizer, which has no `dynamic`: every layer is built "
+    "with the base scheme (bits, group size) and f16 layers as quantized, so the per-layer overrides' tensors do not "
+    "fit (ignore_mismatched_sizes) -- seen when CI first ran this test in the crosscheck venv (issue 47); `dynamic` "
+    "is GPTQModel's own format (GPTQModel.load), not checked here: it needs a tokenizer the test model lacks"))
+def test_int_plan_as_gptq_loads_as_a_user_would(int_plan, tmp_path):
     for module, reason in _NEEDS["gptq"]:
         pytest.importorskip(module, reason=reason)
+    label, walk = int_plan
+    out = walk.export(label, "gptq", tmp_path / "gptq", checkpoint_format="gptq_v2")
     check_export_loads(walk, label, "gptq", out, _ids(8, 49, 7))
 
 
@@ -167,30 +177,53 @@ def export_gguf_plan(spec, tmp: Path) -> Path:
 
 
 def _tensors(path: Path) -> dict:
+    """Every tensor of a GGUF file: its type and the sha256 of its bytes."""
     gguf = pytest.importorskip("gguf")
     return {t.name: [t.tensor_type.name, hashlib.sha256(np.ascontiguousarray(t.data).tobytes()).hexdigest()]
             for t in gguf.GGUFReader(str(path)).tensors}
+
+
+DERIVED = {
+    "attention.key_length": lambda kv, a: kv[f"{a}.embedding_length"] // kv[f"{a}.attention.head_count"],
+    "attention.value_length": lambda kv, a: kv[f"{a}.embedding_length"] // kv[f"{a}.attention.head_count"],
+    "rope.freq_base": lambda kv, a: 10000.0,
+}
+"""Hyperparameters llama.cpp derives when a GGUF file lacks them (src/llama-model.cpp, load_hparams: n_embd_head_k
+and _v = n_embd / n_head, rope_freq_base 10000), and what it derives."""
+
+
+def _hparams(path: Path) -> dict:
+    gguf = pytest.importorskip("gguf")
+    r = gguf.GGUFReader(str(path))
+    arch = r.fields["general.architecture"].contents()
+    return {f.name: f.contents() for f in r.fields.values() if f.name.startswith(f"{arch}.")}
 
 
 @pytest.mark.e2e
 @pytest.mark.numerics
 @pytest.mark.parametrize("name", ["neox", "llama"])
 def test_gguf_plan_is_byte_identical_to_llama_quantize_with_its_tensor_types(tmp_path, name):
-    """quantdyn's GGUF of the plan holds, tensor for tensor, the type and bytes llama.cpp's ``llama-quantize`` wrote
-    from the F32 GGUF with exactly the ``--tensor-type`` arguments quantdyn gives (fixture made with llama.cpp
-    0c1e570: tests/fixtures/make_plan_reference.py)."""
+    """quantdyn's GGUF of the plan holds, tensor for tensor (every tensor, names included), the type and bytes
+    llama.cpp's ``llama-quantize`` wrote with exactly the ``--tensor-type`` arguments quantdyn gives, from the F32 GGUF
+    llama.cpp's own converter (convert_hf_to_gguf.py) made of the same HF checkpoint, and the hyperparameters that
+    converter wrote (fixture made with llama.cpp 0c1e570 by tools/gguf_plan_fixture.py: nothing of quantdyn's writer
+    is in it, so a tensor name or a q/k row order both sides got wrong would show here)."""
     from formats_models import LLAMA, NEOX
 
     spec = {"neox": NEOX, "llama": LLAMA}[name]
-    ref = json.loads((FIX / "gguf_llamacpp.json").read_text())
-    if "plans" not in ref:
-        pytest.skip("the plan fixture was not made (tests/fixtures/make_plan_reference.py)")
-    entry = ref["plans"][name]
+    entry = json.loads((FIX / "gguf_llamacpp.json").read_text())["plans"][name]
     plan = gguf_plan(spec)
     assert llama_quantize_args(plan) == entry["args"]  # the command line llama.cpp was run with
-    ours = _tensors(export_gguf_plan(spec, tmp_path))
-    assert {k: v for k, v in ours.items() if k.startswith("blk.")} == entry["llama_quantize"]
+    path = export_gguf_plan(spec, tmp_path)
+    assert _tensors(path) == entry["llama_quantize"]
     assert {t.split("=")[1] for t in tensor_type_lines(plan)} >= {"q3_K", "q4_K", "f16"}
+    ours, theirs = _hparams(path), entry["converter_hparams"]
+    arch = spec.model_type.replace("_", "")  # gpt_neox -> gptneox, llama
+    for key in sorted(set(ours) | set(theirs)):
+        short = key.removeprefix(f"{arch}.")
+        got = ours[key] if key in ours else DERIVED[short](ours, arch)
+        want = theirs[key] if key in theirs else DERIVED[short](theirs, arch)
+        assert got == want, (key, got, want)
 
 
 def test_gguf_plan_loads_in_llama_cpp(tmp_path):
@@ -252,8 +285,6 @@ def test_the_fake_quantized_plan_predicts_what_llama_cpp_predicts_from_its_gguf(
     from quantdyn.engine.walk import quantize_model
 
     ref = json.loads((FIX / "gguf_llamacpp.json").read_text())
-    if "plans" not in ref:
-        pytest.skip("the plan fixture was not made (tests/fixtures/make_plan_reference.py)")
     fp = build_model(NEOX).float()
     lp_fp = next_token_logprobs(fp)
     label = f"plan:{write_plan(gguf_plan(NEOX), tmp_path / 'p.json')}"
