@@ -14,13 +14,16 @@ from quantdyn.errors import QuantdynError
 
 @command()
 def results(
-    store: str = opt.store("results"),
+    store: str = opt.store("results", writes=False),
     where: Optional[str] = typer.Option(None, "--where", help="SQL condition, e.g. \"bits = 3 AND branch = 'main'\""),
     out: Optional[Path] = opt.out(None, "the rows to this file as well: .csv, .json, .jsonl or .parquet (every "
-                                  "column; nested fields as dotted columns)."),
+                                  "column; nested fields as dotted columns); prints a one-line summary instead of the table.",
+                                  kind="file"),
     parquet: Optional[Path] = typer.Option(None, "--parquet", help="Also write the rows (every column) to this "
-                                           "Parquet file; the same as --out FILE.parquet."),
-    csv: Optional[Path] = typer.Option(None, "--csv", hidden=True, help="Old spelling of --out FILE.csv."),
+                                           "Parquet file; the same as --out FILE.parquet.",
+                                           callback=opt.writable("file")),
+    csv: Optional[Path] = typer.Option(None, "--csv", hidden=True, help="Old spelling of --out FILE.csv.",
+                                       callback=opt.writable("file")),
     as_json: bool = opt.as_json(),
     all_columns: bool = typer.Option(False, "--all", help="Every column (default: the main ones)."),
     columns: Optional[str] = typer.Option(None, "--columns", help="Comma-separated columns to show instead of "
@@ -33,13 +36,14 @@ def results(
 
     The default store is the one `make demo` wrote; --where selects rows, --out writes them to a file, --check
     checks every line of the store instead."""
-    from quantdyn.files import write_text_atomic
+    from quantdyn.files import ensure_writable, write_text_atomic
     from quantdyn.results.store import ResultStore
 
     if csv is not None:
         deprecated("results --csv FILE", "use --out FILE.csv")
     st = ResultStore(store, create=False)
     if check:
+        ensure_writable(st.root, "--store")  # --check moves unreadable lines to STORE/quarantine/
         typer.echo(st.check(repair=True).summary(st.root, repair=True))
         return
     if parquet is not None:
