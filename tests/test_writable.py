@@ -37,6 +37,7 @@ COMMANDS: list[tuple[str, list[str]]] = [
     ("--out", ["results", "--store", "{ok}", "--out", "PLACE/rows.csv"]),
     ("--parquet", ["results", "--store", "{ok}", "--parquet", "PLACE/rows.parquet"]),
     ("--store", ["sweep", "--checkpoint", "c", "--store", "PLACE"]),
+    ("--store", ["sweep", "--checkpoint", "c", "--out", "PLACE"]),  # --out: the same as --store on a sweep
     ("--store", ["demo", "--store", "PLACE"]),
     ("--out", ["demo", "--out", "PLACE"]),
     ("run.out_dir", ["demo", "run.out_dir=PLACE"]),
@@ -188,7 +189,7 @@ def test_every_out_and_written_store_option_is_checked_where_the_command_line_is
 
     from quantdyn.cli import app
 
-    read_or_later = {("report", "--store"), ("results", "--store"), ("sweep", "--store")}
+    read_or_later = {("report", "--store"), ("results", "--store"), ("sweep", "--store"), ("sweep", "--out")}
 
     def walk(cmd, path=()):
         for name, sub in getattr(cmd, "commands", {}).items():

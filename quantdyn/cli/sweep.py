@@ -56,6 +56,8 @@ def sweep(
     streams: Optional[str] = opt.config_option(opt.ENGINE_CONFIG, "streams", None, panel=ENGINE),
     store: Optional[str] = opt.store(None, "[default: the spec's, else results]", panel=OUTPUT,
                                      writes=False),
+    out: Optional[str] = typer.Option(None, "--out", hidden=True, help="The same as --store (a sweep writes its rows "
+                                      "to the results store; quantize, allocate and report write with --out)."),
     shard: Optional[str] = typer.Option(None, "--shard", help="Sweep shard i/n: every n-th checkpoint from the i-th "
                                         "(default: torchrun rank or SLURM array task).", rich_help_panel=OUTPUT),
     evict: bool = typer.Option(False, "--evict", help="Delete each hub revision from the HF cache once its rows are "
@@ -77,6 +79,10 @@ def sweep(
     from quantdyn.files import ensure_writable
     from quantdyn.results.store import DEFAULT_STORE
 
+    if out is not None:  # --out is what quantize, allocate and report write with; here it can only mean the store
+        if store is not None and store != out:
+            raise QuantdynError(f"give the store once: --store '{store}' and --out '{out}' (the same option here)")
+        store = out
     data = load_yaml(spec) if spec else {}
     if not (dry_run or on_slurm or slurm.submit):  # before torch is imported; a dry run writes nothing, --slurm checks
         ensure_writable(store or data.get("store") or DEFAULT_STORE, "--store" if store else "the store (the spec's "
