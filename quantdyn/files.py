@@ -102,7 +102,8 @@ WRITE_KINDS = ("dir", "file", "new-dir")
 """How a command writes the path it is given, for :func:`ensure_writable`: ``dir``, into a directory (created when
 missing: a results store, a report, a run); ``file``, one file replaced atomically (a temporary file beside it,
 renamed: :func:`atomic_file`); ``new-dir``, a whole directory written beside its place and renamed in
-(:func:`atomic_dir`: a quantized or exported model, a soup)."""
+(:func:`atomic_dir`: a quantized or exported model, a soup; or a file in its place: `quantize --export gguf`
+writes one .gguf file; what the command accepts there is its own check)."""
 
 
 def ensure_writable(path: str | Path, what: str, kind: str = "dir") -> Path:
@@ -120,7 +121,7 @@ def ensure_writable(path: str | Path, what: str, kind: str = "dir") -> Path:
     fix = f"choose a place this user can write for {what}"
     if kind == "file" and p.is_dir():
         raise QuantdynError(f"{what} '{p}' is a directory; name a file")
-    if kind != "file" and p.exists() and not p.is_dir():
+    if kind == "dir" and p.exists() and not p.is_dir():
         raise QuantdynError(f"{what} '{p}' is a file; name a directory (or a path that does not exist yet)")
     here = p if (kind == "dir" and p.is_dir()) else p.parent
     here = here if str(here) else Path(".")

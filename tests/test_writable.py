@@ -171,8 +171,9 @@ def test_ensure_writable_leaves_nothing_and_names_what_is_wrong(tmp_path):
     f = tmp_path / "f.json"
     f.write_text("{}")
     assert ensure_writable(f, "--out", "file") == f and f.read_text() == "{}"
-    with pytest.raises(QuantdynError, match=r"--out '.*f\.json' is a file; name a directory"):
-        ensure_writable(f, "--out", "new-dir")
+    with pytest.raises(QuantdynError, match=r"--store '.*f\.json' is a file; name a directory"):
+        ensure_writable(f, "--store", "dir")
+    assert ensure_writable(f, "--out", "new-dir") == f  # written beside and renamed over (a .gguf export)
     with pytest.raises(QuantdynError, match=r"--out '.*d' is a directory; name a file"):
         ensure_writable(d, "--out", "file")
     with pytest.raises(QuantdynError, match=r"'.*f\.json' is a file, not a directory"):

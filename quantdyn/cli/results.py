@@ -76,7 +76,8 @@ def results(
         typer.echo(json.dumps([{c: r.get(c) for c in every} for r in recs], default=str))
         return
     if target is not None:  # the rows are in the file: one line here, not the table
-        typer.echo(f"wrote {len(recs)} rows ({len(every)} columns) to {target}"
+        shape = "every column" if fmt == "parquet" else f"{len(every)} columns"  # parquet: the store's own columns
+        typer.echo(f"wrote {len(recs)} rows ({shape}) to {target}"
                    + (f" (rows where {where})" if where else ""))
         return
     recs = [{c: r.get(c) for c in cols} for r in recs]
