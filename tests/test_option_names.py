@@ -22,6 +22,8 @@ from quantdyn.errors import did_you_mean
     (["allocate", "m", "--quant", "q4_0"], "--types"),  # allocate's quantizer types
     (["quantize", "m", "--bit", "3"], "--bits"),  # spelling still answers what meaning does not know
     (["quantize", "m", "--gpu", "0"], "--device"),
+    (["quantize", "m", "--format", "gguf"], "--export"),  # a format is quantize's --export, a sweep's quantizer
+    (["sweep", "--format", "q4_k_m"], "--quantizers"),
 ])
 def test_unknown_options_are_answered_by_meaning(cli, args, meant):
     r = cli(*args)

@@ -155,11 +155,12 @@ def _help_hint(ctx, args: Sequence[str] = ()) -> str:
 _WRITES = ("--out", "--store", "--dir")
 OPTION_SYNONYMS: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("out", "output", "outdir", "out-dir", "output-dir", "dest", "destination", "o", "save",
-                     "write", "to", "target", "path"), _WRITES),
+                     "write", "to", "target"), _WRITES),
     **dict.fromkeys(("store", "results", "result-store", "db", "database"), ("--store",)),
     **dict.fromkeys(("quantizer", "quantizers", "quant", "quants", "q", "quantization", "quantize", "label",
-                     "labels", "scheme", "format", "formats"), ("--quantizers", "--types")),
-    **dict.fromkeys(("type", "dtype-types", "candidates"), ("--types",)),
+                     "labels", "scheme"), ("--quantizers", "--types")),
+    **dict.fromkeys(("format", "formats", "fmt"), ("--export", "--quantizers", "--types")),
+    **dict.fromkeys(("type", "candidates"), ("--types",)),
     **dict.fromkeys(("wbits", "w-bits", "nbits", "bit", "bitwidth", "precision"), ("--bits",)),
     **dict.fromkeys(("gpu", "cuda", "cpu", "devices", "d"), ("--device",)),
     **dict.fromkeys(("ckpt", "checkpoints", "model", "path-to-checkpoint"), ("--checkpoint", "--run")),
