@@ -162,10 +162,10 @@ OPTION_SYNONYMS: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("format", "formats", "fmt"), ("--export", "--quantizers", "--types")),
     **dict.fromkeys(("type", "candidates"), ("--types",)),
     **dict.fromkeys(("wbits", "w-bits", "nbits", "bit", "bitwidth", "precision"), ("--bits",)),
-    **dict.fromkeys(("gpu", "cuda", "cpu", "devices", "d"), ("--device",)),
+    **dict.fromkeys(("gpu", "cuda", "cpu", "devices"), ("--device",)),
     **dict.fromkeys(("ckpt", "checkpoints", "model", "path-to-checkpoint"), ("--checkpoint", "--run")),
     **dict.fromkeys(("dataset", "corpus", "text"), ("--calib-data", "--data", "--eval-data")),
-    **dict.fromkeys(("silent", "s"), ("--quiet",)),
+    **dict.fromkeys(("silent",), ("--quiet",)),
     **dict.fromkeys(("v", "debug"), ("--verbose",)),
     **dict.fromkeys(("seed",), ("--seeds", "--seed")),
 }
