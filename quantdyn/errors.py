@@ -8,7 +8,7 @@ library callers can catch it like any exception.
 from __future__ import annotations
 
 import difflib
-from typing import Iterable
+from typing import Iterable, Mapping, Sequence
 
 
 class QuantdynError(Exception):
@@ -22,9 +22,16 @@ class Terminated(KeyboardInterrupt):
     exit_code = 143  # 128 + SIGTERM, what shells and schedulers expect
 
 
-def did_you_mean(name: str, choices: Iterable[str]) -> str:
-    """Return ' (did you mean 'x'?)' for the closest choice, or ''."""
-    close = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1, cutoff=0.5)
+def did_you_mean(name: str, choices: Iterable[str], synonyms: Mapping[str, Sequence[str]] | None = None) -> str:
+    """Return ' (did you mean 'x'?)' for the closest choice, or ''. Meaning ranks before spelling: with
+    ``synonyms`` (a word, lower case without leading dashes -> the choices that mean it, best first), the first of
+    those choices that exists wins (`--output` -> `--out`, `-q` -> `--quantizers`); else the closest spelling."""
+    choices = [str(c) for c in choices]
+    if synonyms:
+        for c in synonyms.get(str(name).lstrip("-").lower(), ()):
+            if c in choices:
+                return f" (did you mean '{c}'?)"
+    close = difflib.get_close_matches(str(name), choices, n=1, cutoff=0.5)
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 

@@ -98,6 +98,48 @@ def write_json_atomic(path: Path, data) -> None:
     write_text_atomic(path, json.dumps(data, indent=2, sort_keys=False, default=str))
 
 
+WRITE_KINDS = ("dir", "file", "new-dir")
+"""How a command writes the path it is given, for :func:`ensure_writable`: ``dir``, into a directory (created when
+missing: a results store, a report, a run); ``file``, one file replaced atomically (a temporary file beside it,
+renamed: :func:`atomic_file`); ``new-dir``, a whole directory written beside its place and renamed in
+(:func:`atomic_dir`: a quantized or exported model, a soup; or a file in its place: `quantize --export gguf`
+writes one .gguf file; what the command accepts there is its own check)."""
+
+
+def ensure_writable(path: str | Path, what: str, kind: str = "dir") -> Path:
+    """Check that this process can write ``path`` the way a command will (``kind``: :data:`WRITE_KINDS`), before
+    the command does any work; returns ``path`` as a Path. A path that cannot be written is one
+    :class:`QuantdynError` line naming ``what`` (the option, e.g. ``--out``, or the spec key) and why.
+
+    The question is put to the file system itself: a temporary file is created (and removed at once) in the
+    directory that will receive the new entry — ``path`` itself for an existing directory written into, else
+    the nearest existing ancestor of the new entry (where ``mkdir -p`` starts). Permission bits cannot answer it:
+    root passes ``os.access`` everywhere, yet nobody can create files in /proc, /sys or on a read-only mount."""
+    if kind not in WRITE_KINDS:
+        raise ValueError(f"kind {kind!r} is not one of {WRITE_KINDS}")
+    p = Path(path)
+    fix = f"choose a place this user can write for {what}"
+    if kind == "file" and p.is_dir():
+        raise QuantdynError(f"{what} '{p}' is a directory; name a file")
+    if kind == "dir" and p.exists() and not p.is_dir():
+        raise QuantdynError(f"{what} '{p}' is a file; name a directory (or a path that does not exist yet)")
+    here = p if (kind == "dir" and p.is_dir()) else p.parent
+    here = here if str(here) else Path(".")
+    while not here.exists() and here != here.parent:
+        here = here.parent
+    if not here.is_dir():
+        raise QuantdynError(f"cannot write {what} '{p}': '{here}' is a file, not a directory; {fix}")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".quantdyn-write-check-", dir=here)
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+        raise QuantdynError(f"cannot write {what} '{p}': '{here}' does not take new files ({reason}); {fix}") from None
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
+    return p
+
+
 def read_json(path: Path, fix: str) -> Any:
     """The JSON in ``path``; a file that is not valid JSON is one error line naming it and ``fix`` (what to do)."""
     try:

@@ -21,7 +21,7 @@ def allocate(
     types: str = typer.Option(..., "--types", help="Candidate types, comma-separated: GGUF block types (q3_k, q4_k, "
                               "q5_k, q6_k, q8_0 ... each also -imatrix), integer grids (rtn4, gptq3g64-sym ...), "
                               "fp8, fp8-channel, nf4, mxfp4, nvfp4, f16."),
-    out: Path = opt.out(..., "the plan (JSON) to this file; quantize with --quantizers plan:FILE."),
+    out: Path = opt.out(..., "the plan (JSON) to this file; quantize with --quantizers plan:FILE.", kind="file"),
     store: Optional[str] = opt.store(None, "Also store the per-tensor sensitivity rows there.", panel=OUTPUT),
     calib_data: str = typer.Option("builtin:kjv", "--calib-data", help="Any quantdyn data source.", rich_help_panel=DATA),
     calib_samples: int = typer.Option(32, "--calib-samples", help="Sensitivity (calibration) sequences.",

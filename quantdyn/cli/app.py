@@ -152,6 +152,27 @@ def _help_hint(ctx, args: Sequence[str] = ()) -> str:
     return f"see `{path} -h`"
 
 
+_WRITES = ("--out", "--store", "--dir")
+OPTION_SYNONYMS: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("out", "output", "outdir", "out-dir", "output-dir", "dest", "destination", "o", "save",
+                     "write", "to", "target"), _WRITES),
+    **dict.fromkeys(("store", "results", "result-store", "db", "database"), ("--store",)),
+    **dict.fromkeys(("quantizer", "quantizers", "quant", "quants", "q", "quantization", "quantize", "label",
+                     "labels", "scheme"), ("--quantizers", "--types")),
+    **dict.fromkeys(("format", "formats", "fmt"), ("--export", "--quantizers", "--types")),
+    **dict.fromkeys(("type", "candidates"), ("--types",)),
+    **dict.fromkeys(("wbits", "w-bits", "nbits", "bit", "bitwidth", "precision"), ("--bits",)),
+    **dict.fromkeys(("gpu", "cuda", "cpu", "devices"), ("--device",)),
+    **dict.fromkeys(("ckpt", "checkpoints", "model", "path-to-checkpoint"), ("--checkpoint", "--run")),
+    **dict.fromkeys(("dataset", "corpus", "text"), ("--calib-data", "--data", "--eval-data")),
+    **dict.fromkeys(("silent",), ("--quiet",)),
+    **dict.fromkeys(("v", "debug"), ("--verbose",)),
+    **dict.fromkeys(("seed",), ("--seeds", "--seed")),
+}
+"""What users type for an option -> the options that mean it, best first (the did-you-mean of an unknown option
+ranks by meaning before spelling: `sweep --output` -> --store, `quantize -q` -> --quantizers; errors.did_you_mean).
+Keys are lower case without leading dashes."""
+
 _TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "text", "Path": "a path"}
 
 
@@ -163,7 +184,7 @@ def usage_message(e: Exception, args: Sequence[str] = ()) -> str:
         opts = sorted(getattr(e, "possibilities", None) or []) or (
             sorted(o for p in ctx.command.params for o in getattr(p, "opts", []) if o.startswith("-")) if ctx else [])
         return f"no such option {e.option_name} for `{ctx.command_path if ctx else PROG}`" \
-               f"{did_you_mean(e.option_name, opts)}; {hint}"
+               f"{did_you_mean(e.option_name, _all_options(ctx) or opts, OPTION_SYNONYMS)}; {hint}"
     if isinstance(e, click_exceptions.BadParameter) and not isinstance(e, click_exceptions.MissingParameter):
         param = getattr(e, "param", None)
         cause = e.__cause__
@@ -185,6 +206,15 @@ def usage_message(e: Exception, args: Sequence[str] = ()) -> str:
         commands = ctx.command.list_commands(ctx)
         return f"no such command '{name}'{did_you_mean(name, commands)}; commands: {', '.join(commands)}; {hint}"
     return f"{msg[:1].lower() + msg[1:]}; {hint}"
+
+
+def _all_options(ctx) -> list[str]:
+    """Every visible option name of the command that ``ctx`` runs (click's own possibilities are only the close
+    spellings, which meaning must be able to overrule)."""
+    if ctx is None:
+        return []
+    return sorted(o for p in ctx.command.params if not getattr(p, "hidden", False)
+                  for o in getattr(p, "opts", []) if o.startswith("-"))
 
 
 def _command_of(args: Sequence[str]) -> str:

@@ -34,7 +34,7 @@ def average_soup_cmd(
     checkpoints: List[str] = typer.Argument(..., help="Ingredients: checkpoint directories, hub id@revision or "
                                                       "preset points (smollm3-3b@REVISION), e.g. public revisions "
                                                       "or cooldown branches of one model."),
-    out: Path = opt.out(..., "the soup checkpoint to this directory."),
+    out: Path = opt.out(..., "the soup checkpoint to this directory.", kind="new-dir"),
     greedy: bool = typer.Option(False, "--greedy", help="Add an ingredient only if held-out loss improves."),
     weights: Optional[str] = typer.Option(None, "--weights", help="Comma-separated weights (uniform if omitted)."),
 ):

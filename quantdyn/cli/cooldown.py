@@ -81,6 +81,9 @@ def _from_run(run_dir: Path, from_step, ds, shape, control, device, overrides, o
     if extra:
         raise QuantdynError(f"{extra[0]} is for a cooldown from a checkpoint; a quantdyn run's branches go under "
                             "RUN_DIR/branches with its own config")
+    from quantdyn.files import ensure_writable
+
+    ensure_writable(run_dir / "branches", f"the branches of run '{run_dir}'")
     hooks = hooks_for(load_run_config(run_dir))  # the parent's monitor section, for every branch
     return run_cooldown(run_dir, from_step, ds, shape, control, device=device, hooks=hooks, **show)
 

@@ -8,7 +8,7 @@ import typer
 
 from quantdyn.cli import options as opt
 from quantdyn.cli.app import command
-from quantdyn.cli.study import option_overrides
+from quantdyn.cli.study import check_places, option_overrides
 
 
 @command()
@@ -27,4 +27,5 @@ def demo(
     from quantdyn.studies.spec import demo_spec
 
     spec_ = demo_spec([*(overrides or []), *option_overrides(store, out, device)])
+    check_places(spec_)
     pipeline.run_study(spec_, progress=not quiet, echo=typer.echo)

@@ -49,8 +49,10 @@ def grid(
         return
     if slurm.wanted(on_slurm):
         return _grid_on_slurm(base, vary, seeds, gdir, sl, slurm.write_only)
+    from quantdyn.files import ensure_writable
     from quantdyn.launch.grid import write_grid
 
+    ensure_writable(gdir, "--dir" if grid_dir else "the grid directory (the config's out_dir)")
     write_grid(base, vary, seeds, gdir)
     for r in run_grid(gdir, progress=mode != "quiet", verbose=mode == "verbose"):
         typer.echo(f"{r['name']}: {r['status']} ({r['dir']})")

@@ -6,6 +6,12 @@ the command writes its output: a file or a directory, said per command), ``--dev
 (``grid``, ``sweep``: the :func:`slurm_options` decorator adds them, and ``SlurmOptions.config`` turns them into
 a ``launch.slurm.SlurmConfig``).  Each factory
 returns a fresh typer option; ``panel`` names the help section the option is listed in (app.SectionedCommand).
+
+Every option that names a place the command writes (``--out``, a written ``--store``; a new command gets it by
+using these factories, or :func:`writable` as the callback of its own path option) is checked while the command
+line is read, before any work: files.ensure_writable creates and removes a probe file there, so an unwritable or
+read-only place is one line, exit 2, instead of a traceback after the work. Places a command learns later (a
+spec's store, a config's out_dir) are checked by the command with files.ensure_writable once it knows them.
 """
 from __future__ import annotations
 
@@ -57,13 +63,33 @@ def check_labels(text: Optional[str]) -> Optional[str]:
     return text
 
 
-def store(default: Optional[str] = "results", more: str = "", panel: Optional[str] = None) -> Any:
-    return typer.Option(default, "--store", help=f"{STORE_HELP} {more}".strip(), rich_help_panel=panel)
+def writable(kind: str = "dir") -> Callable:
+    """A typer callback that checks, while the command line is read (before the command imports torch or does any
+    work), that the option's path can be written as ``kind`` (files.ensure_writable: ``dir``, ``file`` or
+    ``new-dir``): an unwritable place is one line, exit 2. None and '' (nothing to write) pass."""
+    def check(ctx: typer.Context, param: typer.CallbackParam, value: Any) -> Any:
+        if value not in (None, "") and not ctx.resilient_parsing:
+            from quantdyn.files import ensure_writable
+
+            ensure_writable(value, (param.opts or [param.name])[0], kind)
+        return value
+
+    return check
 
 
-def out(default: Any, what: str, panel: Optional[str] = None) -> Any:
-    """``--out``: ``what`` says what this command writes there."""
-    return typer.Option(default, "--out", help=f"Write {what}", rich_help_panel=panel)
+def store(default: Optional[str] = "results", more: str = "", panel: Optional[str] = None, writes: bool = True,
+          **kw) -> Any:
+    """``--store``; ``writes``: the command stores rows there, so the store is checked writable before any work
+    (:func:`writable`); False where the command only reads it."""
+    return typer.Option(default, "--store", help=f"{STORE_HELP} {more}".strip(), rich_help_panel=panel,
+                        callback=writable("dir") if writes else None, **kw)
+
+
+def out(default: Any, what: str, panel: Optional[str] = None, kind: str = "dir", **kw) -> Any:
+    """``--out``: ``what`` says what this command writes there; ``kind`` how (files.WRITE_KINDS: into a directory,
+    one file, or a whole directory renamed into place); the place is checked writable before any work
+    (:func:`writable`)."""
+    return typer.Option(default, "--out", help=f"Write {what}", rich_help_panel=panel, callback=writable(kind), **kw)
 
 
 def device(default: Optional[str] = "auto", more: str = "", panel: Optional[str] = None) -> Any:

@@ -43,8 +43,9 @@ def quantize(
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Default: the model's own tokenizer.",
                                             rich_help_panel=DATA),
     out: Optional[Path] = opt.out(None, "the fake-quantized model and its codes (or --export) to this directory.",
-                                  panel=OUTPUT),
-    save: Optional[Path] = typer.Option(None, "--save", hidden=True, help="Old spelling of --out."),
+                                  panel=OUTPUT, kind="new-dir"),
+    save: Optional[Path] = typer.Option(None, "--save", hidden=True, help="Old spelling of --out.",
+                                        callback=opt.writable("new-dir")),
     export: Optional[str] = typer.Option(None, "--export", help="Write --out as a deployable checkpoint: gptq | "
                                          "compressed-tensors | gguf (one .gguf file for llama.cpp; with a GGUF "
                                          "quantizer such as q4_k_m).", rich_help_panel=OUTPUT),

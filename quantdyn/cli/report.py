@@ -14,7 +14,8 @@ from quantdyn.cli.app import command
 def report(
     store_or_run: Path = typer.Argument(Path("results"), help="A results store or a run directory."),
     out: Path = opt.out(Path("report"), "index.html and the figures to this directory."),
-    store: Optional[str] = opt.store(None, "Read when the argument is a run directory [default: results]."),
+    store: Optional[str] = opt.store(None, "Read when the argument is a run directory [default: results].",
+                                         writes=False),
 ):
     """Write the static HTML report of a results store or a run."""
     from quantdyn.studies.section import write_report

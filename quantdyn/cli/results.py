@@ -14,15 +14,19 @@ from quantdyn.errors import QuantdynError
 
 @command()
 def results(
-    store: str = opt.store("results"),
+    store: str = opt.store("results", writes=False),
     where: Optional[str] = typer.Option(None, "--where", help="SQL condition, e.g. \"bits = 3 AND branch = 'main'\""),
     out: Optional[Path] = opt.out(None, "the rows to this file as well: .csv, .json, .jsonl or .parquet (every "
-                                  "column; nested fields as dotted columns)."),
+                                  "column; nested fields as dotted columns); prints a one-line summary instead of the table.",
+                                  kind="file"),
     parquet: Optional[Path] = typer.Option(None, "--parquet", help="Also write the rows (every column) to this "
-                                           "Parquet file; the same as --out FILE.parquet."),
-    csv: Optional[Path] = typer.Option(None, "--csv", hidden=True, help="Old spelling of --out FILE.csv."),
+                                           "Parquet file; the same as --out FILE.parquet.",
+                                           callback=opt.writable("file")),
+    csv: Optional[Path] = typer.Option(None, "--csv", hidden=True, help="Old spelling of --out FILE.csv.",
+                                       callback=opt.writable("file")),
     as_json: bool = opt.as_json(),
-    all_columns: bool = typer.Option(False, "--all", help="Every column (default: the main ones)."),
+    all_columns: bool = typer.Option(False, "--all", help="Every column in the table (default: the main ones; a "
+                                     "file from --out and --json always hold every column)."),
     columns: Optional[str] = typer.Option(None, "--columns", help="Comma-separated columns to show instead of "
                                           "the main ones, e.g. quantizer,kl_p99,top5_agree (any row field: "
                                           "quantdyn.results.schema.FIELDS)."),
@@ -33,13 +37,14 @@ def results(
 
     The default store is the one `make demo` wrote; --where selects rows, --out writes them to a file, --check
     checks every line of the store instead."""
-    from quantdyn.files import write_text_atomic
+    from quantdyn.files import ensure_writable, write_text_atomic
     from quantdyn.results.store import ResultStore
 
     if csv is not None:
         deprecated("results --csv FILE", "use --out FILE.csv")
     st = ResultStore(store, create=False)
     if check:
+        ensure_writable(st.root, "--store")  # --check moves unreadable lines to STORE/quarantine/
         typer.echo(st.check(repair=True).summary(st.root, repair=True))
         return
     if parquet is not None:
@@ -58,32 +63,44 @@ def results(
             if lacking:
                 typer.echo(f"note: {c}: {lacking} of {len(recs)} rows lack it (written before the field existed, or "
                            "of a kind that has none); shown empty", err=True)
-        cols = asked
-    else:
-        cols = [c for c in cols if c != "window_delta"] if (all_columns or as_json or target) else \
-            [c for c in _MAIN_COLUMNS if c in cols]  # a store holds the columns its rows have
-    recs = [{c: r.get(c) for c in cols} for r in recs]
+    every = asked or [c for c in cols if c != "window_delta"]  # what a file and --json get
+    # the terminal: the main columns (a store holds the columns its rows have), every one with --all
+    cols = asked or (every if all_columns else [c for c in _MAIN_COLUMNS if c in cols])
     if target is not None and fmt == "parquet":
         from quantdyn.results.tables import to_parquet  # pandas/pyarrow only for this output
 
         to_parquet(st, target, keys=[r["key"] for r in recs] if where else None)
     elif target is not None:
-        write_text_atomic(target, _render(recs, cols, fmt))
+        write_text_atomic(target, _render([{c: r.get(c) for c in every} for r in recs], every, fmt))
     if as_json:
-        typer.echo(json.dumps(recs, default=str))
+        typer.echo(json.dumps([{c: r.get(c) for c in every} for r in recs], default=str))
         return
+    if target is not None:  # the rows are in the file: one line here, not the table
+        shape = "every column" if fmt == "parquet" else f"{len(every)} columns"  # parquet: the store's own columns
+        typer.echo(f"wrote {len(recs)} rows ({shape}) to {target}"
+                   + (f" (rows where {where})" if where else ""))
+        return
+    recs = [{c: r.get(c) for c in cols} for r in recs]
     if not recs:
         typer.echo("no rows")
         return
-    def fmt_cell(v):
-        if isinstance(v, float):
-            return f"{v:.4g}"
-        return "" if v is None else str(v)
     widths = [max(len(c), *(len(fmt_cell(r[c])) for r in recs)) for c in cols]
     typer.echo("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
     for r in recs:
         typer.echo("  ".join(fmt_cell(r[c]).ljust(w) for c, w in zip(cols, widths)))
-    typer.echo(f"({len(recs)} rows)" + (f"; written to {target}" if target is not None else ""))
+    more = "" if all_columns or asked else "; --columns A,B or --all for more columns"
+    typer.echo(f"({len(recs)} rows{more})")
+
+
+def fmt_cell(v) -> str:
+    """A table cell: floats to 4 significant digits, a list as its length (per-window values: --out or --json)."""
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, (list, tuple)):
+        return f"[{len(v)} values]"
+    if isinstance(v, dict):
+        return f"{{{len(v)} fields}}"
+    return "" if v is None else str(v)
 
 
 _FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "jsonl", ".parquet": "parquet"}

@@ -28,7 +28,11 @@ def scaling(
         if store_opt is not None and store_arg != store_opt:
             raise QuantdynError(f"two stores given ('{store_arg}' and --store '{store_opt}'); give only --store")
         deprecated("scaling STORE", "use --store STORE")
-    rows = fit_scaling(store_opt or store_arg or "results", by, all_checkpoints, bootstrap)
+    from quantdyn.files import ensure_writable
+
+    store = store_opt or store_arg or "results"
+    ensure_writable(store, "--store")  # the fits are stored there
+    rows = fit_scaling(store, by, all_checkpoints, bootstrap)
     if as_json:
         echo_json([{k: v for k, v in r.items() if k != "points"} for r in rows])
         return

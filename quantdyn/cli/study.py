@@ -29,7 +29,18 @@ def study(
     from quantdyn.studies.spec import load_study_spec
 
     spec_ = load_study_spec(spec, [*(overrides or []), *option_overrides(store, out, device)])
+    check_places(spec_)
     pipeline.run_study(spec_, progress=not quiet, echo=typer.echo)
+
+
+def check_places(spec) -> None:
+    """Every place a study writes (its runs' out_dir, the store, the report) checked writable before any work
+    (files.ensure_writable: one line naming the spec key, or the option that set it)."""
+    from quantdyn.files import ensure_writable
+
+    for path, what in ((spec.run.out_dir, "run.out_dir"), (spec.sweep.store, "--store (sweep.store)"),
+                       (spec.report, "--out (report)")):
+        ensure_writable(path, what)
 
 
 def option_overrides(store: Optional[str], out: Optional[Path], device: Optional[str]) -> list[str]:

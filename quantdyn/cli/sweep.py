@@ -54,7 +54,10 @@ def sweep(
     max_memory: Optional[str] = opt.config_option(opt.ENGINE_CONFIG, "max_memory", None, panel=ENGINE),
     spill_dir: Optional[str] = opt.config_option(opt.ENGINE_CONFIG, "spill_dir", None, panel=ENGINE),
     streams: Optional[str] = opt.config_option(opt.ENGINE_CONFIG, "streams", None, panel=ENGINE),
-    store: Optional[str] = opt.store(None, "[default: the spec's, else results]", panel=OUTPUT),
+    store: Optional[str] = opt.store(None, "[default: the spec's, else results]", panel=OUTPUT,
+                                     writes=False),
+    out: Optional[str] = typer.Option(None, "--out", hidden=True, help="The same as --store (a sweep writes its rows "
+                                      "to the results store; quantize, allocate and report write with --out)."),
     shard: Optional[str] = typer.Option(None, "--shard", help="Sweep shard i/n: every n-th checkpoint from the i-th "
                                         "(default: torchrun rank or SLURM array task).", rich_help_panel=OUTPUT),
     evict: bool = typer.Option(False, "--evict", help="Delete each hub revision from the HF cache once its rows are "
@@ -73,9 +76,19 @@ def sweep(
     The trajectory is a run, checkpoint directories, hub revisions or a public-trajectory preset; rows go to
     the results store, and a rerun skips the rows already there."""
     from quantdyn.config import from_dict, load_yaml, set_dotted
+    from quantdyn.files import ensure_writable
+    from quantdyn.results.store import DEFAULT_STORE
+
+    if out is not None:  # --out is what quantize, allocate and report write with; here it can only mean the store
+        if store is not None and store != out:
+            raise QuantdynError(f"give the store once: --store '{store}' and --out '{out}' (the same option here)")
+        store = out
+    data = load_yaml(spec) if spec else {}
+    if not (dry_run or on_slurm or slurm.submit):  # before torch is imported; a dry run writes nothing, --slurm checks
+        ensure_writable(store or data.get("store") or DEFAULT_STORE, "--store" if store else "the store (the spec's "
+                        "store, else results)")
     from quantdyn.sweep.sweep import SweepConfig, run_sweep
 
-    data = load_yaml(spec) if spec else {}
     traj = dict(data.get("trajectory", {}))
     if run or checkpoints or hub or preset:
         traj = {k: v for k, v in traj.items() if k in ("schedule", "select")}

@@ -73,6 +73,9 @@ def train(
             cfg = replace(cfg, model=replace(cfg.model, hf=as_hub_ref(cfg.model.hf)))
         run_dir = Path(cfg.out_dir) / cfg.name
         kwargs = dict(overwrite=overwrite)
+    from quantdyn.files import ensure_writable
+
+    ensure_writable(run_dir, "--resume" if resume is not None else "the run directory (the config's out_dir/name)")
     hooks = hooks_for(cfg)  # the PTQ monitor of cfg.monitor (its quantizers are checked here)
     try:
         out = run_train(cfg, run_dir, progress=mode != "quiet", verbose=mode == "verbose", hooks=hooks, **kwargs)

@@ -28,7 +28,6 @@ the lines that choose their task's command); :func:`submit` submits one and retu
 """
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import shutil
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Sequence
 
 from quantdyn.errors import QuantdynError
+from quantdyn.files import ensure_writable
 
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d{1,2}))?(?::(\d{1,2}))?$")
 
@@ -254,9 +254,11 @@ def check_writable(path: str | Path, what: str, flag: str) -> Path:
         probe = probe.parent
     if not probe.is_dir():
         raise QuantdynError(f"{what} '{path}' cannot be created: '{probe}' is not a directory; choose another {flag}")
-    if not os.access(probe, os.W_OK | os.X_OK):
+    try:  # a probe file, not os.access: root passes os.access even where no file can be made (files.ensure_writable)
+        ensure_writable(p, flag)
+    except QuantdynError:
         raise QuantdynError(f"{what} '{path}' cannot be written ('{probe}' is not writable for this user, and the "
-                            f"jobs run as this user); choose another {flag}")
+                            f"jobs run as this user); choose another {flag}") from None
     return p
 
 

@@ -483,7 +483,7 @@ def decay_table(rows: Sequence[Mapping], run: str, z: float = Z) -> list[dict]:
     jitter, the combined uncertainty and the verdict of the rule (the module docstring). The findings'
     decay finding, the demo's printout and the report's cooldown table all read this table.
 
-    Fields: run, quantizer, branch, from_step, step, tokens, delta_ce_decayed, delta_ce_control,
+    Fields: run, quantizer, branch, from_step, step, tokens, delta_ce_decayed, delta_ce_control, delta_ce_control_se,
     ce_fp_decayed, ce_fp_control, difference, difference_eval_se, difference_run_se, stable_jitter,
     difference_se (the combined uncertainty), z, exceeds_uncertainty (|z| > z), verdict (decay raises / lowers
     the error / within uncertainty), dominant (windows or quantization run), paired, quant_repeats (the smaller
@@ -506,6 +506,8 @@ def decay_table(rows: Sequence[Mapping], run: str, z: float = Z) -> list[dict]:
             table.append({"run": run, "quantizer": q, "branch": b, "from_step": end.get("parent_step"),
                           "step": end.get("step"), "tokens": end.get("tokens"),
                           "delta_ce_decayed": end["delta_ce"], "delta_ce_control": ctrl["delta_ce"],
+                          "delta_ce_control_se": (total_se(dict(ctrl)) if number(ctrl.get("delta_ce_se")) is not None
+                                                  else None),
                           "ce_fp_decayed": end.get("ce_fp"), "ce_fp_control": ctrl.get("ce_fp"),
                           "difference": d.difference, "difference_eval_se": d.eval_se,
                           "difference_run_se": d.run_se, "stable_jitter": jitter, "difference_se": d.se, "z": d.z,

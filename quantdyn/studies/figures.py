@@ -22,6 +22,7 @@ from matplotlib.lines import Line2D
 from quantdyn.report.output import PAGE_WIDTH, save_figure, subplots
 from quantdyn.results.stats import NOT_RESOLVED, VERDICTS, format_estimate, format_interval, verdict_of
 from quantdyn.runs import MAIN, is_cooldown, parse_branch
+from quantdyn.studies.findings import relative_baseline
 
 _MARKERS = "osD^v<>pP*hX"
 
@@ -189,7 +190,7 @@ def _mode(f: dict) -> str | None:
         return "rho"
     if f.get("se") is None or f["se"] <= 0:
         return None
-    return "rel" if (f.get("baseline") or 0) > 0 else "z"
+    return "rel" if relative_baseline(f) is not None else "z"
 
 
 def _numbers(f: dict, mode: str) -> str:

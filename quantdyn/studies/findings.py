@@ -14,8 +14,9 @@ the stable-phase jitter where a decayed endpoint is compared with its control, a
 * ``se``: the uncertainty the verdict uses, max(sqrt(se_windows^2 + se_run^2 + se_jitter^2), se_seeds).
 
 Decay and averaging rows also carry ``baseline``, the mean over seeds of the quantity the effect is relative
-to (the control's Δ CE; the decayed endpoint's Δ CE or CE(quantized)), named by ``baseline_of``; decay rows
-name their ``seed_family``, cooldown ``branch`` and its ``control``.
+to (the control's Δ CE; the decayed endpoint's Δ CE or CE(quantized)), named by ``baseline_of``, and where it is
+known ``baseline_se``, its uncertainty (a ratio to a baseline not resolved from 0 is not printed:
+:func:`relative_baseline`); decay rows name their ``seed_family``, cooldown ``branch`` and its ``control``.
 
 Verdict (``z`` = FindingsSpec.z, default 2): an effect with |effect / se| <= z is "not resolved at this
 scale", whatever its sign; beyond it, "reproduced" when its sign is the one the paper reports,
@@ -211,8 +212,31 @@ def decay_findings(rows: list[dict], runs: Sequence[str], quantizers: Sequence[s
             f"rainbow_{_safe(first)}.png", quant_repeats=ts[0]["quant_repeats"],
             jitter=max((t["stable_jitter"] for t in ts if t["stable_jitter"] is not None), default=None),
             seed_family=fam, branch=b, control=control_of(b),
-            baseline=statistics.fmean(t["delta_ce_control"] for t in ts), baseline_of="the control's Δ CE"))
+            baseline=statistics.fmean(t["delta_ce_control"] for t in ts), baseline_of="the control's Δ CE",
+            baseline_se=_mean_se([t.get("delta_ce_control_se") for t in ts])))
     return out, {"decay": tables}
+
+
+def _mean_se(ses: Sequence) -> float | None:
+    """The SE of a mean of k independent values with these SEs, sqrt(Σ se²) / k; None if one is unknown."""
+    vals = [number(s) for s in ses]
+    if not vals or any(v is None for v in vals):
+        return None
+    return math.sqrt(sum(v * v for v in vals)) / len(vals)
+
+
+def relative_baseline(f: Mapping) -> float | None:
+    """The reference a finding's effect is given relative to (as a percentage of), or None where that ratio means
+    nothing: no positive ``baseline``, or one not resolved from 0 (baseline <= z x ``baseline_se``, when its SE is
+    known) — a ratio to a number indistinguishable from 0 is noise of any size ("-1.2e+02 ± 1.5e+02 % of the
+    control's Δ CE"). The report's words, table and figure all ask this."""
+    b = number(f.get("baseline"))
+    if b is None or b <= 0:
+        return None
+    se = number(f.get("baseline_se"))
+    if se is not None and b <= (number(f.get("z_threshold")) or Z) * se:
+        return None
+    return b
 
 
 def _safe(name: str) -> str:
@@ -658,7 +682,8 @@ def format_parts(f: Mapping) -> str:
 
 
 def format_table(findings: Sequence[Mapping]) -> list[str]:
-    """The findings table as text lines (what `quantdyn study` prints), grouped by finding."""
+    """The findings table as text lines, grouped by finding (for text reports; the terminal gets the verdicts once,
+    as sentences: section.summary_lines)."""
     if not findings:
         return ["  (no findings: the rows this study needs are missing)"]
     lines: list[str] = []
@@ -690,7 +715,7 @@ def _part(v) -> str:
 
 
 def format_decay_table(tables: Sequence[Mapping], across: Sequence[Mapping] = (), z: float = Z) -> list[str]:
-    """The decayed-minus-control comparison as text lines (what `quantdyn demo` and `quantdyn study` print):
+    """The decayed-minus-control comparison as text lines (for text reports; the report shows it as a table):
     per run, quantizer and cooldown branch, from ``decay_table``; then, from ``seed_summary``, the mean over
     seeds. Every line gives the difference ± its combined uncertainty, z, the parts and the verdict of the
     one rule (results/stats.py, as decay_table and seed_summary decided it), its numbers with the digits that

@@ -166,7 +166,7 @@ def rotation_findings(rows: Sequence[Mapping], runs: Sequence[str], quantizers: 
             seed_family=fam, branch=b, control=control_of(b), plain=plain,
             decay_plain=dec_plain.effect, decay_plain_se=dec_plain.se,
             decay_rotated=dec_rot.effect, decay_rotated_se=dec_rot.se,
-            baseline=dec_plain.effect, baseline_of="the decay effect without rotation"))
+            baseline=dec_plain.effect, baseline_of="the decay effect without rotation", baseline_se=dec_plain.se))
     return out, {FAMILY: tables, "rotation_gains": rotation_gains(rows, pairs, z)}
 
 

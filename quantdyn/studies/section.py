@@ -123,7 +123,8 @@ def answer(rows: list[dict], runs: Sequence[str] | None = None, families: Sequen
 def _relative(effect: float, baseline: float | None, se: float | None = None, z: float = fd.Z) -> str:
     """'+2.1 %' of a positive baseline ('' without one): two significant digits, at most one decimal above 1 %;
     with the effect's uncertainty ``se``, '+2.10 ± 0.40 %', printed as results.stats.format_estimate prints the
-    effect in nats (the same digits rule, so the percentage never reads more precise than the effect)."""
+    effect in nats (the same digits rule, so the percentage never reads more precise than the effect), in plain
+    digits: '+120 ± 150 %', never '+1.2e+02 ± 1.5e+02 %'."""
     b = number(baseline)
     if b is None or b <= 0:
         return ""
@@ -131,16 +132,19 @@ def _relative(effect: float, baseline: float | None, se: float | None = None, z:
     s = number(se)
     if s is not None and s > 0:
         et, st, _ = format_estimate(pct, 100.0 * s / b, z)
-        return f"{et} ± {st} %"
-    return f"{pct:+.0f} %" if abs(pct) >= 10 else f"{pct:+.1f} %" if abs(pct) >= 1 else f"{pct:+.2g} %"
+        if "e" in et + st:  # format_estimate's scientific form (an SE of 100 % or more): whole percent
+            et, st = f"{pct:+.0f}", f"{100.0 * s / b:.0f}"
+        return f"{et.lstrip('+-') if float(et) == 0 else et} ± {st} %"
+    return f"{pct:+.0f} %" if abs(pct) >= 10 else f"{pct:+.1f} %" if abs(pct) >= 1 else f"{pct:+.2f} %"
 
 
 def relative_text(f: Mapping) -> str:
-    """'+2.10 ± 0.40 % of the control's Δ CE' for a finding with a positive baseline (without an SE: '+2.1 % of
-    ...'), '' otherwise."""
+    """'+2.10 ± 0.40 % of the control's Δ CE' for a finding whose baseline a ratio can be taken to (without an SE:
+    '+2.1 % of ...'), '' otherwise: no positive baseline, or one not resolved from 0 (fd.relative_baseline)."""
     e = number(f.get("effect"))
     z = number(f.get("z_threshold")) or fd.Z
-    rel = _relative(e, f.get("baseline"), f.get("se"), z) if e is not None else ""
+    b = fd.relative_baseline(f)
+    rel = _relative(e, b, f.get("se"), z) if e is not None and b is not None else ""
     return f"{rel} of {f.get('baseline_of') or 'its reference'}" if rel else ""
 
 
@@ -195,9 +199,15 @@ def _repeats_text(a: Answer) -> str:
     return "R = " + "/".join(map(str, a.repeats)) if a.repeats else "no PTQ rows"
 
 
+TABLES_LINE = ("  (each comparison's uncertainty in its parts, and every run and seed apart: the report's findings "
+               "table, findings.html and findings.csv)")
+
+
 def summary_lines(a: Answer) -> list[str]:
-    """What `quantdyn demo`, `quantdyn study` and `quantdyn report` print: each finding's verdict in a sentence,
-    the decayed-minus-control table per run and over seeds, and the findings table."""
+    """What `quantdyn demo`, `quantdyn study` and `quantdyn report` print: each finding's verdict once, in a
+    sentence (its effect ± uncertainty in nats and relative to its reference, z), then where the tables are (the
+    decayed-minus-control table per run and seed and the findings table with the uncertainty's parts are the
+    report's: printing them too said every verdict three times)."""
     lines = [f"Answer (z = effect / combined uncertainty, resolved when |z| > {a.z:g}; quantization repeats "
              f"{_repeats_text(a)}):"]
     claim = None
@@ -208,11 +218,8 @@ def summary_lines(a: Answer) -> list[str]:
         lines.append(f"    {statement}: {verdict}")
     if not a.found:
         lines.append(f"  {NO_FINDING[0]}: {NO_FINDING[1]}.")
-    lines += fd.format_decay_table(a.decay, a.across, a.z)
-    if a.found:
-        lines += ["", f"Findings (verdict: |effect| > {a.z:g} x uncertainty, or a bootstrap interval excluding 0; "
-                      f"quantization repeats {_repeats_text(a)}):"]
-        lines += fd.format_table(a.found)
+    else:
+        lines.append(TABLES_LINE)
     lines += [f"  note: {n}" for n in a.notes]
     return lines
 
