@@ -339,5 +339,5 @@ def test_logging_warnings_reach_stderr_as_one_line(tmp_path):
         f.write(b"\xff\n")
     r = subprocess.run([sys.executable, "-m", "quantdyn", "results", "--store", str(st.root)], capture_output=True,
                        text=True, timeout=120)
-    assert r.returncode == 0 and "(2 rows)" in r.stdout
+    assert r.returncode == 0 and "(2 rows" in r.stdout
     assert r.stderr.startswith("results store ") and "not UTF-8" in r.stderr and len(r.stderr.splitlines()) == 1
