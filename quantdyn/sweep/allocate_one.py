@@ -36,6 +36,7 @@ from quantdyn.quantize.plan import (KEEP, Plan, budget_range, calibration_kind, 
 from quantdyn.results.schema import calib_hash as calib_identity
 from quantdyn.results.schema import row_key
 from quantdyn.results.store import ResultStore
+from quantdyn.runs import resolve_run_reference
 from quantdyn.runtime import provenance, resolve_device
 from quantdyn.sources.hub import open_checkpoint
 
@@ -96,6 +97,7 @@ def allocate_plan(model_ref: str, budget: float, types: Sequence[str], *, out: s
                             "--calib-seq-len >= 2")
     cfg = SensitivityConfig(draws=draws)
     dev = resolve_device(device)
+    model_ref = resolve_run_reference(model_ref)  # RUN@latest -> its checkpoint, named so in the rows
     weights = open_checkpoint(model_ref)
     source = LazyModel(weights, torch.float32, dev)
     entries = tensor_list(source)

@@ -30,6 +30,7 @@ from quantdyn.models.hf_io import checkpoint_hash
 from quantdyn.quantize.catalogue import QuantConfig, parse_quantizer, quant_preset
 from quantdyn.quantize.residual_rotation import check_rotations
 from quantdyn.results.schema import PTQ
+from quantdyn.runs import resolve_run_reference
 from quantdyn.runtime import git_sha, provenance, resolve_device
 from quantdyn.sources.hub import open_checkpoint
 
@@ -208,6 +209,7 @@ def quantize_one(
                   repeats=repeats, eval_tokens=eval_tokens, eval_seq_len=eval_seq_len,
                   calib_samples=calib_samples)
     dev = resolve_device(device)
+    model_ref = resolve_run_reference(model_ref)  # RUN@latest -> its checkpoint, named so in the rows
     weights = open_checkpoint(model_ref)  # validated before any data is prepared
     source = LazyModel(weights, compute_dtype_of(cfg.dtype), dev)
     check_rotations(source.model, qcs)  # +had widths, +r1 architectures: before any data is prepared
