@@ -94,9 +94,10 @@ def test_quantize_export_streams_a_deployable_checkpoint(hf_models, fmt, tmp_pat
     cache = tmp_path / "fresh-cache"  # a refused export is refused before any data is tokenized
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("QUANTDYN_CACHE", str(cache))
-        r = cli("quantize", hf_models["llama"], "--method", "rtn", "--bits", "2", "--export", "compressed-tensors",
-                "--out", tmp_path / "two")
+        r = cli("quantize", hf_models["llama"], "--method", "rtn", "--bits", "2", "--group-size", "128", "--export",
+                "compressed-tensors", "--out", tmp_path / "two")  # a group size chosen: kept, and 64 wide refuses it
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "two").exists()
+    assert "group_size 128 does not divide 64" in r.stderr and "quantize with rtn2g64" in r.stderr, r.stderr
     assert not cache.exists() or not any(cache.iterdir()), "the refused export tokenized its data first"
     r = cli("quantize", hf_models["llama"], "--export", "gptq")
     assert r.returncode == 2 and "--out" in r.stderr
