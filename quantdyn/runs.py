@@ -17,6 +17,11 @@ Every module that reads or writes a run asks this one for a path or a name (``Ru
 JSON/YAML files only: writing a checkpoint (train/checkpoint.py) and typing the config (train/config.py) live
 with the code that needs torch and the config classes.
 
+A checkpoint of a run is named by step without spelling its directory: ``RUN_DIR@latest`` (its last checkpoint),
+``RUN_DIR@-100`` (100 steps before the run's end, its ``train.steps``), ``RUN_DIR@400``; ``--from-step`` takes the
+same step references (:func:`resolve_step`, :func:`resolve_run_reference`), so commands written for a run keep
+working when the run is made shorter or longer.
+
 Checkpoints are written to a temporary directory and renamed into place, so a crash never leaves a
 half-written checkpoint under its final name; the temporaries a killed process leaves (``.step-*.tmp-*``,
 ``.step-*.old-*``) are removed when the run next starts (:func:`remove_stale_temporaries`).
@@ -215,6 +220,59 @@ def latest_resumable(run_dir: Path) -> CheckpointInfo | None:
         if is_resumable(c.path):
             return c
     return None
+
+
+STEP_REFERENCES = "a step (400), latest (the last checkpoint) or -N (N steps before the run's end)"
+"""What a step reference may be, for help texts and errors."""
+
+
+def run_end(run_dir: Path) -> int | None:
+    """The step a run ends at: its config's ``train.steps`` (None without a readable config)."""
+    try:
+        return int(RunDir(run_dir).read_config()["train"]["steps"])
+    except (QuantdynError, KeyError, TypeError, ValueError):
+        return None
+
+
+def resolve_step(run_dir: Path, ref: int | str) -> int:
+    """The step a step reference names in ``run_dir`` (module docstring): ``400`` as it is; ``latest`` (or
+    ``last``) the run's last checkpoint; ``-N`` N steps before the run's end (its ``train.steps``, or its last
+    checkpoint when the config has none), which must be a checkpoint the run holds. One line otherwise."""
+    text = str(ref).strip()
+    steps = sorted(c.step for c in list_checkpoints(run_dir))
+    held = f"its checkpoints: {', '.join(map(str, steps))}" if steps else "it has no checkpoints yet"
+    if text.lower() in ("latest", "last"):
+        if not steps:
+            raise QuantdynError(f"'{run_dir}' has no checkpoint for '{text}' yet; train it first")
+        return steps[-1]
+    if not re.fullmatch(r"[+-]?\d+", text):
+        raise QuantdynError(f"step '{text}' of '{run_dir}' must be {STEP_REFERENCES}")
+    step = int(text)
+    if step >= 0:
+        return step
+    end = run_end(run_dir)
+    end = end if end is not None else (steps[-1] if steps else None)
+    if end is None or end + step < 0:
+        raise QuantdynError(f"step {step} reaches before the start of '{run_dir}' (it ends at step {end}); {held}")
+    if end + step not in steps:
+        raise QuantdynError(f"step {step} of '{run_dir}' is step {end + step} ({-step} before its end, {end}), which "
+                            f"has no checkpoint; {held}")
+    return end + step
+
+
+def resolve_run_reference(ref: str | Path) -> str:
+    """``RUN_DIR@STEP`` (a step reference, :func:`resolve_step`) -> that checkpoint's directory; any other reference
+    (a directory, ``hub-id@revision``) unchanged."""
+    text = str(ref)
+    head, at, step = text.rpartition("@")
+    if not at or not head or Path(text).exists() or not RunDir(head).is_run:
+        return text
+    ckpt = RunDir(head).checkpoint(resolve_step(Path(head), step))
+    if not has_weights(ckpt):
+        steps = sorted(c.step for c in list_checkpoints(Path(head)))
+        raise QuantdynError(f"'{text}' names step {step_of_name(ckpt.name)}, which has no checkpoint in '{head}'; its "
+                            f"checkpoints: {', '.join(map(str, steps)) or 'none yet'}")
+    return str(ckpt)
 
 
 def has_checkpoints(run_dir: Path) -> list[int]:

@@ -4,6 +4,7 @@ sensitivity rows (resumable), and the in-training monitor with an auto@ label.""
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 import torch
@@ -38,6 +39,12 @@ def test_allocate_writes_a_plan_that_quantize_uses(ckpt, tmp_path, cli):
     assert s["allocator"] == "knapsack-dp" and set(s["counts"]) <= {"q4_0", "q5_1", "q8_0"}
     assert s["llama_quantize"][-3:-1] == ["model-f32.gguf", "model-plan.gguf"] and s["llama_quantize"][-1] in {"2", "9", "7"}
     assert sum(a == "--tensor-type" for a in s["llama_quantize"]) == 8
+    script = tmp_path / "plan.llama-quantize.sh"  # the long command line goes to a file beside the plan
+    assert s["llama_quantize_script"] == str(script) and s["uniform"] is None
+    text = script.read_text()
+    words = shlex.split(text.split("\nexec ", 1)[1].replace("\\\n", ""))  # as sh reads it: no line continuations
+    assert text.startswith("#!/bin/sh\n") and words[0] == "llama-quantize"
+    assert words[1:-3] == s["llama_quantize"][:-3] and words[-1] == s["llama_quantize"][-1]
     rows = ResultStore(store).rows()
     assert len(rows) == 8 * 3 + 4 * 3 + 3 and {r["kind"] for r in rows} == {"sensitivity"}
     r = cli("quantize", ckpt, "--quantizers", f"plan:{out}", "--calib-samples", "4", "--calib-seq-len", "32",
@@ -53,8 +60,9 @@ def test_allocate_writes_a_plan_that_quantize_uses(ckpt, tmp_path, cli):
     (["--budget", "9", "--types", "q4_0,q8_0"], "budget 9 bits per weight is outside what q4_0, q8_0 can reach on "
                                                 "this model: 4.5000"),
     (["--budget", "4.4", "--types", "q4_0,q8_0"], "is outside what"),
-    (["--budget", "4.5", "--types", "q4_k,q8_0"], "tensor gpt_neox.layers.0.attention.query_key_value has rows of 64 "
-                                                  "weights, which q4_k cannot hold"),
+    (["--budget", "4.5", "--types", "q4_k,q8_0,q3_k"], "q4_k, q3_k cannot hold rows of 64 weights (6 tensors, "
+                                                       "e.g. gpt_neox.layers.0.attention.query_key_value; llama.cpp "
+                                                       "would store them as its fallback q4_k->q5_0, q3_k->q4_0)"),
     (["--budget", "4.5", "--types", "awq4,rtn4"], "awq cannot be a plan's type"),
     (["--budget", "4.5", "--types", "q4_0"], "at least two candidate types"),
     (["--budget", "4.5", "--types", "q4_0,q8_0", "--draws", "0"], "--draws 0 must be >= 1"),
@@ -72,6 +80,39 @@ def test_an_existing_plan_file_is_kept(ckpt, tmp_path, cli):
     out.write_text("keep me")
     r = cli("allocate", ckpt, "--budget", "5", "--types", "q4_0,q8_0", "--out", out, *SHORT)
     assert r.returncode == 2 and "exists; choose a new --out" in r.stderr and out.read_text() == "keep me"
+
+
+def test_every_type_a_tensor_cannot_hold_is_named_at_once():
+    """Every candidate against every tensor's shape, before any work: all misfits in one line, grouped by the widths
+    they cannot hold, with llama.cpp's fallbacks and the candidates that do hold every tensor."""
+    from quantdyn.errors import QuantdynError
+    from quantdyn.quantize.allocate import check_types_hold
+
+    tensors = [(f"model.layers.{b}.{p}", b, p, shape) for b in range(2) for p, shape in
+               (("self_attn.q_proj", (576, 576)), ("mlp.down_proj", (576, 1536)), ("mlp.up_proj", (1536, 576)))]
+    with pytest.raises(QuantdynError) as e:
+        check_types_hold(tensors, ("q3_k", "q4_k", "q5_k", "q6_k", "q8_0"))
+    assert str(e.value) == (
+        "q3_k, q4_k, q5_k, q6_k cannot hold rows of 576 weights (4 tensors, e.g. model.layers.0.self_attn.q_proj; "
+        "llama.cpp would store them as its fallback q3_k->q4_0, q4_k->q5_0, q5_k->q5_1, q6_k->q8_0); of the types "
+        "given, q8_0 holds every tensor. Drop q3_k, q4_k, q5_k, q6_k from --types, or allocate between types that "
+        "hold every tensor (llama.cpp's own fallbacks: q4_0,q5_0,q5_1,q8_0), e.g. --types q8_0,q4_0,q5_0,q5_1")
+    with pytest.raises(QuantdynError, match=r"^q8_0 cannot hold rows of 100 weights \(1 tensor, .*fallback "
+                                            r"q8_0->f16\); none of the types given holds every tensor"):
+        check_types_hold([("x", 0, "mlp.down_proj", (256, 100))], ("q8_0",))
+    check_types_hold([t for t in tensors if "down" in t[0]], ("q4_k", "q8_0", "rtn4g64"))  # 1536-wide rows hold them
+
+
+def test_a_budget_at_either_end_says_the_plan_is_one_type():
+    from types import SimpleNamespace
+
+    from quantdyn.sweep.allocate_one import _uniform
+
+    plan = SimpleNamespace(tensors=[SimpleNamespace(type="q4_0")] * 3)
+    assert _uniform(4.5, 4.5, 8.5, plan) == "q4_0" and _uniform(8.5, 4.5, 8.5, plan) == "q4_0"
+    assert _uniform(5.0, 4.5, 8.5, plan) is None
+    mixed = SimpleNamespace(tensors=[SimpleNamespace(type="q4_0"), SimpleNamespace(type="q8_0")])
+    assert _uniform(4.5, 4.5, 8.5, mixed) is None
 
 
 def test_split_quantizers_keeps_auto_type_lists_together():

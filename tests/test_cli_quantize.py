@@ -94,9 +94,10 @@ def test_quantize_export_streams_a_deployable_checkpoint(hf_models, fmt, tmp_pat
     cache = tmp_path / "fresh-cache"  # a refused export is refused before any data is tokenized
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("QUANTDYN_CACHE", str(cache))
-        r = cli("quantize", hf_models["llama"], "--method", "rtn", "--bits", "2", "--export", "compressed-tensors",
-                "--out", tmp_path / "two")
+        r = cli("quantize", hf_models["llama"], "--method", "rtn", "--bits", "2", "--group-size", "128", "--export",
+                "compressed-tensors", "--out", tmp_path / "two")  # a group size chosen: kept, and 64 wide refuses it
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "two").exists()
+    assert "group_size 128 does not divide 64" in r.stderr and "quantize with rtn2g64" in r.stderr, r.stderr
     assert not cache.exists() or not any(cache.iterdir()), "the refused export tokenized its data first"
     r = cli("quantize", hf_models["llama"], "--export", "gptq")
     assert r.returncode == 2 and "--out" in r.stderr
@@ -112,3 +113,18 @@ def test_quantize_export_streams_a_deployable_checkpoint(hf_models, fmt, tmp_pat
         r = cli(*args, "--export", fmt, *bad, "--out", tmp_path / "bad")
         assert r.returncode == 2 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert not (tmp_path / "bad").exists()
+
+
+def test_an_unspelled_group_size_fits_the_models_widths(hf_models, tmp_path, cli):
+    """gptq4's default group of 128 does not divide the 64-wide LLaMA: the compressed-tensors export takes 64, the
+    row names the quantizer measured (rtn4g64) and why, and the written config holds group 64."""
+    import json
+
+    out = tmp_path / "ct"
+    r = cli("quantize", hf_models["llama"], "--quantizers", "rtn4", "--export", "compressed-tensors", "--out", out,
+            "--calib-samples", "4", "--calib-seq-len", "32", "--eval-tokens", "1024", "--eval-seq-len", "32", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    row = json.loads(r.stdout.strip().splitlines()[-1])
+    assert row["quantizer"] == "rtn4g64" and row["export"]["fitted"].startswith("group size 64, the largest")
+    groups = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
+    assert [g["weights"]["group_size"] for g in groups.values()] == [64]

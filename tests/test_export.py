@@ -484,7 +484,9 @@ def _odd_llama() -> nn.Module:
 
 @pytest.mark.parametrize("fmt,spec,match", [
     ("gptq", "rtn3g16", r"'model.layers.0.self_attn.q_proj' is 48x48; 3-bit GPTQ packs 32 codes .* divisible by 32"),
-    ("compressed-tensors", "rtn4g32", r"48 input features, not a multiple of group_size 32"),
+    ("compressed-tensors", "rtn4g32", r"group_size 32 does not divide 48 \(6 layers, e.g. 'model.layers.0.self_attn."
+                                      r"q_proj'\); group sizes that divide every width \(48, 96\): 16; quantize with "
+                                      r"rtn4g16, per channel \(rtn4g0\), or export gptq$"),
     ("gptq", "rtn5g16", "GPTQ checkpoints hold 2, 3, 4, 8 bits, not 5"),
     ("compressed-tensors", "awq4g16", "no per-input-channel scales"),
 ])
@@ -501,6 +503,30 @@ def test_engine_sink_refuses_before_anything_is_written(tmp_path, monkeypatch, f
     assert "\n" not in str(e.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["scratch"]
     assert not list(scratch.glob("quantdyn-*"))  # (other libraries may cache things there)
+
+
+def test_a_group_size_the_user_did_not_choose_fits_every_width():
+    """compressed-tensors needs groups dividing every input width: a 576-wide LLaMA (SmolLM-135M) at the default
+    128 gets 64, the largest power of two up to 128 dividing 576 and 1536; a width no power of two >= 16 divides
+    gets per channel; a group that already divides stays."""
+    from quantdyn.export.layouts import fit_group_size, fitting_group_sizes
+
+    smollm = {"q": (576, 576), "down": (576, 1536), "up": (1536, 576)}
+    assert fitting_group_sizes([576, 1536]) == [64, 32, 16] and fitting_group_sizes([512, 1024]) == [256, 128, 64, 32, 16]
+    assert fit_group_size(parse_quantizer("gptq4"), smollm).name == "gptq4g64"
+    assert fit_group_size(parse_quantizer("rtn4-sym"), smollm).name == "rtn4g64-sym"
+    assert fit_group_size(parse_quantizer("rtn4g32"), smollm).name == "rtn4g32"
+    assert fit_group_size(parse_quantizer("rtn4"), {"a": (8, 200)}).name == "rtn4g0"  # 200 = 8 x 25
+    assert fit_group_size(parse_quantizer("rtn4"), {"a": (8, 256)}).name == "rtn4"
+
+
+def test_the_cli_fits_only_a_group_size_the_label_does_not_spell():
+    from quantdyn.cli.quantize import _group_unspelled
+
+    assert [_group_unspelled(q, None) for q in ("gptq4", "rtn4-sym", "gptq4+had,rtn3", "gptq4g128", "rtn4g64-sym",
+                                                "q4_k_m", "plan:p.json")] == [True, True, True, False, False, False,
+                                                                               False]
+    assert _group_unspelled(None, None) and not _group_unspelled(None, 128)
 
 
 def test_gptq_v1_zero_point_zero_is_refused_during_the_walk_and_leaves_nothing(tmp_path):

@@ -586,14 +586,14 @@ def test_a_study_plans_a_preset_point_as_its_hub_revision():
 
 
 def test_a_run_of_an_hf_model_branches_with_from_step(tmp_path, models, cli):
-    """`quantdyn cooldown RUN_DIR --from-step S` on a run of model.hf (today's behaviour for quantdyn runs):
+    """`quantdyn cooldown RUN_DIR --from-step S` on a run of model.hf (S = -2: two steps before the run's end, step 2):
     branches under RUN_DIR/branches that continue the run's own optimizer state from step S, in the model's own
     format; the control at the peak LR, the cooldown ending at lr_end."""
     from transformers import AutoModelForCausalLM
 
     run = train(from_dict(RunConfig, _train(tmp_path, models["gpt_neox"], "run", steps=4, checkpoint_every=2)),
                 progress=False)
-    r = cli("cooldown", str(run), "--from-step", "2", "--decay-steps", "2", "--control", "--quiet")
+    r = cli("cooldown", str(run), "--from-step", "-2", "--decay-steps", "2", "--control", "--quiet")
     assert r.returncode == 0, r.stderr
     for name, lrs in (("cooldown-s2-d2-linear", [5e-4, 0.0]), ("control-s2-d2", [1e-3, 1e-3])):
         b = run / "branches" / name

@@ -89,6 +89,47 @@ def test_listing_checkpoints_branches_and_averages(tmp_path):
     assert in_checkpoints(rd.average_dir("soup")) is None
 
 
+def test_step_references_follow_the_runs_length(tmp_path):
+    """latest / -N / N name a run's checkpoints whatever its length: the tour's commands survive a shorter run."""
+    rd = _run(tmp_path / "r")
+    rd.config.write_text("name: r\ntrain:\n  steps: 400\n")
+    for s in (0, 100, 200, 300, 400):
+        _checkpoint(rd.checkpoint(s), s)
+    assert [runs.resolve_step(rd.path, r) for r in ("latest", "LAST", "-100", -300, "200", 0)] == [400, 400, 300, 100,
+                                                                                                   200, 0]
+    with pytest.raises(QuantdynError, match=r"step -50 of '.*' is step 350 \(50 before its end, 400\), which has no "
+                                            r"checkpoint; its checkpoints: 0, 100, 200, 300, 400$"):
+        runs.resolve_step(rd.path, "-50")
+    with pytest.raises(QuantdynError, match="reaches before the start"):
+        runs.resolve_step(rd.path, "-500")
+    with pytest.raises(QuantdynError, match=r"step 'newest' of .* must be a step \(400\), latest"):
+        runs.resolve_step(rd.path, "newest")
+    # the same references name a checkpoint directory; anything else passes through unchanged
+    assert runs.resolve_run_reference(f"{rd.path}@latest") == str(rd.checkpoint(400))
+    assert runs.resolve_run_reference(f"{rd.path}@-100") == str(rd.checkpoint(300))
+    assert runs.resolve_run_reference(f"{rd.path}@100") == str(rd.checkpoint(100))
+    for other in ("org/model@main", str(rd.checkpoint(100)), str(tmp_path / "no-run@latest")):
+        assert runs.resolve_run_reference(other) == other
+    with pytest.raises(QuantdynError, match=r"names step 150, which has no checkpoint in .*: 0, 100, 200, 300, 400$"):
+        runs.resolve_run_reference(f"{rd.path}@150")
+    empty = _run(tmp_path / "empty")
+    with pytest.raises(QuantdynError, match="has no checkpoint for 'latest' yet"):
+        runs.resolve_step(empty.path, "latest")
+
+
+def test_open_checkpoint_takes_run_references_and_says_what_a_run_is(tmp_path):
+    from quantdyn.sources.hub import resolve_checkpoint
+
+    rd = _run(tmp_path / "r")
+    rd.config.write_text("name: r\ntrain:\n  steps: 8\n")
+    for s in (4, 8):
+        _checkpoint(rd.checkpoint(s), s)
+    assert resolve_checkpoint(f"{rd.path}@latest") == rd.checkpoint(8)
+    assert resolve_checkpoint(f"{rd.path}@-4") == rd.checkpoint(4)
+    with pytest.raises(QuantdynError, match=r"is a quantdyn run, not one checkpoint: name one, e.g. .*r@latest"):
+        resolve_checkpoint(rd.path)
+
+
 def test_a_directory_without_config_is_not_a_run(tmp_path):
     with pytest.raises(QuantdynError, match="not a quantdyn run directory"):
         RunDir(tmp_path).read_config()

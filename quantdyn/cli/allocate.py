@@ -57,6 +57,11 @@ def allocate(
     counts = ", ".join(f"{k} x{v}" for k, v in sorted(s["counts"].items()))
     typer.echo(f"plan {out} ({s['allocator']}): {s['bits_per_weight']:.4f} bits per weight (budget {budget:g}; "
                f"reachable {s['budget_range'][0]:.3f}..{s['budget_range'][1]:.3f}); {counts}")
+    if s["uniform"]:
+        end = "cheapest" if budget <= s["budget_range"][0] + 1e-9 else "richest"
+        typer.echo(f"  the budget is the {end} assignment, so the plan is {s['uniform']} everywhere: nothing was "
+                   f"allocated; give a --budget inside {s['budget_range'][0]:.3f}..{s['budget_range'][1]:.3f} to "
+                   "choose between the types")
     typer.echo(f"  predicted KL(FP||Q) {s['predicted_kl']:.3g} nats/token (tensors alone, summed); with their "
                f"interactions {s['predicted_kl_joint']:.3g} ± {s['predicted_kl_joint_se']:.2g}")
     typer.echo("  uniform types, predicted: " + ", ".join(f"{k} {v:.3g}" for k, v in s["uniform_predicted_kl"].items()))
@@ -64,14 +69,12 @@ def allocate(
     typer.echo(f"  proxies' Spearman with the estimate: layer loss {_num(rc.get('layer_loss'))}, diagonal Fisher "
                f"{_num(rc.get('fisher_diag'))} (sensitivity pass {s['sensitivity_seconds']:.1f}s, "
                f"{s['sensitivity_tokens']} tokens x {s['draws']} draws)")
-    if s["llama_quantize"]:
-        typer.echo(f"  llama.cpp: llama-quantize {' '.join(_quote(a) for a in s['llama_quantize'])}")
+    if s["llama_quantize_script"]:
+        n = s["llama_quantize"].count("--tensor-type")
+        typer.echo(f"  llama.cpp: sh {s['llama_quantize_script']} MODEL-F32.gguf OUT.gguf  (llama-quantize with "
+                   f"{n} --tensor-type arguments, one per tensor)")
     typer.echo(f"  quantize with: --quantizers plan:{out}")
 
 
 def _num(v) -> str:
     return "n/a" if v is None else f"{v:.2f}"
-
-
-def _quote(a: str) -> str:
-    return f"'{a}'" if any(c in a for c in "^$\\ ") else a

@@ -21,8 +21,9 @@ def cooldown(
                                           "(smollm3-3b@REVISION)."),
     overrides: Optional[List[str]] = typer.Argument(None, help="From a checkpoint: run-config key=value overrides, "
                                                                "e.g. optim.weight_decay=0.1 train.checkpoint_every=10"),
-    from_step: Optional[int] = typer.Option(None, "--from-step", help="Of a quantdyn run: the stable-phase "
-                                                                      "checkpoint step to branch from."),
+    from_step: Optional[str] = typer.Option(None, "--from-step", help="Of a quantdyn run: the stable-phase "
+                                                                      "checkpoint to branch from: a step (400), "
+                                                                      "-N (N steps before the run's end) or latest."),
     decay_steps: str = typer.Option(..., "--decay-steps", help="Decay lengths, comma-separated: 200,400"),
     shape: str = typer.Option("linear", "--shape", help="linear | cosine | 1-sqrt"),
     control: bool = typer.Option(False, "--control", help="Also run constant-LR control twins."),
@@ -82,10 +83,12 @@ def _from_run(run_dir: Path, from_step, ds, shape, control, device, overrides, o
         raise QuantdynError(f"{extra[0]} is for a cooldown from a checkpoint; a quantdyn run's branches go under "
                             "RUN_DIR/branches with its own config")
     from quantdyn.files import ensure_writable
+    from quantdyn.runs import RunDir, resolve_step
 
-    ensure_writable(run_dir / "branches", f"the branches of run '{run_dir}'")
+    step = resolve_step(run_dir, from_step)  # -100: 100 steps before the run's end, whatever its length
+    ensure_writable(RunDir(run_dir).branches, f"the branches of run '{run_dir}'")
     hooks = hooks_for(load_run_config(run_dir))  # the parent's monitor section, for every branch
-    return run_cooldown(run_dir, from_step, ds, shape, control, device=device, hooks=hooks, **show)
+    return run_cooldown(run_dir, step, ds, shape, control, device=device, hooks=hooks, **show)
 
 
 def _from_checkpoint(model: str, ds, shape, control, peak_lr, data, batch_size, seq_len, optimizer_start, out,

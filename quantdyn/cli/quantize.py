@@ -101,16 +101,32 @@ def quantize(
                           export_options=options, push_to_hub=push_to_hub, device=device,
                           measure_cfg=MeasureConfig(quantize_threads=threads, dtype=dtype, max_memory=max_memory,
                                                     layer_diagnostics=layer_diagnostics),
-                          repeats=repeats, repeat_vary=repeat_vary, progress=not (as_json or quiet))
+                          repeats=repeats, repeat_vary=repeat_vary, progress=not (as_json or quiet),
+                          fit_group=_group_unspelled(quantizers, group_size))
     if as_json:
         for row in result.rows:
             echo_json({k: v for k, v in row.items() if k not in ("window_delta", "window_kl")})
         return
     for row in result.rows:
         _print_row(model, row, eval_seq_len)
+    if out is not None and result.row.get("export", {}).get("fitted"):
+        typer.echo(f"compressed-tensors: {result.row['export']['fitted']}")
     if out is not None:
         typer.echo(f"{'exported (' + export + ')' if export else 'saved'}: {out}"
                    + (f" and pushed to {result.row['export']['hub']}" if push_to_hub else ""))
+
+
+def _group_unspelled(quantizers: Optional[str], group_size: Optional[int]) -> bool:
+    """Whether the (first) quantizer's group size is a default rather than the user's choice: no --group-size with
+    the long flags, or a label whose first part does not spell one (gptq4, not gptq4g128)."""
+    import re
+
+    if quantizers is None:
+        return group_size is None
+    from quantdyn.cli.options import split_quantizers
+
+    first = (split_quantizers(quantizers) or [""])[0]
+    return re.fullmatch(r"[a-z]+\d+", re.split(r"[-+:@]", first, maxsplit=1)[0]) is not None
 
 
 def _export_options(items: Optional[List[str]]) -> dict[str, str]:

@@ -317,6 +317,52 @@ def _ct_layer(name: str, out_f: int, in_f: int, qcfg: QuantConfig) -> None:
                             f"that divides {in_f}, per channel (group 0), or export gptq")
 
 
+CT_GROUP_SIZES = (256, 128, 64, 32, 16)
+"""Group sizes offered when a quantizer's does not divide a model's widths (powers of two, as the kernels that
+serve compressed-tensors and GPTQ checkpoints take them; vLLM's Marlin: 32, 64, 128)."""
+
+
+def fitting_group_sizes(widths, largest: int | None = None) -> list[int]:
+    """The sizes of :data:`CT_GROUP_SIZES` (at most ``largest``) that divide every one of ``widths``, largest
+    first."""
+    return [g for g in CT_GROUP_SIZES if (largest is None or g <= largest) and all(int(w) % g == 0 for w in widths)]
+
+
+def check_ct_groups(layers: Mapping[str, tuple[int, int]], qcfg: QuantConfig) -> None:
+    """One line, before any work, when ``qcfg``'s group size does not divide every layer's input width: the widths
+    it misses, the group sizes that divide them all, and the label to quantize with."""
+    g = qcfg.group_size
+    if not g or not layers:
+        return
+    bad: dict[int, list[str]] = {}
+    for name, (_, in_f) in layers.items():
+        if int(in_f) % g:
+            bad.setdefault(int(in_f), []).append(name)
+    if not bad:
+        return
+    widths = sorted({int(i) for _, i in layers.values()})
+    n = sum(len(v) for v in bad.values())
+    first = next(iter(bad.values()))[0]
+    fits = fitting_group_sizes(widths)
+    use = (f"group sizes that divide every width ({', '.join(map(str, widths))}): {', '.join(map(str, fits))}; "
+           f"quantize with {replace(qcfg, group_size=fits[0]).name}" if fits else
+           f"no group size divides every width ({', '.join(map(str, widths))})")
+    raise QuantdynError(f"compressed-tensors needs groups that divide every layer's input width, and group_size {g} "
+                        f"does not divide {' or '.join(map(str, bad))} ({n} layer{'s' if n > 1 else ''}, e.g. "
+                        f"'{first}'); {use}, per channel ({replace(qcfg, group_size=0).name}), or export gptq")
+
+
+def fit_group_size(qcfg: QuantConfig, layers: Mapping[str, tuple[int, int]]) -> QuantConfig:
+    """``qcfg`` with the largest group size up to its own that divides every layer's input width (itself when its
+    own does; per channel when none of :data:`CT_GROUP_SIZES` does) -- for a group size the user did not choose."""
+    if not qcfg.group_size or not layers:
+        return qcfg
+    fits = fitting_group_sizes([i for _, i in layers.values()], qcfg.group_size)
+    if fits and fits[0] == qcfg.group_size:
+        return qcfg
+    return replace(qcfg, group_size=fits[0] if fits else 0)
+
+
 CT_TRANSFORM = "had"
 """The transform scheme's name in transform_config: its matrix is ``<layer>.had_input.weight``."""
 
@@ -412,6 +458,8 @@ def check_exportable(fmt: str, qcfg: QuantConfig, model_type: str = "", model_dt
     f = EXPORT_FORMATS.get(fmt)
     check_rotation_exportable(fmt, qcfg)
     settings = f.check(qcfg, model_type, model_dtype, options)
+    if f.name == "compressed-tensors":
+        check_ct_groups(layers or {}, qcfg)  # every width at once, with the sizes that fit
     for name, (out_f, in_f) in (layers or {}).items():
         f.check_layer(name, int(out_f), int(in_f), qcfg)
     if qcfg.hadamard and layers:

@@ -127,3 +127,42 @@ def _lagrangian(curves: Curves, tensors: list[str], budget_bits: int) -> Allocat
         spent += dc
     bits, error = _total(curves, choice)
     return Allocation(choice, bits, error, "lagrangian+greedy")
+
+
+def check_types_hold(tensors: list[tuple[str, int, str, tuple[int, int]]], types: tuple[str, ...]) -> None:
+    """One line, before any work, naming every candidate type some tensor (name, block, path, shape) cannot hold
+    as it is -- the row widths it cannot hold, how many tensors have them, llama.cpp's fallback for each -- and the
+    candidates that hold every tensor. A plan's tensor holds its type as it is (llama.cpp would silently store
+    another type, which the sensitivity pass did not measure), so such a type is refused, all of them at once,
+    rather than one per attempt after the sensitivity pass."""
+    from quantdyn.quantize.plan import fallback_of  # a pure shape rule; plan.py never imports this module
+
+    misfits: dict[str, tuple[dict[int, list[str]], str]] = {}  # type -> ({row width: tensors}, fallback)
+    for name, _, _, shape in tensors:
+        for t in types:
+            try:
+                alt = fallback_of(t, shape)
+            except QuantdynError:  # rows fit no GGUF block at all (not a multiple of 32)
+                alt = "f16"
+            if alt is not None:
+                widths, _ = misfits.setdefault(t, ({}, alt))
+                widths.setdefault(int(shape[1]), []).append(name)
+    if not misfits:
+        return
+    by_widths: dict[tuple[int, ...], list[str]] = {}
+    for t, (widths, _) in misfits.items():
+        by_widths.setdefault(tuple(sorted(widths)), []).append(t)
+    parts = []
+    for ws, ts in by_widths.items():
+        tensors_at = [n for w in ws for n in misfits[ts[0]][0][w]]
+        falls = ", ".join(f"{t}->{misfits[t][1]}" for t in ts)
+        parts.append(f"{', '.join(ts)} cannot hold rows of {' or '.join(map(str, ws))} weights ({len(tensors_at)} "
+                     f"tensor{'s' if len(tensors_at) > 1 else ''}, e.g. {tensors_at[0]}; llama.cpp would store them "
+                     f"as its fallback {falls})")
+    fit = [t for t in types if t not in misfits]
+    fallbacks = list(dict.fromkeys(misfits[t][1] for t in misfits if misfits[t][1] != "f16"))
+    keep = (f"of the types given, {', '.join(fit)} hold{'s' if len(fit) == 1 else ''} every tensor" if fit
+            else "none of the types given holds every tensor")
+    hint = f" (llama.cpp's own fallbacks: {','.join(fallbacks)})" if fallbacks else ""
+    raise QuantdynError(f"{'; '.join(parts)}; {keep}. Drop {', '.join(misfits)} from --types, or allocate between "
+                        f"types that hold every tensor{hint}, e.g. --types {','.join(dict.fromkeys(fit + fallbacks))}")

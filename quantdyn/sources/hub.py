@@ -1,6 +1,7 @@
 """Hugging Face hub references and the local HF cache: the one home of all hub code.
 
-A checkpoint reference is a local directory or a hub model ``ID[@REVISION]``; :func:`resolve_checkpoint` turns
+A checkpoint reference is a local directory, a checkpoint of a quantdyn run by step (``RUN_DIR@latest``,
+``RUN_DIR@-100``, ``RUN_DIR@400``: runs.py resolves those) or a hub model ``ID[@REVISION]``; :func:`resolve_checkpoint` turns
 it into a local directory (the cached snapshot, downloaded once; offline, the cache alone) and
 :func:`open_checkpoint` indexes its tensors (:class:`~quantdyn.models.weights.CheckpointWeights`). For
 trajectories: the revisions a repo has (on the hub, or in the cache when offline or unreachable), whether a
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from quantdyn.errors import QuantdynError
 from quantdyn.models.weights import CheckpointWeights
+from quantdyn.runs import RunDir, resolve_run_reference
 
 log = logging.getLogger(__name__)
 
@@ -196,8 +198,11 @@ def resolve_checkpoint(ref: str | Path) -> Path:
     Offline (``HF_HUB_OFFLINE=1``) a revision missing from the cache is one line naming the repo
     and revision and the command that downloads it; no retries.
     """
-    ref = str(ref)
+    ref = resolve_run_reference(ref)
     p = Path(ref).expanduser()
+    if p.is_dir() and RunDir(p).is_run and not (p / "config.json").is_file():
+        raise QuantdynError(f"'{ref}' is a quantdyn run, not one checkpoint: name one, e.g. {ref}@latest (its last), "
+                            f"{ref}@-100 (100 steps before its end) or {ref}@STEP")
     if p.is_dir():
         return p
     if p.exists():

@@ -23,13 +23,15 @@ from quantdyn.engine.measure import MeasureConfig, check_budget, measure
 from quantdyn.engine.rows import calibration_draws, ptq_fields, repeat_labels
 from quantdyn.engine.sensitivity import check_quantizers_fit
 from quantdyn.engine.streams import parse_bytes
-from quantdyn.engine.sinks import ExportSink, QuantizedCheckpointWriter
+from quantdyn.engine.sinks import ExportSink, QuantizedCheckpointWriter, quantized_layer_shapes
 from quantdyn.errors import QuantdynError
 from quantdyn.export import push_to_hub as push
+from quantdyn.export.layouts import fit_group_size
 from quantdyn.models.hf_io import checkpoint_hash
 from quantdyn.quantize.catalogue import QuantConfig, parse_quantizer, quant_preset
 from quantdyn.quantize.residual_rotation import check_rotations
 from quantdyn.results.schema import PTQ
+from quantdyn.runs import resolve_run_reference
 from quantdyn.runtime import git_sha, provenance, resolve_device
 from quantdyn.sources.hub import open_checkpoint
 
@@ -175,6 +177,7 @@ def quantize_one(
     repeat_vary: str = "draw",
     progress: bool = True,
     echo: Callable[[str], None] | None = None,
+    fit_group: bool = False,
     **old: Any,
 ) -> QuantizeResult:
     """Quantize ``model_ref`` (checkpoint directory or hub ``ID[@REV]``) with each of ``quantizers`` (a label
@@ -193,7 +196,10 @@ def quantize_one(
     ``push_to_hub`` (a repo id) when given; ``export_options`` are the format's options (GPTQ: checkpoint_format
     gptq | gptq_v2, scale_dtype; compressed-tensors: scale_dtype). ``measure_cfg``: the engine's dtype, memory
     budget and CPU threads (default: threads 1, the checkpoint's dtype, automatic memory). ``progress``: lines
-    while preparing data; ``echo``: where a line per decoder block goes.
+    while preparing data; ``echo``: where a line per decoder block goes. ``fit_group``: the first quantizer's group
+    size was not chosen by the user (a label that does not spell it, e.g. gptq4), so a compressed-tensors export
+    takes the largest group size up to it that divides every layer's input width (576-wide models: 64) instead of
+    refusing; the row's quantizer is then that label (gptq4g64) and ``row["export"]["fitted"]`` says why.
 
     Old keywords (method, bits, group_size, preset, save, threads, dtype, max_memory; later
     n_calib_samples, n_eval_tokens) still work, each with a DeprecationWarning naming its new spelling."""
@@ -208,6 +214,7 @@ def quantize_one(
                   repeats=repeats, eval_tokens=eval_tokens, eval_seq_len=eval_seq_len,
                   calib_samples=calib_samples)
     dev = resolve_device(device)
+    model_ref = resolve_run_reference(model_ref)  # RUN@latest -> its checkpoint, named so in the rows
     weights = open_checkpoint(model_ref)  # validated before any data is prepared
     source = LazyModel(weights, compute_dtype_of(cfg.dtype), dev)
     check_rotations(source.model, qcs)  # +had widths, +r1 architectures: before any data is prepared
@@ -215,6 +222,15 @@ def quantize_one(
     check_quantizers_fit(qcs, source)  # a plan made for another model, an auto@ budget out of reach: before any work
     # the writer first: what an export cannot hold is refused before any data is tokenized
     writer = None
+    fitted = None
+    if out is not None and export == "compressed-tensors" and fit_group:  # a group size the user did not choose
+        shapes = quantized_layer_shapes(source)
+        fit = fit_group_size(qcs[0], shapes)
+        if fit != qcs[0]:
+            widths = sorted({i for _, i in shapes.values()})
+            fitted = (f"group size {fit.group_size or 'per channel'}, the largest that divides every input width "
+                      f"({', '.join(map(str, widths))}; {qcs[0].group_size} does not): {fit.name}")
+            qcs = [fit, *qcs[1:]]
     if out is not None and export:
         writer = ExportSink(export, out, source, qcs[0], qcs[0].name, **dict(export_options or {}))
     elif out is not None:
@@ -257,7 +273,7 @@ def quantize_one(
             **provenance(),
         })
     if writer is not None and export:
-        rows[0]["export"] = {"format": export, "path": str(writer.close())}
+        rows[0]["export"] = {"format": export, "path": str(writer.close()), **({"fitted": fitted} if fitted else {})}
         if push_to_hub:
             rows[0]["export"]["hub"] = push(out, push_to_hub)
     elif writer is not None:
