@@ -62,6 +62,8 @@ QUANTIZER_COLORS: dict[str, str] = {
     "mxfp4": "#b2abd2",
     # rtn4 weights with 4-bit activations: a green apart from rtn4's cyan
     "w4a4": "#1a9850",
+    # 16-bit floats (a plan's kept tensors; f16 as a quantizer of its own): grey, the unquantized reference's family
+    "f16": "#7f7f7f",
 }
 """Fixed colours of the common canonical labels (``<method><bits>`` with the default group size 128, and the
 deployment formats); a format's ``-imatrix`` variant is its colour lightened."""
