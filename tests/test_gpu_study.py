@@ -68,7 +68,7 @@ def test_gpu_study_stops_on_sigterm_and_the_same_command_resumes_it(tmp_path):
     # main run steps 8, 16 + the cooldown and the control ends (20), 2 quantizers each
     assert len(rows) == 8 and {r["quantizer"] for r in rows} == {"rtn3", "gptq3"}
     state = yaml.safe_load((tmp_path / "report" / "cooldown_gpu-cpu-tiny" / "study.json").read_text())
-    assert state["findings"] and "Findings" in again.stdout
+    assert state["findings"] and "Answer (z = effect" in again.stdout
     # a third run finds everything done: it trains and measures nothing
     third = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert third.returncode == 0 and "[1/4] training" not in third.stdout, third.stdout[-2000:]
