@@ -346,3 +346,38 @@ def test_identical_weights_are_measured_once(small_run, tmp_path, monkeypatch):
     calls.clear()
     resumed = run_sweep(_cfg(small_run, fresh, quantizers=["rtn4", "rtn3"]), progress=False)
     assert calls == [] and resumed["written"] == 3 and resumed["skipped"] == 12
+
+
+def test_the_plan_comes_before_any_measurement(small_run, tmp_path, monkeypatch):
+    """Issue 50.5: a sweep says its plan (checkpoints x quantizers) before its data is prepared or any weight is
+    read, and an ETA once the first block of the first checkpoint is done, before that checkpoint ends."""
+    import quantdyn.sweep.sweep as sweep_mod
+
+    lines: list[str] = []
+    seen: list[tuple[str, int]] = []
+    real_data, real_measure = sweep_mod.sweep_data, sweep_mod.measure
+
+    def data(*a, **kw):
+        seen.append(("data", len(lines)))
+        return real_data(*a, **kw)
+
+    def measure(*a, **kw):
+        seen.append(("measure", len(lines)))
+        m = real_measure(*a, **kw)
+        seen.append(("measured", len(lines)))
+        return m
+
+    monkeypatch.setattr(sweep_mod, "sweep_data", data)
+    monkeypatch.setattr(sweep_mod, "measure", measure)
+    run_sweep(_cfg(small_run, tmp_path / "store", quantizers=["rtn4", "gptq3"]), progress=True, echo=lines.append)
+    assert lines[0] == (f"sweep: 5 checkpoints x 2 quantizers (rtn4, gptq3) -> store {tmp_path / 'store'} (rows "
+                        "already there are skipped)")
+    assert seen[0] == ("data", 1) and seen[1] == ("measure", 1)  # the plan before the data and the first weight
+    assert seen[2][0] == "measured" and seen[2][1] == 2  # the ETA during the first checkpoint, once
+    assert lines[1].startswith("sweep: the first block took ") and " per checkpoint, " in lines[1] \
+        and " for 5 " in lines[1]
+    assert sum("the first block took" in x for x in lines) == 1
+    # quiet: neither
+    lines.clear()
+    run_sweep(_cfg(small_run, tmp_path / "quiet", quantizers=["rtn4"]), progress=False, echo=lines.append)
+    assert lines == []

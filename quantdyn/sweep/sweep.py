@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,7 @@ from quantdyn.engine.rows import REPEAT_VARY, calibration_draws, floor_fields, p
 from quantdyn.engine.sensitivity import SensitivityConfig, check_quantizers_fit, measure_sensitivity
 from quantdyn.errors import QuantdynError, unknown_name
 from quantdyn.models.hf_io import checkpoint_hash, load_causal_lm
+from quantdyn.progress import duration
 from quantdyn.progress import progress as counted
 from quantdyn.quantize.catalogue import parse_quantizer
 from quantdyn.quantize.residual_rotation import check_rotations
@@ -246,6 +248,10 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True,
     for name, reason in points.skipped:
         say(f"skipped revision {name}: {reason}")
     i, n = parse_shard(shard)
+    mine = [p for k, p in enumerate(points) if k % n == i]
+    note = echo or log.info  # progress lines, not warnings
+    if progress:  # the plan, before the data is prepared or any weight is read (issue 50.5)
+        note(plan_line(cfg, len(mine), "" if n == 1 else f" (shard {i}/{n} of {len(points)})"))
     device = resolve_device(cfg.device)
     store = ResultStore(cfg.store)
     data = sweep_data(cfg, points, progress)
@@ -259,11 +265,11 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True,
         calib_hash=calib_identity(data.data_hash, d.calib_samples, d.calib_seq_len, d.calib_seed),
         done=store.keys(), acc_done=store.keys("sweep_acc_key") if cfg.eval_tasks else set(),
         block_echo=say if verbose else None,
+        eta=_FirstETA(note, len(mine)) if progress else None,
     )
     written = skipped = 0
     timings: list[float] = []
     failed: list[tuple[str, str]] = []
-    mine = [p for k, p in enumerate(points) if k % n == i]
     # offline, revisions that still need work must be cached: one line before any work (measured ones may be gone)
     require_available([p for p in mine if not p.is_local and not _point_done(ctx, p)])
     first = next((p for p in mine if p.is_local), None)
@@ -293,6 +299,39 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True,
     return {"written": written, "skipped": skipped, "checkpoints": len(mine), "seconds": timings, "failed": failed}
 
 
+def plan_line(cfg: SweepConfig, checkpoints: int, shard: str = "") -> str:
+    """What a sweep is about to do, in one line: checkpoints x quantizers and where the rows go."""
+    q = cfg.quantizers
+    labels = ", ".join(x if isinstance(x, str) else parse_quantizer(x).name for x in q)
+    return (f"sweep: {checkpoints} checkpoint{'s' if checkpoints != 1 else ''}{shard} x {len(q)} "
+            f"quantizer{'s' if len(q) != 1 else ''} ({labels})"
+            + (f", each quantized {cfg.quant_repeats} times" if cfg.quant_repeats > 1 else "")
+            + f" -> store {cfg.store} (rows already there are skipped)")
+
+
+class _FirstETA:
+    """One line, once the first block of the first measured checkpoint is done: how long a checkpoint and the
+    sweep will take at that pace (before the first checkpoint ends: on a 135M model on a CPU, minutes)."""
+
+    def __init__(self, say, checkpoints: int):
+        self.say, self.checkpoints, self.done, self.t0, self.passes = say, checkpoints, False, 0.0, 1
+
+    def start(self, passes: int) -> None:
+        if not self.done:
+            self.t0, self.passes = time.perf_counter(), passes
+
+    def block(self, line: str) -> None:
+        m = re.match(r"block (\d+)/(\d+)", line)
+        if self.done or m is None:
+            return
+        self.done = True
+        b, n = int(m.group(1)), int(m.group(2))  # blocks done, of n
+        per = (time.perf_counter() - self.t0) / min(b, n) * n * self.passes
+        self.say(f"sweep: the first block took {duration(per / n / self.passes)}: about {duration(per)} per "
+                 f"checkpoint, {duration(per * self.checkpoints)} for {self.checkpoints} (rows already stored "
+                 "take none)")
+
+
 def _check_rotations(points, qcfgs) -> None:
     """A rotation the model cannot take (+had on a width without a Hadamard matrix, +r1 on a LayerNorm model) is one
     line before any work: checked on the first local checkpoint's skeleton (the others share its architecture;
@@ -320,6 +359,8 @@ class _SweepContext:
     done: set
     acc_done: set
     block_echo: Any = None
+    eta: _FirstETA | None = None
+    """The first ETA line (None: no progress output)."""
     stored_floors: dict | None = None
     """fp row key -> its floor fields, read from the store once when first needed."""
     measured: dict | None = None
@@ -447,9 +488,11 @@ def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
         collect = {label: {} for label in group if label in acc_keys and acc_keys[label] not in ctx.acc_done}
         on_layer = (lambda label, full, res, m: collect[label].__setitem__(full, m.weight.detach().cpu().clone())
                     if label in collect else None) if collect else None
+        if ctx.eta is not None:
+            ctx.eta.start(len(groups))
         m = measure(weights, variants, ctx.eval_ids, calib, device=ctx.device, cfg=ctx.mcfg, on_layer=on_layer,
-                    on_block=(lambda line: ctx.block_echo(f"{p.ref}: pass {g + 1}/{len(groups)} {line}"))
-                    if ctx.block_echo else None, noise_floor=cfg.noise_floor if g == 0 and fp_pending else False)
+                    on_block=_on_block(ctx, f"{p.ref}: pass {g + 1}/{len(groups)} "),
+                    noise_floor=cfg.noise_floor if g == 0 and fp_pending else False)
         if g == 0 and fp_pending:
             floor = floor_fields(m.noise_floor)
         base["n_params"] = m.n_params
@@ -495,6 +538,20 @@ def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
         written += len(ctx.store.append_new(rows))
         _note_measured(ctx, rows)
     return written, skipped
+
+
+def _on_block(ctx: _SweepContext, prefix: str):
+    """The engine's per-block callback: the verbose line, and the first ETA."""
+    echo, eta = ctx.block_echo, ctx.eta if ctx.eta is not None and not ctx.eta.done else None
+    if echo is None and eta is None:
+        return None
+
+    def on_block(line: str) -> None:
+        if eta is not None:
+            eta.block(line)
+        if echo is not None:
+            echo(prefix + line)
+    return on_block
 
 
 def _append_sensitivity(ctx: _SweepContext, weights, sens_key: str, point: str, base: dict) -> int:
