@@ -290,6 +290,11 @@ def test_cooldowns_from_an_hf_checkpoint_are_swept_and_reported(tmp_path, models
     rows = ResultStore(store).rows()
     table = decay_table(rows, out.name)
     assert sorted(t["branch"] for t in table) == ["cooldown-s0-d2-linear", "cooldown-s0-d3-linear"]
+    # the branch point (step 0 of the experiment and of its four branches, one set of weights) is measured once
+    # (issue 46.4): five fp rows and five rtn3 rows at step 0, two measurements, four of each a copy
+    zero = [r for r in rows if r["step"] == 0]
+    assert len(zero) == 10 and len({r["measurement"] for r in zero}) == 2
+    assert sum(not r.get("copy_of") for r in zero) == 2
     r = cli("report", str(store), "--out", str(tmp_path / "rep"))
     assert r.returncode == 0, r.stderr
     assert "A(a) LR decay raises the quantization error" in r.stdout

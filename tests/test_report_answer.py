@@ -134,3 +134,28 @@ def test_the_demo_and_the_report_print_one_summary(tmp_path, kjv_small, cli):
     assert printed[0].startswith("Answer") and any("A(a) LR decay raises the quantization error" in x for x in printed)
     first, _ = page_parts((tmp_path / "report" / "index.html").read_text())
     assert "Findings: the papers' claims at this scale" in first and "constant-LR control" in first
+
+
+def test_a_filter_that_leaves_out_the_main_run_keeps_the_decay_finding():
+    """Issue 50.9: `sweep --tokens-range 1:` of a cooldown experiment from a checkpoint stores its branches but not
+    the branch point (the run's only main checkpoint): the decayed endpoints still pair with their controls; a
+    cooldown without its control says which row is missing."""
+    rows = [r for r in decay_rows("runs") if r["run"] == "demo-s0"]
+    branches_only = [r for r in rows if r["branch"] != "main"]
+    pairs = {(t["quantizer"], t["branch"]) for t in fd.decay_table(rows, "demo-s0")}
+    assert len(pairs) == 10  # five quantizers x two cooldowns
+    a = section.answer(branches_only)
+    assert {(f["quantizer"], f["branch"]) for f in a.found} == pairs
+    assert {(t["quantizer"], t["branch"]) for t in a.decay} == pairs and not a.notes
+    # the control of one cooldown left out: the other still pairs, and the note names the missing branch
+    no_ctrl = [r for r in branches_only if r["branch"] != "control-s100-d50"]
+    a = section.answer(no_ctrl)
+    assert {b for _, b in {(f["quantizer"], f["branch"]) for f in a.found}} == {"cooldown-s150-d50-linear"}
+    assert len(a.notes) == 1 and "cooldown-s100-d50-linear has no constant-LR control" in a.notes[0] \
+        and "control-s100-d50" in a.notes[0]
+    # no control at all: no finding, and the summary says which rows are missing
+    only_cool = [r for r in branches_only if not r["branch"].startswith("control")]
+    a = section.answer(only_cool)
+    lines = section.summary_lines(a)
+    assert not a.found and any(section.NO_FINDING[0] in x for x in lines)
+    assert sum("has no constant-LR control" in x for x in lines) == 2

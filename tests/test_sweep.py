@@ -291,3 +291,93 @@ def test_a_checkpoint_is_the_same_measurement_whichever_way_it_is_named(small_ru
         for k in ("data_key", "eval_hash", "calib_hash", "ckpt_kind", "decaying", "run", "tokens", "lr"):
             assert r[k] == twin[k], k
     assert {r["ckpt_kind"] for r in new} == {"checkpoint", "cooldown"}
+
+
+def test_identical_weights_are_measured_once(small_run, tmp_path, monkeypatch):
+    """Issue 46.4: a checkpoint whose weights another point of the trajectory holds too (the cooldown branch from
+    step 8 ends with the main run's own decayed endpoint; from an HF model, the branch point is step 0 of the
+    experiment and of every branch) is measured once: every point keeps its rows, with its own place in the
+    trajectory, and a copy names the measured row; a rerun and a new quantizer measure nothing twice."""
+    import quantdyn.sweep.sweep as sweep_mod
+    from quantdyn.models.hf_io import checkpoint_hash
+    from quantdyn.sources.trajectory import plan_points
+
+    calls = []
+    real = sweep_mod.measure
+    monkeypatch.setattr(sweep_mod, "measure", lambda w, variants, *a, **kw: calls.append(sorted(variants))
+                        or real(w, variants, *a, **kw))
+    store = tmp_path / "store"
+    cfg = _cfg(small_run, store, quantizers=["rtn4"])
+    points = plan_points(cfg.trajectory)
+    hashes = [checkpoint_hash(p.ref) for p in points]
+    assert len(points) == 5 and len(set(hashes)) == 4  # main step 12 and cooldown-s8-d4 step 12: one set of weights
+    out = run_sweep(cfg, progress=False)
+    assert len(calls) == 4 and out["written"] == 10 and out["skipped"] == 0
+    rows = ResultStore(store).rows()
+    assert len(rows) == 10 and len({r["measurement"] for r in rows}) == 8  # (fp + rtn4) x 4 sets of weights
+    copies = [r for r in rows if r.get("copy_of")]
+    assert len(copies) == 2 and {r["branch"] for r in copies} == {"cooldown-s8-d4-linear"}
+    by_key = {r["key"]: r for r in rows}
+    for c in copies:
+        src = by_key[c["copy_of"]]
+        assert (src["branch"], src["step"]) == ("main", 12) and c["step"] == 12 and c["ckpt_kind"] == "cooldown"
+        assert c["measurement"] == src["measurement"] and c["checkpoint_hash"] == src["checkpoint_hash"]
+        assert c["checkpoint"] != src["checkpoint"] and c["key"] != src["key"]
+        for k in ("ce_fp", "delta_ce", "window_delta", "time", "git_sha"):
+            assert c.get(k) == src.get(k), k
+    from quantdyn.results.schema import undocumented
+
+    assert all(undocumented(r) == [] for r in rows)
+    # the decay table still pairs the cooldown's endpoint (a copy) with its control
+    from quantdyn.results.stats import decay_table
+
+    assert [t["branch"] for t in decay_table(rows, "sw")] == ["cooldown-s8-d4-linear"]
+    # a rerun skips everything; a new quantizer is measured once per set of weights and copied to the twin
+    calls.clear()
+    assert run_sweep(cfg, progress=False) == {**out, "written": 0, "skipped": 10, "seconds": []}
+    assert calls == []
+    more = run_sweep(_cfg(small_run, store, quantizers=["rtn4", "rtn3"]), progress=False)
+    assert len(calls) == 4 and all(c == ["rtn3"] for c in calls) and more["written"] == 5 and more["skipped"] == 10
+    # a store whose measured row of the twin exists already (a sweep killed between the two points) copies it
+    rows = ResultStore(store).rows()
+    keep = [r for r in rows if not (r["branch"] == "cooldown-s8-d4-linear" and r["step"] == 12)]
+    fresh = tmp_path / "fresh"
+    ResultStore(fresh).append(keep)
+    calls.clear()
+    resumed = run_sweep(_cfg(small_run, fresh, quantizers=["rtn4", "rtn3"]), progress=False)
+    assert calls == [] and resumed["written"] == 3 and resumed["skipped"] == 12
+
+
+def test_the_plan_comes_before_any_measurement(small_run, tmp_path, monkeypatch):
+    """Issue 50.5: a sweep says its plan (checkpoints x quantizers) before its data is prepared or any weight is
+    read, and an ETA once the first block of the first checkpoint is done, before that checkpoint ends."""
+    import quantdyn.sweep.sweep as sweep_mod
+
+    lines: list[str] = []
+    seen: list[tuple[str, int]] = []
+    real_data, real_measure = sweep_mod.sweep_data, sweep_mod.measure
+
+    def data(*a, **kw):
+        seen.append(("data", len(lines)))
+        return real_data(*a, **kw)
+
+    def measure(*a, **kw):
+        seen.append(("measure", len(lines)))
+        m = real_measure(*a, **kw)
+        seen.append(("measured", len(lines)))
+        return m
+
+    monkeypatch.setattr(sweep_mod, "sweep_data", data)
+    monkeypatch.setattr(sweep_mod, "measure", measure)
+    run_sweep(_cfg(small_run, tmp_path / "store", quantizers=["rtn4", "gptq3"]), progress=True, echo=lines.append)
+    assert lines[0] == (f"sweep: 5 checkpoints x 2 quantizers (rtn4, gptq3) -> store {tmp_path / 'store'} (rows "
+                        "already there are skipped)")
+    assert seen[0] == ("data", 1) and seen[1] == ("measure", 1)  # the plan before the data and the first weight
+    assert seen[2][0] == "measured" and seen[2][1] == 2  # the ETA during the first checkpoint, once
+    assert lines[1].startswith("sweep: the first block took ") and " per checkpoint, " in lines[1] \
+        and " for 5 " in lines[1]
+    assert sum("the first block took" in x for x in lines) == 1
+    # quiet: neither
+    lines.clear()
+    run_sweep(_cfg(small_run, tmp_path / "quiet", quantizers=["rtn4"]), progress=False, echo=lines.append)
+    assert lines == []

@@ -114,6 +114,14 @@ DATA_FIELDS = _table("""
     data_key       str         Hash of the token data the windows were drawn from.
     n_windows      int         Evaluation windows the CE values average.
     compute_dtype  str         dtype the measurement computed in.
+    measurement    str | None  Identity of the measurement the row's numbers come from: row_key of (the weights'
+                               checkpoint_hash, what was measured, eval_hash), without the checkpoint's place in a
+                               trajectory, so rows of identical weights (a cooldown experiment's branch point, step 0
+                               of every branch) share it; distinct values count measurements. Sweep rows only.
+    copy_of        str | None  Key of the row whose measurement this row repeats: the same weights at another place
+                               of the trajectory, measured once (sweep/sweep.py); its own place (run, branch, step,
+                               checkpoint) is this row's, its numbers and provenance the measured row's. Absent on
+                               a measured row.
 """)
 QUANTIZER_FIELDS = _table("""
     quantizer          str | None   Canonical quantizer label (gptq3, rtn4g64 ...): one spelling per configuration.

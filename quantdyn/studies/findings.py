@@ -144,10 +144,41 @@ def with_fp_se(rows: list[dict]) -> list[dict]:
             if PTQ.matches(r) and "ce_fp_se" not in r else r for r in rows]
 
 
+TRAINED_KINDS = ("checkpoint", "cooldown", "control")
+"""ckpt_kind of the checkpoints a run trained here holds: its main checkpoints and its branches'."""
+
+
 def trained_runs(rows: Sequence[Mapping]) -> list[str]:
-    """The runs whose main checkpoints were trained here (ckpt_kind "checkpoint"), the ones a finding compares:
-    a public trajectory (a hub repo) is measured, never compared with another model's at another peak LR."""
-    return sorted({r["run"] for r in rows if PTQ.matches(r) and r.get("run") and r.get("ckpt_kind") == "checkpoint"})
+    """The runs trained here (a main checkpoint, or a cooldown or control branch: ckpt_kind in TRAINED_KINDS), the
+    ones a finding compares: a public trajectory (a hub repo) is measured, never compared with another model's at
+    another peak LR. A branch's rows alone make their run one (a sweep with ``--tokens-range 1:`` leaves the branch
+    point, the run's only main checkpoint, out)."""
+    return sorted({r["run"] for r in rows if PTQ.matches(r) and r.get("run") and r.get("ckpt_kind") in TRAINED_KINDS})
+
+
+def unpaired_cooldowns(rows: Sequence[Mapping], runs: Sequence[str]) -> list[str]:
+    """Why a decayed endpoint of ``runs`` has no line in its decay table, one sentence per cooldown branch and
+    quantizer set: its constant-LR control has no rows, or it ends at other tokens (decay_table's rule)."""
+    out = []
+    for run in runs:
+        mine = _ptq(rows, run)
+        for b in sorted({r.get("branch") for r in mine if is_cooldown(r.get("branch"))}):
+            ctrl = control_of(b)
+            qs = sorted({r.get("quantizer") for r in mine if r.get("branch") == b})
+            missing = [q for q in qs if not _ptq(mine, branch=ctrl, quantizer=q)]
+            if missing:
+                out.append(f"{run}: the decayed endpoint {b} has no constant-LR control in these rows ({ctrl} has no "
+                           f"{', '.join(missing)} rows: `quantdyn cooldown ... --control` trains it, a sweep of the "
+                           "run measures it)")
+                continue
+            off = [(q, _last(_ptq(mine, branch=b, quantizer=q)), _last(_ptq(mine, branch=ctrl, quantizer=q)))
+                   for q in qs]
+            off = [(q, e, c) for q, e, c in off if e.get("tokens") != c.get("tokens")]
+            if off:
+                q, e, c = off[0]
+                out.append(f"{run}: the last rows of {b} and {ctrl} are at different tokens ({e.get('tokens')} and "
+                           f"{c.get('tokens')}, {q}{' and others' if len(off) > 1 else ''}); sweep both endpoints")
+    return out
 
 
 def quantizers_of(rows: Iterable[Mapping], wanted: Sequence[str] = ()) -> list[str]:

@@ -113,6 +113,7 @@ def answer(rows: list[dict], runs: Sequence[str] | None = None, families: Sequen
     ref = reference_branch if reference_branch is not None else reference_branch_in(rows)
     found, details = compute(rows, runs, fams, spec, ref, fp_windows)
     tables = [t for run in runs for t in fd.decay_table(rows, run, spec.z)]
+    notes = [*notes, *fd.unpaired_cooldowns(rows, runs)]  # a decayed endpoint left out says which row is missing
     reps = Counter(uncertainty(r).repeats for r in rows if PTQ.matches(r) and r.get("delta_ce") is not None)
     return Answer(found, details, tables, fd.seed_summary(tables, spec.z), spec.z, dict(sorted(reps.items())),
                   tuple(notes), spec_dict if spec_dict is not None else
@@ -242,7 +243,8 @@ def table_rows(found: Sequence[dict]) -> list[dict]:
 def _lead(a: Answer, drawn: Mapping[str, bool]) -> Section:
     title = TITLE + (f" — {a.title}" if a.title else "")
     if not a.found:
-        return Section(title, "", [], "", sentences=[("", NO_FINDING[1][0].upper() + NO_FINDING[1][1:],
+        return Section(title, "", [], "", sentences=[("", NO_FINDING[1][0].upper() + NO_FINDING[1][1:]
+                                                      + "".join(f". Note: {n}" for n in a.notes),
                                                       NO_FINDING[0], "unresolved")])
     caption = CAPTION + f" Quantization repeats {_repeats_text(a)}." + "".join(f" Note: {n}." for n in a.notes)
     return Section(title, "findings.png" if drawn.get("findings.png") else "", table_rows(a.found), caption,

@@ -11,7 +11,9 @@ block plus activation streams, whatever the model's size. Calibration and
 evaluation windows come from cached token shards, prepared once per tokenizer.
 Each row's ``key`` = hash(checkpoint weights, quantizer config, calibration,
 eval-data hash): a rerun skips finished rows, an interrupted sweep resumes
-without duplicates or losses. A checkpoint that cannot be read (missing shard,
+without duplicates or losses. Identical weights at several places of a trajectory (a cooldown experiment's
+branch point is step 0 of the experiment and of every branch) are measured once: the other places get rows of
+their own copied from that measurement (``measurement``, ``copy_of``). A checkpoint that cannot be read (missing shard,
 truncated file, config that does not match the weights) is reported in one
 line and skipped; the sweep goes on and names every such checkpoint at the end.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +37,7 @@ from quantdyn.engine.rows import REPEAT_VARY, calibration_draws, floor_fields, p
 from quantdyn.engine.sensitivity import SensitivityConfig, check_quantizers_fit, measure_sensitivity
 from quantdyn.errors import QuantdynError, unknown_name
 from quantdyn.models.hf_io import checkpoint_hash, load_causal_lm
+from quantdyn.progress import duration
 from quantdyn.progress import progress as counted
 from quantdyn.quantize.catalogue import parse_quantizer
 from quantdyn.quantize.residual_rotation import check_rotations
@@ -244,6 +248,10 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True,
     for name, reason in points.skipped:
         say(f"skipped revision {name}: {reason}")
     i, n = parse_shard(shard)
+    mine = [p for k, p in enumerate(points) if k % n == i]
+    note = echo or log.info  # progress lines, not warnings
+    if progress:  # the plan, before the data is prepared or any weight is read (issue 50.5)
+        note(plan_line(cfg, len(mine), "" if n == 1 else f" (shard {i}/{n} of {len(points)})"))
     device = resolve_device(cfg.device)
     store = ResultStore(cfg.store)
     data = sweep_data(cfg, points, progress)
@@ -257,11 +265,11 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True,
         calib_hash=calib_identity(data.data_hash, d.calib_samples, d.calib_seq_len, d.calib_seed),
         done=store.keys(), acc_done=store.keys("sweep_acc_key") if cfg.eval_tasks else set(),
         block_echo=say if verbose else None,
+        eta=_FirstETA(note, len(mine)) if progress else None,
     )
     written = skipped = 0
     timings: list[float] = []
     failed: list[tuple[str, str]] = []
-    mine = [p for k, p in enumerate(points) if k % n == i]
     # offline, revisions that still need work must be cached: one line before any work (measured ones may be gone)
     require_available([p for p in mine if not p.is_local and not _point_done(ctx, p)])
     first = next((p for p in mine if p.is_local), None)
@@ -291,6 +299,39 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True,
     return {"written": written, "skipped": skipped, "checkpoints": len(mine), "seconds": timings, "failed": failed}
 
 
+def plan_line(cfg: SweepConfig, checkpoints: int, shard: str = "") -> str:
+    """What a sweep is about to do, in one line: checkpoints x quantizers and where the rows go."""
+    q = cfg.quantizers
+    labels = ", ".join(x if isinstance(x, str) else parse_quantizer(x).name for x in q)
+    return (f"sweep: {checkpoints} checkpoint{'s' if checkpoints != 1 else ''}{shard} x {len(q)} "
+            f"quantizer{'s' if len(q) != 1 else ''} ({labels})"
+            + (f", each quantized {cfg.quant_repeats} times" if cfg.quant_repeats > 1 else "")
+            + f" -> store {cfg.store} (rows already there are skipped)")
+
+
+class _FirstETA:
+    """One line, once the first block of the first measured checkpoint is done: how long a checkpoint and the
+    sweep will take at that pace (before the first checkpoint ends: on a 135M model on a CPU, minutes)."""
+
+    def __init__(self, say, checkpoints: int):
+        self.say, self.checkpoints, self.done, self.t0, self.passes = say, checkpoints, False, 0.0, 1
+
+    def start(self, passes: int) -> None:
+        if not self.done:
+            self.t0, self.passes = time.perf_counter(), passes
+
+    def block(self, line: str) -> None:
+        m = re.match(r"block (\d+)/(\d+)", line)
+        if self.done or m is None:
+            return
+        self.done = True
+        b, n = int(m.group(1)), int(m.group(2))  # blocks done, of n
+        per = (time.perf_counter() - self.t0) / min(b, n) * n * self.passes
+        self.say(f"sweep: the first block took {duration(per / n / self.passes)}: about {duration(per)} per "
+                 f"checkpoint, {duration(per * self.checkpoints)} for {self.checkpoints} (rows already stored "
+                 "take none)")
+
+
 def _check_rotations(points, qcfgs) -> None:
     """A rotation the model cannot take (+had on a width without a Hadamard matrix, +r1 on a LayerNorm model) is one
     line before any work: checked on the first local checkpoint's skeleton (the others share its architecture;
@@ -318,8 +359,15 @@ class _SweepContext:
     done: set
     acc_done: set
     block_echo: Any = None
+    eta: _FirstETA | None = None
+    """The first ETA line (None: no progress output)."""
     stored_floors: dict | None = None
     """fp row key -> its floor fields, read from the store once when first needed."""
+    measured: dict | None = None
+    """measurement id -> the stored row that holds it (read from the store once when first needed, then kept up to
+    date): identical weights at several places of a trajectory are measured once (:func:`_copies`)."""
+    hashes: dict = field(default_factory=dict)
+    """checkpoint reference -> its weights' hash (hashing reads every weight file: once per reference)."""
 
 
 def _stored_floor(ctx: _SweepContext, fp_key: str) -> dict:
@@ -328,6 +376,33 @@ def _stored_floor(ctx: _SweepContext, fp_key: str) -> dict:
         ctx.stored_floors = {r["key"]: {k: v for k, v in r.items() if k.startswith("floor_")}
                              for r in ctx.store.rows() if FP.matches(r)}
     return ctx.stored_floors.get(fp_key, {})
+
+
+def _measured(ctx: _SweepContext) -> dict:
+    """measurement id -> the first stored row measured with it (rows written before ``measurement`` have none)."""
+    if ctx.measured is None:
+        ctx.measured = {}
+        for r in ctx.store.rows():
+            if r.get("measurement") and not r.get("copy_of"):
+                ctx.measured.setdefault(r["measurement"], r)
+    return ctx.measured
+
+
+def _copies(ctx: _SweepContext, pending: dict[str, str], base: dict) -> list[dict]:
+    """The rows of ``pending`` ({row key: measurement id}) whose measurement is stored already at another point
+    with the same weights: that row's numbers and provenance, with this point's place in the trajectory (``base``)
+    and key, and ``copy_of`` naming the measured row. The branch point of a cooldown experiment is step 0 of the
+    experiment and of every branch: one checkpoint hash, measured once, a row at each place (the per-branch rows
+    the decay table, the figures and a resume read stay where they were)."""
+    have = _measured(ctx)
+    return [{**have[mid], **base, "key": key, "measurement": mid, "copy_of": have[mid]["key"]}
+            for key, mid in pending.items() if mid in have]
+
+
+def _note_measured(ctx: _SweepContext, rows: list[dict]) -> None:
+    for r in rows:
+        if r.get("measurement") and not r.get("copy_of"):
+            _measured(ctx).setdefault(r["measurement"], r)
 
 
 def _point_done(ctx: _SweepContext, p: Point) -> bool:
@@ -339,18 +414,25 @@ def _point_keys(ctx: _SweepContext, p: Point):
     cfg = ctx.cfg
     # the weights' hash, qualified by the point's place in the trajectory: a cooldown branch can end
     # with weights identical to its parent's own decayed endpoint, and both points belong in the plots
-    h = checkpoint_hash(p.ref)
+    h = ctx.hashes.get(p.ref) or ctx.hashes.setdefault(p.ref, checkpoint_hash(p.ref))
     hp = f"{h}:{p.run}:{p.branch}:{p.step}"
     base = {**point_fields(p, h), "eval_hash": ctx.eval_hash, "calib_hash": ctx.calib_hash,
             "data_key": ctx.data.data_hash}
-    fp_key = row_key(hp, "fp", ctx.eval_hash)
-    q_keys = {label: row_key(hp, ptq_what(qc, ctx.calib_hash, cfg.quant_repeats, cfg.repeat_vary), ctx.eval_hash)
+    mids: dict[str, str] = {}  # row key -> measurement id: the same ``what`` on the weights alone (no place)
+
+    def key(what: str) -> str:
+        k = row_key(hp, what, ctx.eval_hash)
+        mids[k] = row_key(h, what, ctx.eval_hash)
+        return k
+
+    fp_key = key("fp")
+    q_keys = {label: key(ptq_what(qc, ctx.calib_hash, cfg.quant_repeats, cfg.repeat_vary))
               for label, qc in ctx.qcfgs.items()}
     qat_cfg = (p.meta.get("config") or {}).get("qat")
-    qat_key = row_key(hp, f"qat:{config_hash(qat_cfg)}", ctx.eval_hash) if qat_cfg else None
+    qat_key = key(f"qat:{config_hash(qat_cfg)}") if qat_cfg else None
     prop_hash = config_hash({k: to_dict(v) for k, v in sorted(ctx.prop_q.items())})
-    a_keys = {a: row_key(hp, f"analysis:{a}:{config_hash(cfg.analysis_budget)}"
-                         + (f":{prop_hash}" if a == "propagation" else ""), ctx.eval_hash) for a in cfg.analysis}
+    a_keys = {a: key(f"analysis:{a}:{config_hash(cfg.analysis_budget)}" + (f":{prop_hash}" if a == "propagation" else ""))
+              for a in cfg.analysis}
     # accuracy rows of one (point, quantizer) are appended together and carry this key, so a sweep that
     # died between a PTQ row and its accuracy rows re-quantizes that point on rerun and adds only them
     acc_keys = {label: row_key(hp, f"acc:{config_hash(qc)}:{ctx.calib_hash}:{','.join(cfg.eval_tasks)}:"
@@ -360,16 +442,26 @@ def _point_keys(ctx: _SweepContext, p: Point):
                        ctx.eval_hash) if cfg.sensitivity else None
     todo = [fp_key, *q_keys.values(), *a_keys.values(), *([qat_key] if qat_key else []), *([sens_key] if sens_key else [])]
     done = all(k in ctx.done for k in todo) and all(k in ctx.acc_done for k in acc_keys.values())
-    return h, base, fp_key, q_keys, qat_cfg, qat_key, a_keys, acc_keys, sens_key, todo, done
+    return h, base, fp_key, q_keys, qat_cfg, qat_key, a_keys, acc_keys, sens_key, todo, mids, done
 
 
 def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
     """Measure one checkpoint: the rows it still lacks. Returns (written, skipped)."""
     cfg = ctx.cfg
-    h, base, fp_key, q_keys, qat_cfg, qat_key, a_keys, acc_keys, sens_key, todo, done = _point_keys(ctx, p)
+    h, base, fp_key, q_keys, qat_cfg, qat_key, a_keys, acc_keys, sens_key, todo, mids, done = _point_keys(ctx, p)
     if done:
         return 0, len(todo)
     written = skipped = 0
+    # what these weights already gave at another point (the branch point as each branch's step 0): copied, not
+    # measured again; accuracy rows are measured per point (a copy carries no lm-eval rows)
+    copies = _copies(ctx, {k: mids[k] for k in todo if k not in ctx.done and k != sens_key
+                           and not (k in q_keys.values() and acc_keys)}, base)
+    if copies:
+        written += len(ctx.store.append_new(copies))
+        ctx.done |= {r["key"] for r in copies}
+        if all(k in ctx.done for k in todo) and all(k in ctx.acc_done for k in acc_keys.values()):
+            return written, len(todo) - len(copies)
+    skipped = -len(copies)  # a copied key is counted below as already done: it was written
     t0 = time.perf_counter()
     weights = open_checkpoint(p.ref)  # validates every file and shape before anything is computed
     t_load = time.perf_counter() - t0
@@ -396,34 +488,38 @@ def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
         collect = {label: {} for label in group if label in acc_keys and acc_keys[label] not in ctx.acc_done}
         on_layer = (lambda label, full, res, m: collect[label].__setitem__(full, m.weight.detach().cpu().clone())
                     if label in collect else None) if collect else None
+        if ctx.eta is not None:
+            ctx.eta.start(len(groups))
         m = measure(weights, variants, ctx.eval_ids, calib, device=ctx.device, cfg=ctx.mcfg, on_layer=on_layer,
-                    on_block=(lambda line: ctx.block_echo(f"{p.ref}: pass {g + 1}/{len(groups)} {line}"))
-                    if ctx.block_echo else None, noise_floor=cfg.noise_floor if g == 0 and fp_pending else False)
+                    on_block=_on_block(ctx, f"{p.ref}: pass {g + 1}/{len(groups)} "),
+                    noise_floor=cfg.noise_floor if g == 0 and fp_pending else False)
         if g == 0 and fp_pending:
             floor = floor_fields(m.noise_floor)
         base["n_params"] = m.n_params
         rows = []
         if g == 0 and fp_pending:
             fp_ce = m.fp_window_ce
-            rows.append({"key": fp_key, "kind": FP.name, **base, "ce_fp": float(fp_ce.mean()),
+            rows.append({"key": fp_key, "kind": FP.name, **base, "measurement": mids[fp_key], "ce_fp": float(fp_ce.mean()),
                          "ce_fp_se": mean_se(fp_ce)[1],
                          "n_windows": len(fp_ce), "compute_dtype": m.dtype, **floor, **provenance()})
         if "__qat__" in variants:
             tr = variants["__qat__"]
             qc = tr.cfg
-            rows.append({"key": qat_key, "kind": QAT.name, **base, "quantizer": tr.name, "method": f"qat-{qc.method}",
+            rows.append({"key": qat_key, "kind": QAT.name, **base, "measurement": mids[qat_key], "quantizer": tr.name,
+                         "method": f"qat-{qc.method}",
                          "bits": qc.w_bits, "a_bits": qc.a_bits or 0, "quant_config": to_dict(qc),
                          **m.metrics["__qat__"], "t_load": t_load, "compute_dtype": m.dtype, **provenance()})
         threads = cfg.engine.quantize_threads if ctx.device.type == "cpu" else 0
         for label in group:
             if q_keys[label] not in ctx.done:
-                rows.append({"key": q_keys[label], "kind": PTQ.name, **base,
+                rows.append({"key": q_keys[label], "kind": PTQ.name, **base, "measurement": mids[q_keys[label]],
                              **ptq_fields(label, ctx.qcfgs[label], m, ctx.mcfg, threads, cfg.quant_repeats,
                                           cfg.repeat_vary, floor), "t_load": t_load,
                              **provenance()})
             else:
                 skipped += 1
         written += len(ctx.store.append_new(rows))
+        _note_measured(ctx, rows)
         for label, weights_q in collect.items():
             written += _append_accuracy(ctx, p, label, weights_q, acc_keys[label], base)
     if sens_key is not None:
@@ -437,9 +533,25 @@ def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
             continue
         vals = analysis_rows(name, weights, ctx.data, ctx.calib_draws[0], ctx.eval_ids, ctx.prop_q, cfg.analysis_budget,
                              device=ctx.device, mcfg=ctx.mcfg)
-        written += len(ctx.store.append_new([{"key": key, "kind": ANALYSIS.name, "analysis": name, **base, **vals,
-                                               **provenance()}]))
+        rows = [{"key": key, "kind": ANALYSIS.name, "analysis": name, **base, "measurement": mids[key], **vals,
+                 **provenance()}]
+        written += len(ctx.store.append_new(rows))
+        _note_measured(ctx, rows)
     return written, skipped
+
+
+def _on_block(ctx: _SweepContext, prefix: str):
+    """The engine's per-block callback: the verbose line, and the first ETA."""
+    echo, eta = ctx.block_echo, ctx.eta if ctx.eta is not None and not ctx.eta.done else None
+    if echo is None and eta is None:
+        return None
+
+    def on_block(line: str) -> None:
+        if eta is not None:
+            eta.block(line)
+        if echo is not None:
+            echo(prefix + line)
+    return on_block
 
 
 def _append_sensitivity(ctx: _SweepContext, weights, sens_key: str, point: str, base: dict) -> int:
