@@ -33,6 +33,7 @@ import math
 import os
 import shlex
 import statistics
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -128,6 +129,8 @@ class ShipConfig:
 
 @dataclass
 class ShipResult:
+    """What :func:`ship` decided and wrote."""
+
     decision: Decision
     dropped: list[Dropped]
     report: dict
@@ -152,9 +155,14 @@ def _check_out(out: Path, request: dict) -> None:
             diff = sorted(k for k in set(old) | set(request) if old.get(k) != request.get(k))
             raise QuantdynError(f"--out '{out}' holds another decision (its {', '.join(diff)} differ); give another "
                                 "--out, or delete that directory")
-    probe = out if out.is_dir() else next((p for p in out.parents if p.exists()), Path("."))
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise QuantdynError(f"--out '{out}' cannot be written ('{probe}' is not writable); give a writable directory")
+    probe = out if out.is_dir() else next((p for p in out.absolute().parents if p.exists()), Path("."))
+    try:  # a file made and removed at once: os.access says yes to root on read-only mounts and /proc
+        fd, tmp = tempfile.mkstemp(prefix=".quantdyn-ship-probe-", dir=probe)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise QuantdynError(f"--out '{out}' cannot be written ('{probe}': {e.strerror}); give a writable "
+                            "directory") from None
 
 
 # ------------------------------------------------------------------ measurement
@@ -278,8 +286,19 @@ def _option(rows: list[dict], c: Candidate, q: Quantization, windows: int | None
 # ------------------------------------------------------------------ the command
 
 
-def ship(cfg: ShipConfig, echo: Callable[[str], None] | None = None, progress: bool = True) -> ShipResult:
-    """Decide what to ship and write it (module docstring). Every bad input is one line before anything is written."""
+def ship(cfg: ShipConfig | str | Sequence[str], budget: float | None = None, out: str | Path | None = None, *,
+         echo: Callable[[str], None] | None = None, progress: bool = True, **options) -> ShipResult:
+    """Decide what to ship and write it (module docstring): ``ship("runs/demo", budget=5, out="ship/demo")`` or
+    ``ship(ShipConfig(...))``; ``options`` are ShipConfig's other fields (quantizers, formats, repeats, store ...).
+    Every bad input is one line (a QuantdynError) before anything is written."""
+    if not isinstance(cfg, ShipConfig):
+        if budget is None or out is None:
+            raise QuantdynError("ship needs a budget (bits per weight) and out (the directory to write)")
+        src = (str(cfg),) if isinstance(cfg, (str, Path)) else tuple(str(s) for s in cfg)
+        if isinstance(options.get("candidates"), dict):
+            options["candidates"] = CandidateSpec(**options["candidates"])
+        cfg = ShipConfig(source=src, budget=float(budget), out=str(out), **{k: tuple(v) if isinstance(v, list) else v
+                                                                          for k, v in options.items()})
     say = echo or log.warning
     out = Path(cfg.out)
     request = cfg.request()
@@ -294,6 +313,10 @@ def ship(cfg: ShipConfig, echo: Callable[[str], None] | None = None, progress: b
     first = open_checkpoint(cands[-1].path)
     source = LazyModel(first, compute_dtype_of(cfg.engine.dtype), torch.device("cpu"))
     tensors = model_tensors(source)
+    limit = first.config.get("max_position_embeddings") or first.config.get("n_positions")
+    if limit and max(cfg.eval_seq_len, cfg.calib_seq_len) > int(limit):
+        raise QuantdynError(f"--eval-seq-len {cfg.eval_seq_len} / --calib-seq-len {cfg.calib_seq_len} exceed the "
+                            f"model's {limit} positions; give at most {limit}")
     mt = model_type_of(source.model)
     qs, notes = plan_quantizations(cfg.budget, tensors, len(source.blocks), mt, labels=cfg.quantizers,
                                    formats=cfg.formats, auto=cfg.auto)
@@ -469,3 +492,55 @@ def _report(cfg, ctx, dec: Decision, dropped, cands, qs, by, export, data, n, n0
                       f"{shlex.quote(export['path'])}",
         },
     }
+
+
+# ------------------------------------------------------------------ the answer as text
+
+
+def summary_lines(report: dict, limit: int = 12) -> list[str]:
+    """ship.json as the terminal shows it: the options (best first; * chosen, = tied with the best, n the naive
+    choice) and the answer in three lines."""
+    from quantdyn.results.stats import format_estimate
+
+    tied = {(t["candidate"], t["quantizer"]) for t in report["tied"]}
+    chosen = (report["artifact"]["name"], report["quantizer"])
+    naive = (report["naive"]["artifact"], report["naive"]["quantizer"]) if report.get("naive") else None
+    head = f"  {'':2} {'candidate':<28} {'recipe':<10} {'quantizer':<10} {'bpw':>6} {'CE(q)':>9} {'− best':>10} {'± SE':>9} {'z':>6}"
+    lines = [f"What to ship at {report['budget']:g} bits per weight ({report['screen']['windows']} windows; "
+             f"* chosen, = tied with the best at |z| <= {report['z']:g}, n naive):", head]
+    opts = report["options"]
+    shown = [o for i, o in enumerate(opts) if i < limit or (o["candidate"], o["quantizer"]) in (chosen, naive)]
+    for o in shown:
+        k = (o["candidate"], o["quantizer"])
+        mark = ("*" if k == chosen else "=" if k in tied or o is opts[0] else " ") + ("n" if k == naive else " ")
+        e, s, z = format_estimate(o["minus_best"], o["minus_best_se"], report["z"]) if o["minus_best_se"] else (
+            "0", "", "")
+        lines.append(f"  {mark} {o['candidate']:<28.28} {o['recipe']:<10} {o['quantizer']:<10} "
+                     f"{o['bits_per_weight']:>6.3f} {o['ce_q']:>9.4f} {e:>10} {s:>9} {z:>6}")
+    if len(opts) > len(shown):
+        lines.append(f"  ... {len(opts) - len(shown)} more in ship.json")
+    if report["dropped"]:
+        lines.append(f"  {len(report['dropped'])} options dropped by the screen on {report['screen']['screen_windows']}"
+                     " windows (beaten at z > 2; ship.json lists them)")
+    return lines + answer_lines(report)
+
+
+def answer_lines(report: dict) -> list[str]:
+    """The decision in words: what was chosen, what the naive choice costs, whether the difference is resolved."""
+    from quantdyn.results.stats import format_estimate
+
+    a = report["artifact"]
+    out = [f"ship: {a['name']} ({a['made']}) x {report['quantizer']}, {report['bits_per_weight']:.3f} bits per weight,"
+           f" CE(q) {report['ce_q']:.4f} ± {report['ce_q_se']:.4f}; {len(report['tied'])} other option(s) tied with "
+           "the best"]
+    nv = report.get("naive")
+    if nv and report.get("gain_se"):
+        e, s, z = format_estimate(report["gain"], report["gain_se"], report["z"])
+        verdict = "resolved" if report["gain_resolved"] else f"not resolved (|z| <= {report['z']:g})"
+        out.append(f"naive choice: {nv['artifact']} x {nv['quantizer']} ({nv['bits_per_weight']:.3f} bpw), CE(q) "
+                   f"{nv['ce_q']:.4f}: naive − chosen = {e} ± {s} nats (z = {z}), {verdict}")
+    elif nv:
+        out.append(f"naive choice: {nv['artifact']} x {nv['quantizer']} is the chosen option")
+    out.append(f"export: {report['export']['path']} ({report['export']['format']}, sha256 "
+               f"{report['export']['sha256'][:16]}…)")
+    return out
