@@ -1,8 +1,6 @@
 """The report's own sections, in page order: each one builder registered with ``@report_section``
 (report/sections.py), named for what it shows, with the row kind it reads.
 
-  what_to_ship          what `quantdyn ship` decided to deploy: bits per weight against quantized CE for every
-                        option, the tied set, the shipped one and the naive choice (decision rows)
   monitored             a run directory's monitored Δ CE, when no sweep row of the run is in the store
   runs                  per run: loss and Δ CE along training (and its monitored Δ CE beside), the cooldown
                         branches against their constant-LR controls
@@ -17,21 +15,23 @@
   sensitivity           per-tensor sensitivity along training and what the decay did to it (sensitivity rows)
   public_trajectories   public checkpoints along their training (ptq rows of hub presets)
 
-The answer (a study's findings) opens the page before these: the caller's lead (report/html.py write_page).
+The answer (a study's findings) opens the page before these: the caller's lead (report/html.py write_page); where
+the rows hold a decision of `quantdyn ship`, "What to ship" (report/what_to_ship.py) opens it before the answer
+(studies/section.py write_report).
 """
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from quantdyn.report import error_maps, figures, public_trajectories, sensitivity_maps, what_to_ship
+from quantdyn.report import error_maps, figures, public_trajectories, sensitivity_maps
 from quantdyn.report.accuracy import accuracy_vs_dce
 from quantdyn.report.monitored import monitored_points
 from quantdyn.report.optimizers import optimizer_figure, optimizer_table, scaling_figure
 from quantdyn.report.palette import Palette
 from quantdyn.report.predictors import predictor_figure, predictor_rows
 from quantdyn.report.sections import Page, Section, figure_section, report_section
-from quantdyn.results.schema import ACCURACY, ANALYSIS, DECISION, FP, PTQ, QAT, SCALING, SENSITIVITY
+from quantdyn.results.schema import ACCURACY, ANALYSIS, FP, PTQ, QAT, SCALING, SENSITIVITY
 from quantdyn.results.stats import Z, format_estimate
 from quantdyn.runs import RunDir
 from quantdyn.train.checkpoint import read_metrics
@@ -120,9 +120,6 @@ def _monitored_section(run: str, run_dir: Path, out: Path, palette: Palette, bes
 
 
 # ------------------------------------------------------------------ the sections, in page order
-report_section("what_to_ship", kind=DECISION)(what_to_ship.ship_sections)
-
-
 @report_section("monitored", when=lambda page: page.run_dir is not None
                 and not any(_has_main_ptq(page.rows, run) for run in _runs(page.rows)))
 def monitored(page: Page) -> list[Section]:
