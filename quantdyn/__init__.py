@@ -14,6 +14,8 @@ tests/test_layers.py checks that the two agree and that the code keeps to them.
     cli                          the command line (typer): one module per command family, named for it
     api                          the public Python API
     studies                      a study spec -> runs, cooldowns, averages, sweep, findings with verdicts
+    ship                         what to deploy at a size budget: candidates x quantizations, screened,
+                                 decided paired with uncertainty, exported
     report | launch              figures and the HTML page from rows | grids, torchrun, SLURM arrays
     sweep | monitor              checkpoints x quantizers -> rows | the same inside any training loop
     engine                       block walk, activation streams, measure(), one writer of quantized files

@@ -25,6 +25,10 @@ Sweep, study, results, report
     SweepConfig, run_sweep(cfg); StudySpec, load_study_spec(path), run_study(spec)
     ResultStore(path).rows(); load_results(store) -> pandas.DataFrame; to_parquet(store, path)
     write_report(store_or_run_dir, out_dir)  -> index.html, opening with the findings' verdicts the rows allow
+What to ship
+    ship(source, budget=4.5, out="ship/") -> ShipResult (.report: ship.json -- the checkpoint or average and the
+                                     quantization to deploy, the options tied with it, the gain over the naive
+                                     choice ± SE; .path): `quantdyn ship` as a call; ShipConfig its settings
 Configs
     load_yaml(path), apply_overrides(dict, ["a.b=1"]), from_dict(cls, dict)
 Errors
@@ -50,6 +54,7 @@ from quantdyn.quantize.catalogue import QuantConfig, parse_quantizer
 from quantdyn.results.store import ResultStore
 from quantdyn.results.tables import load as load_results
 from quantdyn.results.tables import to_parquet
+from quantdyn.ship.ship import ShipConfig, ShipResult, ship
 from quantdyn.studies.spec import StudySpec, load_study_spec
 from quantdyn.sweep.quantize_one import QuantizeResult
 from quantdyn.sweep.quantize_one import quantize_one as quantize_checkpoint
@@ -61,10 +66,10 @@ from quantdyn.train.trainer import train
 __all__ = [
     "DataConfig", "TokenData", "cooldown", "cooldown_from_checkpoint", "prepare_data", "quantize_checkpoint",
     "MeasureConfig", "Measurement", "PTQMonitor", "QuantConfig", "QuantdynError", "QuantizeResult", "ResultStore",
-    "RunConfig",
+    "RunConfig", "ShipConfig", "ShipResult",
     "StudySpec", "SweepConfig", "apply_overrides", "from_dict", "hooks_for", "load_causal_lm", "load_gpt",
     "load_results", "load_run_config", "load_study_spec", "load_yaml", "measure", "parse_quantizer",
-    "quantize_model", "run_study", "run_sweep", "save_hf", "to_parquet", "train", "write_report",
+    "quantize_model", "run_study", "run_sweep", "save_hf", "ship", "to_parquet", "train", "write_report",
 ]
 
 

@@ -15,7 +15,9 @@
   sensitivity           per-tensor sensitivity along training and what the decay did to it (sensitivity rows)
   public_trajectories   public checkpoints along their training (ptq rows of hub presets)
 
-The answer (a study's findings) opens the page before these: the caller's lead (report/html.py write_page).
+The answer (a study's findings) opens the page before these: the caller's lead (report/html.py write_page); where
+the rows hold a decision of `quantdyn ship`, "What to ship" (report/what_to_ship.py) opens it before the answer
+(studies/section.py write_report).
 """
 from __future__ import annotations
 

@@ -73,8 +73,8 @@ def _table(text: str) -> tuple[Field, ...]:
 
 IDENTITY_FIELDS = _table("""
     key   str  Idempotency key (row_key for measured rows): a rerun skips every key already stored.
-    kind  str  The row kind (ROW_KINDS): ptq, fp, qat, analysis, accuracy, interpolation, scaling or
-               sensitivity.
+    kind  str  The row kind (ROW_KINDS): ptq, fp, qat, analysis, accuracy, interpolation, scaling,
+               sensitivity, ship or decision.
 """)
 PROVENANCE_FIELDS = _table("""
     git_sha   str | None  git commit of quantdyn that wrote the row.
@@ -358,11 +358,28 @@ SENSITIVITY_FIELDS = _table("""
     sens_seconds          float         Seconds of the whole sensitivity pass of this checkpoint.
     sens_types            list[str]     The candidate types of the pass.
 """)
+SHIP_FIELDS = _table("""
+    ship_candidate     str           The candidate's name in its ship (main/step-600, lawa-k3, soup-decayed ...).
+    ship_recipe        str           How the candidate was made: checkpoint, cooldown, control, ema, lawa or soup.
+    ship_quantization  str           The quantization as ship names it: a type label (q4_0, gptq4) or auto@BUDGET.
+    ship_stage         str           screen (the first windows, every option) or full (the other windows, the
+                                     options the screen kept).
+    ship_windows       list[int]     [first, end) of the evaluation windows this row measured.
+    window_ce_q        list[float]   Per-window CE of the quantized model (FP window CE + window_delta, 7
+                                     decimals), in window order: what ship pairs across candidates.
+    plan_file          str | None    auto@ quantizations: the plan file the screen allocated, measured on the other
+                                     windows and exported.
+    plan_stability     dict | None   auto@ with repeats R >= 2: draws, n_tensors, changed_tensors (per draw, against
+                                     draw 0's plan), predicted_kl and its sd, kl (measured) and its sd,
+                                     bits_per_weight per draw, floor_kl (the bf16 noise floor's KL).
+    ship               dict          A decision row: ship.json as written (artifact, quantizer, ce_q, tied, naive,
+                                     gain, export, commands ...; docs/ship.md).
+""")
 
 GROUPS: tuple[tuple[Field, ...], ...] = (
     IDENTITY_FIELDS, PROVENANCE_FIELDS, CHECKPOINT_FIELDS, DATA_FIELDS, QUANTIZER_FIELDS, ERRORS_FIELDS, FLOOR_FIELDS,
     QUANTIZE_COMMAND_FIELDS, QAT_FIELDS, ANALYSIS_FIELDS, ACCURACY_FIELDS, INTERPOLATION_FIELDS, SCALING_FIELDS,
-    PLAN_FIELDS, SENSITIVITY_FIELDS)
+    PLAN_FIELDS, SENSITIVITY_FIELDS, SHIP_FIELDS)
 FIELDS: dict[str, Field] = {f.name: f for group in GROUPS for f in group}
 """Every field of every row kind, by name."""
 
@@ -445,6 +462,18 @@ SENSITIVITY = ROW_KINDS.add("sensitivity", RowKind(
     "sweep/sweep.py, sweep/allocate_one.py (engine/sensitivity.py Sensitivity.rows)",
     "row_key(checkpoint, 'sens:<types>:<calib hash>:<draws>:<scope>:<tensor>:<type>', '')",
     _names(*_MEASURED, SENSITIVITY_FIELDS)))
+SHIP = ROW_KINDS.add("ship", RowKind(
+    "ship", "One candidate x quantization measured by `quantdyn ship` on one slice of the evaluation windows: the "
+            "ptq fields, and the per-window CE of the quantized model that ship pairs across candidates.",
+    "ship/ship.py (engine/rows.py ptq_fields)",
+    "row_key(weights hash, 'ship:' + ptq_what, eval_hash + '[first:end]')",
+    _names(*_MEASURED, QUANTIZER_FIELDS, ERRORS_FIELDS, QUANTIZE_COMMAND_FIELDS, PLAN_FIELDS, SHIP_FIELDS)))
+DECISION = ROW_KINDS.add("decision", RowKind(
+    "decision", "What `quantdyn ship` decided to deploy at a budget (its ship.json), read by the report's first "
+                "section, What to ship.", "ship/ship.py",
+    "sha256 of (the request, the chosen candidate and quantizer)",
+    _names(IDENTITY_FIELDS, PROVENANCE_FIELDS, only=("ship", "checkpoint", "checkpoint_hash", "eval_hash",
+                                                     "data_key"))))
 
 
 def _pattern(name: str) -> re.Pattern:

@@ -27,7 +27,9 @@ from typing import Callable, Mapping, Sequence
 from quantdyn.config import to_dict
 from quantdyn.files import write_json_atomic, write_text_atomic
 from quantdyn.report.html import write_page
-from quantdyn.report.sections import Section
+from quantdyn.report.palette import Palette
+from quantdyn.report.sections import Page, Section
+from quantdyn.report.what_to_ship import ship_sections
 from quantdyn.results.schema import PTQ, number
 from quantdyn.results.stats import NOT_RESOLVED, OPPOSITE, REPRODUCED, format_estimate, uncertainty, verdict_of
 from quantdyn.runs import is_cooldown, parse_branch
@@ -296,7 +298,8 @@ def write_report(store_or_run: str | Path, out_dir: str | Path, store: str | Pat
 
     def lead(rows: list[dict], out: Path) -> list[Section]:
         got.append(answer_of if answer_of is not None else answer(rows))
-        return lead_sections(got[0], out)
+        shipped = ship_sections(Page(rows, out, Palette.for_rows(rows)))  # the decision, when `quantdyn ship` made one
+        return shipped + lead_sections(got[0], out)
 
     page = write_page(store_or_run, out_dir, store=store, extra_sections=extra_sections, lead=lead)
     if echo is not None:
