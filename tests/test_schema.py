@@ -19,7 +19,7 @@ def test_every_kind_lists_documented_fields_and_no_name_means_two_things():
     names = [f.name for g in schema.GROUPS for f in g]
     assert len(names) == len(set(names)) == len(schema.FIELDS)
     assert set(schema.ROW_KINDS) == {"ptq", "fp", "qat", "analysis", "accuracy", "interpolation", "scaling",
-                                     "sensitivity"}
+                                     "sensitivity", "ship", "decision"}
     for kind in schema.ROW_KINDS.values():
         assert {"key", "kind"} <= set(kind.fields) and kind.meaning and kind.written_by and kind.key
         for name in kind.fields:
@@ -34,7 +34,8 @@ def test_row_kinds_are_constants_that_readers_match_on():
     from pathlib import Path
 
     assert [k.name for k in schema.ROW_KINDS.values()] == ["ptq", "fp", "qat", "analysis", "accuracy",
-                                                           "interpolation", "scaling", "sensitivity"]
+                                                           "interpolation", "scaling", "sensitivity", "ship",
+                                                           "decision"]
     assert schema.ROW_KINDS.get("ptq") is schema.PTQ and schema.PTQ.name == "ptq"
     rows = [{"kind": "ptq", "delta_ce": 0.1}, {"kind": "fp"}, {"delta_ce": 0.2}, {"kind": "ptq"}]
     assert schema.PTQ.select(rows) == [rows[0], rows[3]] and schema.FP.present(rows)

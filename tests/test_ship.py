@@ -47,7 +47,7 @@ def test_run_to_run_part_is_added_in_quadrature():
 def test_ties_ship_the_smaller_file_and_the_gain_is_paired_against_the_naive_choice():
     base = np.linspace(3.0, 4.0, 40)
     noise = np.tile([0.002, -0.002], 20)
-    best = _opt("lawa-k3", "q5_0", 5.5, base, "lawa")
+    best = _opt("lawa-last3", "q5_0", 5.5, base, "lawa")
     tied = _opt("main/step-600", "q4_1", 5.0, base + 0.0002 + noise)  # +0.0002 ± 0.00032: z ~ 0.6, tied
     worse = _opt("main/step-600", "q4_0", 4.5, base + 0.05 + noise)  # resolved worse, though the smallest file
     dec = decide([best, tied, worse], naive=("main/step-600", "q4_0"))
@@ -154,7 +154,7 @@ def test_bad_inputs_are_one_line_and_write_nothing(cli, tmp_path, tiny_checkpoin
     afile = tmp_path / "afile"
     afile.write_text("x")
     _one_line_exit_2(cli("ship", tiny_checkpoint, "--budget", 5, "--out", afile / "sub", "--store", store,
-                         "--eval-seq-len", 32, "--calib-seq-len", 32), "cannot be written")
+                         "--eval-seq-len", 32, "--calib-seq-len", 32), "cannot write --out")
     assert not out.exists() and not store.exists()
     other = tmp_path / "other"
     other.mkdir()
@@ -218,14 +218,14 @@ def test_ship_end_to_end_kill_resume_and_nothing_measured_twice(tmp_path, kjv_sm
                   "export", "commands"):
         assert field in shipped, field
     assert shipped["bits_per_weight"] <= 5.0
-    assert shipped["naive"]["artifact"] == "main/step-12"
+    assert shipped["naive"]["artifact"] == "main@12"
     exported = Path(shipped["export"]["path"])
     assert exported.exists()
     from quantdyn.ship.ship import _sha256
 
     assert _sha256(exported) == shipped["export"]["sha256"]
     assert shipped["gain"] == pytest.approx(shipped["naive"]["ce_q"] - shipped["ce_q"], abs=1e-9)
-    # the same weights (control-s4-d4/step-8 equals main/step-8: no decay, same data) were measured once
+    # the same weights (control-s4-d4@8 equals main@8: no decay, same data) were measured once
     names = [c["name"] for c in shipped["candidates"]]
     assert len(names) == len({c["checkpoint_hash"] for c in shipped["candidates"]})
     # a second ship of the same source measures nothing and decides the same

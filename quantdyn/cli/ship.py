@@ -55,7 +55,9 @@ def ship_cmd(
     as_json: bool = opt.as_json("ship.json"),
     quiet: bool = opt.quiet(),
 ):
-    """Decide which checkpoint or average, quantized how, to deploy at --budget bits per weight, and write it.
+    """Choose what to deploy at a size budget, and export it.
+
+    Decide which checkpoint or average, quantized how, to deploy at --budget bits per weight, and write it.
 
     Every candidate x quantization is screened on a few held-out windows; those beaten at z > 2 are dropped (the
     command says which and why) and the rest measured in full. The answer: the best option, the options tied with

@@ -33,7 +33,7 @@ class Candidate:
     """Weights that could be deployed."""
 
     name: str
-    """Unique within a ship: ``main/step-600``, ``<branch>/step-N``, ``lawa-k3``, ``soup-decayed``, ``ema``."""
+    """Unique within a ship: ``main@600``, ``<branch>@N``, ``lawa-last3``, ``soup-decayed``, ``ema``."""
     path: str
     """The checkpoint (a directory, or hub id@revision)."""
     how: str
@@ -83,7 +83,7 @@ def _how(p: Point) -> str:
 
 
 def _name(p: Point) -> str:
-    return f"{p.branch}/step-{p.step}" if p.step is not None else p.branch
+    return f"{p.branch}@{p.step}" if p.step is not None else p.branch  # RUN@N: how a checkpoint is named elsewhere
 
 
 def source_points(source: Sequence[str]) -> tuple[list[Point], Path | None]:

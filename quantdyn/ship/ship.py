@@ -331,7 +331,7 @@ def ship(cfg: ShipConfig | str | Sequence[str], budget: float | None = None, out
     for n in notes:
         say(n)
     for how, members in make.items():
-        name = f"lawa-k{len(members)}" if how == "lawa" else "soup-decayed"
+        name = f"lawa-last{len(members)}" if how == "lawa" else "soup-decayed"  # ship's own, not a run's averages/
         path = out / "candidates" / name
         if not path.is_dir():
             say(f"making {name} from {len(members)} checkpoints")
