@@ -173,7 +173,7 @@ def _tiny_run_with_branches(root: Path, data_cfg) -> Path:
     from quantdyn.train.branches import cooldown
     from quantdyn.train.config import RunConfig
     from quantdyn.train.trainer import train
-    from tests.conftest import tiny_run_dict
+    from conftest import tiny_run_dict
 
     run = train(from_dict(RunConfig, tiny_run_dict(root, data_cfg, steps=12, checkpoint_every=4)), progress=False)
     cooldown(run, 4, [4], control=True)
