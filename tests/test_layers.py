@@ -79,3 +79,15 @@ def test_every_package_is_in_the_contract():
     names = {p.stem if p.suffix == ".py" else p.name for p in (ROOT / "quantdyn").iterdir()
              if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").is_file()}
     assert names == {n for layer in _contract_layers() for n in layer}
+
+
+def test_modules_that_start_the_quantizer_registry_import_first_in_a_fresh_process():
+    """quantdyn.export imports quantize/rotation, which imports gptq, whose registration loads every built-in
+    quantizer module, quantize/plan among them, while rotation is still half imported: plan must not take a name
+    from rotation at import (it did, and `import quantdyn.export` first failed with a circular ImportError)."""
+    import subprocess
+    import sys
+
+    for module in ("quantdyn.export", "quantdyn.ship.quantizations", "quantdyn.quantize.rotation"):
+        r = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True)
+        assert r.returncode == 0, (module, r.stderr[-1500:])

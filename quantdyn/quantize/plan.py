@@ -44,7 +44,7 @@ from quantdyn.quantize.catalogue import (AUTO_PREFIX, PLAN_PREFIX, QUANTIZERS, F
 from quantdyn.quantize.formats import F16
 from quantdyn.quantize.gguf import GGML_TYPES
 from quantdyn.quantize.gguf_mixes import MIXES, tensor_category
-from quantdyn.quantize.rotation import check_width
+from quantdyn.quantize import rotation  # the module, not its name: plan is loaded while rotation may still be (registry)
 
 PLAN_FORMAT = "quantdyn-plan"
 """The ``format`` field of a plan file."""
@@ -425,7 +425,7 @@ def check_types_fit(tensors: list[tuple[str, int, str, tuple[int, int]]], types:
     for name, _, _, shape in tensors:
         for t in types:
             if t != KEEP and parse_quantizer(t).hadamard:
-                check_width(shape[1], f"tensor {name}")
+                rotation.check_width(shape[1], f"tensor {name}")
             try:
                 alt = fallback_of(t, shape)
             except QuantdynError:  # rows fit no GGUF block at all (not a multiple of 32)
