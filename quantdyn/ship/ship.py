@@ -30,10 +30,8 @@ import hashlib
 import json
 import logging
 import math
-import os
 import shlex
 import statistics
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -48,7 +46,7 @@ from quantdyn.engine.rows import calibration_draws, ptq_fields, ptq_what, repeat
 from quantdyn.engine.sensitivity import model_tensors
 from quantdyn.engine.sinks import ExportSink
 from quantdyn.errors import QuantdynError
-from quantdyn.files import read_json, write_json_atomic
+from quantdyn.files import ensure_writable, read_json, write_json_atomic
 from quantdyn.models.adapters import model_type_of
 from quantdyn.progress import progress as counted
 from quantdyn.quantize.catalogue import QuantConfig, parse_quantizer
@@ -155,14 +153,7 @@ def _check_out(out: Path, request: dict) -> None:
             diff = sorted(k for k in set(old) | set(request) if old.get(k) != request.get(k))
             raise QuantdynError(f"--out '{out}' holds another decision (its {', '.join(diff)} differ); give another "
                                 "--out, or delete that directory")
-    probe = out if out.is_dir() else next((p for p in out.absolute().parents if p.exists()), Path("."))
-    try:  # a file made and removed at once: os.access says yes to root on read-only mounts and /proc
-        fd, tmp = tempfile.mkstemp(prefix=".quantdyn-ship-probe-", dir=probe)
-        os.close(fd)
-        os.unlink(tmp)
-    except OSError as e:
-        raise QuantdynError(f"--out '{out}' cannot be written ('{probe}': {e.strerror}); give a writable "
-                            "directory") from None
+    ensure_writable(out, "--out", kind="dir")  # qd.ship too, not only the command line's --out
 
 
 # ------------------------------------------------------------------ measurement
