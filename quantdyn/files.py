@@ -171,11 +171,12 @@ def link_or_copy(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
-def share_if_identical(src: Path, dst: Path) -> bool:
+def share_if_identical(src: Path, dst: Path, check_bytes: bool = True) -> bool:
     """Replace ``dst`` by a hard link to ``src`` when both hold the same bytes (atomically: a link under a
-    temporary name renamed over ``dst``); returns whether it did. Where links are impossible nothing changes."""
+    temporary name renamed over ``dst``); returns whether it did. Where links are impossible nothing changes.
+    ``check_bytes=False``: the caller has established that both files hold the same content in another way."""
     src, dst = Path(src), Path(dst)
-    if not (src.is_file() and dst.is_file()) or os.path.samefile(src, dst) or not same_bytes(src, dst):
+    if not (src.is_file() and dst.is_file()) or os.path.samefile(src, dst) or (check_bytes and not same_bytes(src, dst)):
         return False
     tmp = dst.parent / f".{dst.name}.link-{os.getpid()}"
     try:

@@ -273,6 +273,36 @@ def test_cooldown_and_control_from_an_hf_checkpoint(tmp_path, models, cli):
     assert [p.name for p in (tmp_path / "other").iterdir()] == ["notes.txt"]
 
 
+def test_the_optimizer_estimate_runs_once_per_experiment(tmp_path, models, cli, monkeypatch):
+    """Issue 46.4: the optimizer-moment estimate (estimate:K) is the same for every branch of one cooldown experiment:
+    the first branch makes it, the others take it from its step 0, and every branch ends bit for bit where it ends
+    when it estimates for itself."""
+    import quantdyn.train.branches as branches_mod
+    import quantdyn.train.trainer as trainer_mod
+
+    calls = []
+    real = trainer_mod.estimate_optimizer_state
+    monkeypatch.setattr(trainer_mod, "estimate_optimizer_state", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    src, out = models["llama"], tmp_path / "once"
+    assert cli(*_cooldown_argv(src, out, "--peak-lr", "1e-3", decays="2")).returncode == 0
+    assert len(calls) == 1  # two branches (the cooldown and its control), one estimate
+    # the reference: every branch estimates for itself (today's behaviour before the issue)
+    calls.clear()
+    monkeypatch.setattr(branches_mod, "is_resumable", lambda p: False)
+    ref = tmp_path / "each"
+    assert cli(*_cooldown_argv(src, ref, "--peak-lr", "1e-3", decays="2")).returncode == 0
+    assert len(calls) == 2
+    for b in ("cooldown-s0-d2-linear", "control-s0-d2"):
+        for step in (0, 2):
+            end = Path("branches") / b / "checkpoints" / f"step-000000{step}"
+            assert _weights_equal(ref / end, out / end), (b, step)
+        a, e = (torch.load(d / "branches" / b / "checkpoints" / "step-0000000" / "training_state.pt",
+                           weights_only=True) for d in (out, ref))
+        for i, st in e["optimizer"]["state"].items():
+            assert torch.equal(a["optimizer"]["state"][i]["exp_avg_sq"], st["exp_avg_sq"])
+            assert torch.equal(a["optimizer"]["state"][i]["exp_avg"], st["exp_avg"])
+
+
 @pytest.mark.e2e
 def test_cooldowns_from_an_hf_checkpoint_are_swept_and_reported(tmp_path, models, cli):
     """`quantdyn sweep --run DIR` measures a cooldown experiment from an HF checkpoint and `quantdyn report` gives

@@ -42,6 +42,7 @@ from quantdyn.runs import (
     remove_stale_temporaries,
 )
 from quantdyn.schedules import ScheduleConfig, _steps, lr_at
+from quantdyn.train.checkpoint import same_training_state
 from quantdyn.train.config import RunConfig, data_config_of, load_run_config
 from quantdyn.train.from_weights import check_hf_run
 from quantdyn.train.trainer import train
@@ -76,11 +77,12 @@ def _branch_pair(parent: RunConfig, from_step: int, decay_steps: int, shape: str
 
 
 def run_branch(cfg: RunConfig, branch_dir: Path, source: CheckpointInfo | None, parent: dict, progress: bool = True,
-               hooks: Sequence = (), verbose: bool = False) -> Path:
+               hooks: Sequence = (), verbose: bool = False, estimated: Path | None = None) -> Path:
     """Train one branch, resume it, or skip it when it is done. ``source``: the parent run's checkpoint it starts
     from (weights and optimizer state); None: it starts from the checkpoint ``cfg.model.hf``, its step 0 written
     first. ``parent``: the branch's link to its parent (run.json); ``hooks``: the trainer's step hooks (e.g.
-    ``quantdyn.monitor.hooks_for(cfg)``)."""
+    ``quantdyn.monitor.hooks_for(cfg)``). ``estimated``: another branch's step 0 whose optimizer estimate this
+    one takes instead of estimating it again (trainer.train; only where ``source`` is None)."""
     if RunDir(branch_dir).status(cfg.train.steps) == "finished":
         return branch_dir
     partial = latest_resumable(branch_dir)
@@ -89,7 +91,8 @@ def run_branch(cfg: RunConfig, branch_dir: Path, source: CheckpointInfo | None, 
         return train(cfg, branch_dir, resume=partial, **kw)
     if source is not None:
         return train(cfg, branch_dir, init_from=source, **kw)
-    return train(cfg, branch_dir, overwrite=True, **kw)  # a branch killed before its step 0 leaves nothing to keep
+    # a branch killed before its step 0 leaves nothing to keep
+    return train(cfg, branch_dir, overwrite=True, estimated=estimated, **kw)
 
 
 def cooldown(
@@ -197,7 +200,11 @@ def cooldown_from_checkpoint(
             link = {"run_dir": BRANCH_PARENT, "run": record.name, "from_step": 0, "kind": kind,
                     "decay_steps": d, "shape": shape if kind == "cooldown" else "constant",
                     "source": source.get("ref", parent.model.hf), "model": parent.model.hf}
-            paths.append(run_branch(cfg, bdir, None, link, progress, hooks=hooks, verbose=verbose))
+            # the optimizer estimate is the same for every branch (same weights, batches, seed): made once, by the
+            # first branch, and taken from its step 0 by the others
+            first = RunDir(paths[0]).checkpoint(0) if paths else None
+            paths.append(run_branch(cfg, bdir, None, link, progress, hooks=hooks, verbose=verbose,
+                                    estimated=first if first is not None and is_resumable(first) else None))
             _share_branch_point(record, source, RunDir(paths[0]).checkpoint(0), RunDir(bdir).checkpoint(0), out)
     return paths
 
@@ -218,12 +225,18 @@ def _check_out(out: Path, parent: RunConfig) -> None:
         raise QuantdynError(f"--out '{out}' is not empty and holds no cooldown experiment; choose a new directory")
 
 
+def _same_state_file(first: Path, this: Path) -> bool:
+    return (first / STATE).is_file() and (this / STATE).is_file() and same_training_state(first, this)
+
+
 def _share_branch_point(record: RunConfig, source: dict, first: Path, this: Path, out: Path) -> None:
     """The branch point as ``out``'s checkpoint at step 0 (once: linked from the first branch's, with the
-    experiment's own metadata), and a later branch's step 0 linked to the first's where the bytes agree."""
-    for name in (WEIGHTS, STATE):
-        if this != first:
-            share_if_identical(first / name, this / name)
+    experiment's own metadata), and a later branch's step 0 linked to the first's where the bytes agree (the
+    training state: where it holds the same values, as it does when taken from the first's estimate)."""
+    if this != first:
+        share_if_identical(first / WEIGHTS, this / WEIGHTS)
+        if not share_if_identical(first / STATE, this / STATE) and _same_state_file(first, this):
+            share_if_identical(first / STATE, this / STATE, check_bytes=False)
     main = RunDir(out).checkpoint(0)
     if has_weights(main):
         return

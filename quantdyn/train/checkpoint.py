@@ -72,3 +72,21 @@ def load_training_state(ckpt: Path) -> dict:
         return torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises several types for a truncated/corrupt file
         raise QuantdynError(f"'{p}' is corrupt ({type(e).__name__}); resume from an earlier checkpoint") from None
+
+
+def same_training_state(a: Path, b: Path) -> bool:
+    """Whether two checkpoints' training states hold the same values (every tensor bit for bit, its dtype and
+    shape, every other value and its type): a state loaded and saved again can differ in its bytes (pickle's
+    memo of shared objects) while holding the same state."""
+    def same(x, y) -> bool:
+        if type(x) is not type(y):
+            return False
+        if isinstance(x, torch.Tensor):
+            return x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+        if isinstance(x, dict):
+            return list(x) == list(y) and all(same(x[k], y[k]) for k in x)
+        if isinstance(x, (list, tuple)):
+            return len(x) == len(y) and all(same(u, v) for u, v in zip(x, y))
+        return x == y
+
+    return same(load_training_state(a), load_training_state(b))

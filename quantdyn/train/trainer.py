@@ -53,6 +53,7 @@ from quantdyn.models.causal_lm import RunModel, checkpoint_blocks, run_model
 from quantdyn.models.hf_io import load_gpt
 from quantdyn.progress import Progress
 from quantdyn.runs import (
+    STATE,
     CheckpointInfo,
     RunDir,
     checkpoint_dir,
@@ -60,6 +61,7 @@ from quantdyn.runs import (
     ema_name,
     has_checkpoints,
     lawa_name,
+    read_meta,
     remove_stale_temporaries,
 )
 from quantdyn.runtime import git_sha, hardware, resolve_device, seed_everything
@@ -198,6 +200,7 @@ def train(
     overwrite: bool = False,
     hooks: Sequence[StepHook] = (),
     verbose: bool = False,
+    estimated: Path | None = None,
 ) -> Path:
     """Train ``cfg``; return the run directory.
 
@@ -211,6 +214,9 @@ def train(
     hooks:      step hooks (:class:`StepHook`), e.g. ``quantdyn.monitor.hooks_for(cfg)`` for the PTQ monitor
                 that ``cfg.monitor`` describes.
     progress:   False prints nothing while training (--quiet); verbose: every logged row as a line too.
+    estimated:  model.hf with optimizer_start estimate: the step-0 checkpoint of another run of the same experiment
+                (same weights, optimizer, data, batch, seed and processes: the cooldown branches of one checkpoint)
+                whose estimated optimizer state this run takes instead of estimating it again.
     """
     runtime = resolve_runtime(cfg)
     run_dir = Path(run_dir) if run_dir is not None else Path(cfg.out_dir) / cfg.name
@@ -235,7 +241,7 @@ def train(
     stop = StopRequest().install()  # SIGUSR1: checkpoint this step and stop (train/stop_signal.py)
     try:
         if source is None and run.model.from_checkpoint:  # model.hf: its weights are the run's step 0
-            start_from_weights(run, state, console)
+            start_from_weights(run, state, console, estimated)
         throughput = Throughput(state.step, runtime.tokens_per_step)
         model.train()
         for step in range(state.step, cfg.train.steps):
@@ -591,13 +597,21 @@ def forward_backward(run: TrainingRun, state: TrainState, step: int, stream: int
     return total
 
 
-def start_from_weights(run: TrainingRun, state: TrainState, console: Progress) -> None:
+def start_from_weights(run: TrainingRun, state: TrainState, console: Progress, estimated: Path | None = None) -> None:
     """A run that starts from a checkpoint's weights alone (model.hf): the optimizer's start as
     ``optimizer_start`` says (estimate: its state filled by steps at LR 0 on batches of their own, the weights
     restored bit for bit afterwards), then the starting point written as the run's step 0 (with that
-    optimizer state: a resume from it is exact)."""
+    optimizer state: a resume from it is exact). ``estimated``: a step-0 checkpoint that holds that estimate
+    already (another branch of the same experiment, written by as many processes): its optimizer and RNG states
+    are taken, so this run continues exactly as if it had estimated them itself."""
     start = run.cfg.optimizer_start
-    if start.mode == "estimate":
+    saved = _estimate_of(run, estimated) if start.mode == "estimate" and estimated is not None else None
+    if saved is not None:
+        console.note(f"optimizer state: the estimate over {start.steps} steps of {estimated} (same experiment)")
+        run.runtime.strategy.load_optimizer_state(state.model, state.optimizer, saved["optimizer"])
+        optimizer_train_mode(state.optimizer)  # checkpoints hold the eval-mode point (schedule-free)
+        restore_rng_states(saved)
+    elif start.mode == "estimate":
         console.note(f"optimizer state: estimating over {start.steps} steps at LR 0")
         estimate_optimizer_state(state.model, state.optimizer, start.steps,
                                  lambda k: forward_backward(run, state, k, stream=1),
@@ -605,6 +619,23 @@ def start_from_weights(run: TrainingRun, state: TrainState, console: Progress) -
     lr = lr_at(-1, run.cfg.optim.lr, run.cfg.schedule, run.cfg.train.steps)  # the LR before the first update
     with averaged_point(state.optimizer, True):
         save_step(run, state, lr, None)
+
+
+def _estimate_of(run: TrainingRun, ckpt: Path) -> dict | None:
+    """The training state of the step-0 checkpoint ``ckpt`` when it holds this run's optimizer estimate (step 0 of
+    a run of the same weights, optimizer, optimizer_start, seed, batch and number of processes); None otherwise
+    (the run then estimates it itself)."""
+    meta = read_meta(ckpt)
+    conf = meta.get("config") or {}
+    mine = to_dict(run.resolved)
+    same = (meta.get("step") == 0 and meta.get("world_size", 1) == run.runtime.world
+            and all(conf.get(k) == mine.get(k) for k in ("model", "data", "optim", "optimizer_start", "seed", "qat"))
+            and all((conf.get("train") or {}).get(k) == mine["train"].get(k)
+                    for k in ("batch_size", "seq_len", "grad_accum", "grad_clip", "dtype")))
+    if not same or not (Path(ckpt) / STATE).is_file():
+        return None
+    saved = load_training_state(ckpt)
+    return saved if int(saved.get("step", -1)) == 0 else None
 
 
 class Throughput:
