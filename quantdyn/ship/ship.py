@@ -211,7 +211,9 @@ def _measure_slice(ctx: _Ctx, c: Candidate, qs: Sequence[Quantization], a: int, 
         for r, v in enumerate(repeat_labels(name, cfg.repeats)):
             variants[v], calib[v] = qc, ctx.calib[r]
     weights = open_checkpoint(c.path)
-    m = measure(weights, variants, ctx.eval_ids[a:b], calib, device=ctx.device, cfg=cfg.engine)
+    # an allocated plan's stability between draws is said beside the checkpoint's bf16 noise floor (plan_stability)
+    floor = None if stage == "screen" and cfg.repeats > 1 and any(not q.uniform for q, _, _ in todo.values()) else False
+    m = measure(weights, variants, ctx.eval_ids[a:b], calib, device=ctx.device, cfg=cfg.engine, noise_floor=floor)
     fp = m.fp_window_ce.double().numpy()
     rows = []
     for name, (q, label, qc) in todo.items():
@@ -242,8 +244,8 @@ def plan_stability(m, name: str, repeats: int) -> dict | None:
         return None
     labels = repeat_labels(name, repeats)
     plans = [plan_of(parse_quantizer(m.plans[v]["plan_label"])) for v in labels]
-    base = plans[0].assignment
-    changed = [sum(1 for t, ty in p.assignment.items() if base.get(t) != ty) for p in plans[1:]]
+    base = plans[0].assignment()
+    changed = [sum(1 for t, ty in p.assignment().items() if base.get(t) != ty) for p in plans[1:]]
     kls = [m.plans[v].get("plan_predicted_kl_joint") for v in labels]
     kls = [k for k in kls if k is not None]
     actual = [m.metrics[v]["kl"] for v in labels if v in m.metrics]
@@ -532,6 +534,20 @@ def answer_lines(report: dict) -> list[str]:
                    f"{nv['ce_q']:.4f}: naive − chosen = {e} ± {s} nats (z = {z}), {verdict}")
     elif nv:
         out.append(f"naive choice: {nv['artifact']} x {nv['quantizer']} is the chosen option")
+    st = report.get("chosen_plan_stability")
+    if st:
+        out.append(stability_line(st))
     out.append(f"export: {report['export']['path']} ({report['export']['format']}, sha256 "
                f"{report['export']['sha256'][:16]}…)")
     return out
+
+
+def stability_line(st: dict) -> str:
+    """How much the shipped plan moved between calibration draws, in one line (plan_stability's fields)."""
+    changed = ", ".join(str(c) for c in st["changed_tensors"])
+    kl = st.get("kl") or []
+    spread = (f"its KL {statistics.fmean(kl):.3g} ± {st['kl_sd']:.2g} (sd over draws)" if st.get("kl_sd") is not None
+              else "its KL spread unmeasured")
+    floor = (f", against a bf16 noise floor of {st['floor_kl']:.3g}" if st.get("floor_kl") is not None else "")
+    return (f"plan stability over {st['draws']} calibration draws: {changed} of {st['n_tensors']} tensors change type "
+            f"from draw 0's plan; {spread}{floor}")
