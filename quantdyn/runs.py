@@ -8,7 +8,9 @@
                                   quantdyn.json (step, tokens, lr, schedule, config, git SHA),
                                   training_state.pt (optimizer, step, RNG; loaded weights_only)
       branches/NAME/              child runs (cooldowns, constant-LR controls), same layout;
-                                  NAME: cooldown-sS-dD-SHAPE, control-sS-dD (:func:`cooldown_branch`)
+                                  NAME: cooldown-sS-dD-SHAPE, control-sS-dD (:func:`cooldown_branch`);
+                                  a cooldown with an intervention: cooldown-sS-dD-SHAPE-TAG, TAG e.g.
+                                  sam0.05, asam0.5, qat-rtn4, sam0.05-qat-q4_k (:func:`intervention_tag`)
       averages/NAME/step-N/       averaged checkpoints as HF checkpoints; NAME: lawa-kK-pP (online),
                                   lawa-kK-pP-offline, ema-DECAY, soup-..., interp-A-B/alpha-X (:func:`lawa_name` ...)
 
@@ -32,6 +34,7 @@ import json
 import re
 import shutil
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 
 from quantdyn.config import load_yaml
@@ -397,7 +400,8 @@ MAIN = "main"
 """The branch name of a run's own checkpoints."""
 COOLDOWN = "cooldown"
 CONTROL = "control"
-_BRANCH = re.compile(r"^(cooldown|control)-s(\d+)-d(\d+)(?:-(.+))?$")
+_TAG = r"(?:a?sam\d[\d.]*(?:-qat-.+)?|qat-.+)"
+_BRANCH = re.compile(rf"^(cooldown|control)-s(\d+)-d(\d+)(?:-(.+?))??(?:-({_TAG}))?$")
 
 
 @dataclass(frozen=True)
@@ -412,14 +416,34 @@ class BranchName:
     """Its length in steps (the decay's, for a control its twin's)."""
     shape: str | None
     """The decay shape of a cooldown (linear, cosine, 1-sqrt; None on a control or an old unshaped name)."""
+    intervention: str | None = None
+    """What the cooldown trains with besides its decay (:func:`intervention_tag`: sam0.05, qat-rtn4, ...);
+    None for the standard cooldown and for controls."""
 
 
-def cooldown_branch(from_step: int, decay_steps: int, shape: str) -> str:
+def _plain_number(value: float) -> str:
+    """A number without exponent or sign, as names spell it (1e-05 -> 0.00001, 0.05 -> 0.05, 1.0 -> 1)."""
+    text = format(Decimal(repr(float(value))), "f")
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def intervention_tag(sam_rho: float = 0.0, sam_adaptive: bool = False, qat_format: str = "") -> str:
+    """The part of a cooldown branch's name that says what it trains with besides its decay: ``sam<rho>``
+    (``asam<rho>`` adaptive), ``qat-<format label>``, both as ``sam0.05-qat-rtn4``; '' for neither."""
+    parts = []
+    if sam_rho > 0:
+        parts.append(f"{'asam' if sam_adaptive else 'sam'}{_plain_number(sam_rho)}")
+    if qat_format:
+        parts.append(f"qat-{qat_format}")
+    return "-".join(parts)
+
+
+def cooldown_branch(from_step: int, decay_steps: int, shape: str, intervention: str = "") -> str:
     """The name of a cooldown branch: ``cooldown-s<from_step>-d<decay_steps>-<shape>`` (the shape may hold
-    dashes: ``1-sqrt``)."""
+    dashes: ``1-sqrt``), then ``-<intervention>`` for a cooldown with one (:func:`intervention_tag`)."""
     if not shape:
         raise QuantdynError("a cooldown branch needs a decay shape (linear, cosine, 1-sqrt)")
-    return f"{COOLDOWN}-s{int(from_step)}-d{int(decay_steps)}-{shape}"
+    return f"{COOLDOWN}-s{int(from_step)}-d{int(decay_steps)}-{shape}" + (f"-{intervention}" if intervention else "")
 
 
 def control_branch(from_step: int, decay_steps: int) -> str:
@@ -433,23 +457,37 @@ def parse_branch(name: str | None) -> BranchName | None:
     m = _BRANCH.match(str(name or ""))
     if m is None:
         return None
-    kind, s, d, shape = m.groups()
-    if kind == CONTROL and shape is not None:
+    kind, s, d, shape, tag = m.groups()
+    if kind == CONTROL and (shape is not None or tag is not None) or (tag is not None and shape is None):
         return None
-    return BranchName(kind, int(s), int(d), shape)
+    return BranchName(kind, int(s), int(d), shape, tag)
 
 
 def control_of(branch: str | None) -> str | None:
     """The control twin of a cooldown branch (``cooldown-s8-d4-1-sqrt`` -> ``control-s8-d4``); None when
-    ``branch`` is not a cooldown branch."""
+    ``branch`` is not a standard cooldown branch (a cooldown with an intervention is compared with the standard
+    cooldown, :func:`standard_of`, not paired with the control)."""
     b = parse_branch(branch)
-    return control_branch(b.from_step, b.decay_steps) if b is not None and b.kind == COOLDOWN else None
+    return control_branch(b.from_step, b.decay_steps) if is_cooldown(branch) else None
 
 
 def is_cooldown(branch: str | None) -> bool:
-    """Whether ``branch`` is named as a cooldown branch."""
+    """Whether ``branch`` is named as a standard cooldown branch (a decay and nothing else)."""
     b = parse_branch(branch)
-    return b is not None and b.kind == COOLDOWN
+    return b is not None and b.kind == COOLDOWN and b.intervention is None
+
+
+def is_intervention(branch: str | None) -> bool:
+    """Whether ``branch`` is a cooldown with an intervention (SAM, QAT: ``cooldown-s8-d4-linear-qat-rtn4``)."""
+    b = parse_branch(branch)
+    return b is not None and b.kind == COOLDOWN and b.intervention is not None
+
+
+def standard_of(branch: str | None) -> str | None:
+    """The standard cooldown an intervention's branch is compared with: the same start, length and shape without
+    the intervention (``cooldown-s8-d4-linear-qat-rtn4`` -> ``cooldown-s8-d4-linear``); None otherwise."""
+    b = parse_branch(branch)
+    return cooldown_branch(b.from_step, b.decay_steps, b.shape) if is_intervention(branch) else None
 
 
 def is_control(branch: str | None) -> bool:

@@ -229,6 +229,9 @@ class RunConfig:
             raise QuantdynError(f"run name '{self.name}' must be non-empty and contain no '/'")
         if self.model.hf and self.init_weights:
             raise QuantdynError("init_weights does not go with model.hf (the weights are model.hf's); drop one")
+        if self.qat is not None and self.qat.method == "format" and self.dist.strategy == "fsdp2":
+            raise QuantdynError(f"qat.format={self.qat.format} quantizes whole weights, which fsdp2 shards; use "
+                                "dist.strategy=ddp (the default)")
         if self.model.hf and self.optimizer_start.mode == "estimate" and self.optim.name == "schedulefree_adamw":
             raise QuantdynError("optimizer_start.mode=estimate steps at LR 0, which schedule-free AdamW cannot; "
                                 "use optimizer_start.mode=fresh with a schedule.warmup")
