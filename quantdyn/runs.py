@@ -10,7 +10,9 @@
       branches/NAME/              child runs (cooldowns, constant-LR controls), same layout;
                                   NAME: cooldown-sS-dD-SHAPE, control-sS-dD (:func:`cooldown_branch`);
                                   a cooldown with an intervention: cooldown-sS-dD-SHAPE-TAG, TAG e.g.
-                                  sam0.05, asam0.5, qat-rtn4, sam0.05-qat-q4_k (:func:`intervention_tag`)
+                                  sam0.05, asam0.5, qat-rtn4, sam0.05-qat-q4_k (:func:`intervention_tag`);
+                                  no decay + averaging: nodecay-sS-dD-AVG, AVG lawa-kK-pP or ema-DECAY
+                                  (:func:`nodecay_branch`), its endpoint the average in its own averages/
       averages/NAME/step-N/       averaged checkpoints as HF checkpoints; NAME: lawa-kK-pP (online),
                                   lawa-kK-pP-offline, ema-DECAY, soup-..., interp-A-B/alpha-X (:func:`lawa_name` ...)
 
@@ -419,6 +421,32 @@ class BranchName:
     intervention: str | None = None
     """What the cooldown trains with besides its decay (:func:`intervention_tag`: sam0.05, qat-rtn4, ...);
     None for the standard cooldown and for controls."""
+    average: str | None = None
+    """A no-decay branch's average (lawa-kK-pP, ema-DECAY: :func:`lawa_name`, :func:`ema_name`); None otherwise."""
+
+
+NODECAY = "nodecay"
+"""The kind of a no-decay branch: constant LR for D steps, then its weight average as the endpoint."""
+_NODECAY = re.compile(r"^nodecay-s(\d+)-d(\d+)-(lawa-k\d+-p\d+|ema-\d[\d.]*)$")
+
+
+def nodecay_branch(from_step: int, decay_steps: int, average: str) -> str:
+    """The name of a no-decay branch: ``nodecay-s<from_step>-d<decay_steps>-<average>``, where ``average`` is the
+    online average that is its endpoint (``lawa-k5-p10``, ``ema-0.99``: :func:`parse_average`)."""
+    parse_average(average)
+    return f"{NODECAY}-s{int(from_step)}-d{int(decay_steps)}-{average}"
+
+
+def parse_average(name: str) -> tuple[str, float, int]:
+    """('lawa', K, P) of ``lawa-kK-pP``, ('ema', DECAY, 0) of ``ema-DECAY``; one line for any other name."""
+    m = re.fullmatch(r"lawa-k(\d+)-p(\d+)", str(name))
+    if m is not None and int(m[1]) >= 1 and int(m[2]) >= 1:
+        return "lawa", int(m[1]), int(m[2])
+    m = re.fullmatch(r"ema-(\d[\d.]*)", str(name))
+    if m is not None and 0 < float(m[1]) < 1 and ema_name(float(m[1])) == name:
+        return "ema", float(m[1]), 0
+    raise QuantdynError(f"average '{name}': name it lawa-kK-pP (the last K snapshots, P steps apart, e.g. "
+                        "lawa-k5-p10) or ema-DECAY (a per-step decay in (0, 1), e.g. ema-0.99)")
 
 
 def _plain_number(value: float) -> str:
@@ -456,7 +484,8 @@ def parse_branch(name: str | None) -> BranchName | None:
     """The parts of a cooldown or control branch name; None for any other branch (main, averages ...)."""
     m = _BRANCH.match(str(name or ""))
     if m is None:
-        return None
+        nd = _NODECAY.match(str(name or ""))
+        return BranchName(NODECAY, int(nd[1]), int(nd[2]), None, average=nd[3]) if nd is not None else None
     kind, s, d, shape, tag = m.groups()
     if kind == CONTROL and (shape is not None or tag is not None) or (tag is not None and shape is None):
         return None
@@ -481,6 +510,12 @@ def is_intervention(branch: str | None) -> bool:
     """Whether ``branch`` is a cooldown with an intervention (SAM, QAT: ``cooldown-s8-d4-linear-qat-rtn4``)."""
     b = parse_branch(branch)
     return b is not None and b.kind == COOLDOWN and b.intervention is not None
+
+
+def is_nodecay(branch: str | None) -> bool:
+    """Whether ``branch`` is a no-decay branch (constant LR, then an average: ``nodecay-s8-d4-lawa-k2-p2``)."""
+    b = parse_branch(branch)
+    return b is not None and b.kind == NODECAY
 
 
 def standard_of(branch: str | None) -> str | None:

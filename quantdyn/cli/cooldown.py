@@ -32,6 +32,10 @@ def cooldown(
     qat: Optional[str] = typer.Option(None, "--qat", help="Train the cooldowns with this format's fake quantization "
                                                           "(straight-through), e.g. rtn4 (int4 g128), q4_k, nvfp4; "
                                                           "= qat.format=FORMAT."),
+    nodecay: Optional[str] = typer.Option(None, "--nodecay", help="Of a quantdyn run: also no-decay branches, constant "
+                                                                  "LR to the end, then this average as the endpoint: "
+                                                                  "lawa-kK-pP (the last K snapshots P steps apart) or "
+                                                                  "ema-DECAY; comma-separated for several."),
     peak_lr: Optional[float] = typer.Option(None, "--peak-lr", rich_help_panel=_CHECKPOINT,
                                             help="The stable-phase LR the branches start at [default: a preset "
                                                  "point's LR there; required otherwise]."),
@@ -66,18 +70,23 @@ def cooldown(
         raise QuantdynError(f"--decay-steps '{decay_steps}' must be integers separated by commas, e.g. 200,400") from None
     show = dict(progress=mode != "quiet", verbose=mode == "verbose")
     if RunDir(model).is_run:
-        paths = _from_run(Path(model), from_step, ds, shape, control, device, overrides, out, peak_lr, qat, show)
+        paths = _from_run(Path(model), from_step, ds, shape, control, device, overrides, out, peak_lr, qat, nodecay,
+                          show)
     else:
         if from_step is not None:
             raise QuantdynError(f"--from-step is for a quantdyn run directory; '{model}' is a checkpoint, whose weights "
                                 "are the branch point (step 0 of every branch)")
+        if nodecay:
+            raise QuantdynError("--nodecay is for a quantdyn run directory (with --from-step); not built yet for a "
+                                "cooldown from a checkpoint")
         paths = _from_checkpoint(model, ds, shape, control, peak_lr, data, batch_size, seq_len, optimizer_start, out,
                                  device, overrides or [], qat, show)
     for p in paths:
         typer.echo(f"branch: {p}")
 
 
-def _from_run(run_dir: Path, from_step, ds, shape, control, device, overrides, out, peak_lr, qat, show) -> list[Path]:
+def _from_run(run_dir: Path, from_step, ds, shape, control, device, overrides, out, peak_lr, qat, nodecay,
+              show) -> list[Path]:
     from quantdyn.config import parse_override
     from quantdyn.monitor import hooks_for
     from quantdyn.train.branches import cooldown as run_cooldown
@@ -98,13 +107,15 @@ def _from_run(run_dir: Path, from_step, ds, shape, control, device, overrides, o
             raise QuantdynError(f"--qat {qat} and qat.format={given['qat.format']} disagree; give one")
         given["qat.format"] = qat
     intervention = intervention_of(given)
+    averages = [a.strip() for a in (nodecay or "").split(",") if a.strip()]
     from quantdyn.files import ensure_writable
     from quantdyn.runs import RunDir, resolve_step
 
     step = resolve_step(run_dir, from_step)  # -100: 100 steps before the run's end, whatever its length
     ensure_writable(RunDir(run_dir).branches, f"the branches of run '{run_dir}'")
     hooks = hooks_for(load_run_config(run_dir))  # the parent's monitor section, for every branch
-    return run_cooldown(run_dir, step, ds, shape, control, device=device, hooks=hooks, intervention=intervention, **show)
+    return run_cooldown(run_dir, step, ds, shape, control, device=device, hooks=hooks, intervention=intervention,
+                        nodecay=averages, **show)
 
 
 def _from_checkpoint(model: str, ds, shape, control, peak_lr, data, batch_size, seq_len, optimizer_start, out,

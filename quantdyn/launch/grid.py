@@ -50,7 +50,7 @@ from quantdyn.monitor import hooks_for
 from quantdyn.runtime import git_sha
 from quantdyn.runs import CHECKPOINTS, METRICS, STATE, WEIGHTS, RunDir, latest_resumable, step_name
 from quantdyn.sources.presets import as_hub_ref
-from quantdyn.train.config import RunConfig
+from quantdyn.train.config import RunConfig, check_warmdown
 from quantdyn.train.trainer import train
 
 MANIFEST = "grid.json"
@@ -163,6 +163,8 @@ def expand_grid(base: dict, vary: Sequence[str], seeds: int = 0, grid_dir: str |
     if seeds and "seed" in keys:
         raise QuantdynError("give --seeds N or --vary seed=..., not both")
     base_cfg = from_dict(RunConfig, base)  # the base itself must be valid
+    if "schedule.decay" not in keys and "train.steps" not in keys:
+        check_warmdown(base_cfg)
     aliases = [_alias(k, keys) for k in keys]
     seed_list = [base_cfg.seed + i for i in range(seeds)] if seeds else [None]
     out, names = [], set()
@@ -184,6 +186,7 @@ def expand_grid(base: dict, vary: Sequence[str], seeds: int = 0, grid_dir: str |
             if grid_dir is not None:
                 d["out_dir"] = str(Path(grid_dir) / "runs")
             cfg = from_dict(RunConfig, d)
+            check_warmdown(cfg)  # a warmdown axis (schedule.decay) longer than the run: one line, before any work
             for key in keys:  # store the typed value ('1e-4' is a string to YAML 1.1, a float to the config)
                 d = set_dotted(d, key.split("."), to_dict(_get_dotted(cfg, key.split("."))))
             out.append((name, d))

@@ -32,9 +32,9 @@ from typing import Sequence
 
 import yaml
 
-from quantdyn.config import apply_overrides, from_dict, load_yaml, parse_override
+from quantdyn.config import apply_overrides, from_dict, load_yaml, parse_override, to_dict
 from quantdyn.errors import QuantdynError, unknown_name
-from quantdyn.launch.grid import parse_vary
+from quantdyn.launch.grid import expand_grid, parse_vary
 from quantdyn.quantize.catalogue import parse_quantizer
 from quantdyn.runs import control_branch, cooldown_branch, lawa_name
 from quantdyn.schedules import DECAY_SHAPES
@@ -42,7 +42,7 @@ from quantdyn.sources.trajectory import TrajectoryConfig
 from quantdyn.studies.families import FINDING_FAMILIES
 from quantdyn.studies.scales import SCALES, apart_paths, apply_scale
 from quantdyn.sweep.sweep import SweepConfig
-from quantdyn.train.config import RunConfig
+from quantdyn.train.config import RunConfig, check_warmdown
 
 _DEFAULT_TRAJECTORY = TrajectoryConfig(run="runs/tiny")
 
@@ -219,6 +219,10 @@ class StudySpec:
         keys = [parse_vary(v)[0] for v in self.vary]
         if "seed" in keys:
             raise QuantdynError("vary: give seeds as `seeds: [...]`, not vary seed=...")
+        if self.vary:  # every grid point typed and checked now (a warmdown axis longer than the run: one line)
+            expand_grid(to_dict(self.run), list(self.vary))
+        else:
+            check_warmdown(self.run)
         for q in self.sweep.quantizers:
             parse_quantizer(q)
         steps, every = self.run.train.steps, self.run.train.checkpoint_every

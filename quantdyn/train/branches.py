@@ -36,14 +36,17 @@ from quantdyn.runs import (
     cooldown_branch,
     has_weights,
     intervention_tag,
+    nodecay_branch,
+    parse_average,
     is_resumable,
     latest_resumable,
     list_checkpoints,
+    parse_branch,
     read_meta,
     remove_stale_temporaries,
 )
 from quantdyn.schedules import ScheduleConfig, _steps, lr_at
-from quantdyn.train.config import RunConfig, data_config_of, load_run_config
+from quantdyn.train.config import AveragingConfig, RunConfig, data_config_of, load_run_config
 from quantdyn.train.from_weights import check_hf_run
 from quantdyn.train.qat import QATConfig
 from quantdyn.train.trainer import train
@@ -133,6 +136,24 @@ def _branch_pair(parent: RunConfig, from_step: int, decay_steps: int, shape: str
     return cool, ctrl
 
 
+def nodecay_config(control: RunConfig, from_step: int, decay_steps: int, average: str) -> RunConfig:
+    """The no-decay branch of a control twin ``control`` (WSO: no decay at all, the weights averaged at the end):
+    the same constant LR, data and steps, with the online average ``average`` (lawa-kK-pP: the last K snapshots
+    P steps apart, all inside the branch; ema-DECAY) whose value at the last step is the branch's endpoint."""
+    kind, a, b = parse_average(average)
+    end = control.train.steps
+    if kind == "lawa":
+        k, p = int(a), b
+        if end % p or (k - 1) * p >= decay_steps:
+            raise QuantdynError(f"{average} at the end of a {decay_steps}-step branch ending at step {end}: its {k} "
+                                f"snapshots {p} steps apart must lie inside the branch (K-1)*P < {decay_steps}, and P "
+                                f"must divide {end}; choose a shorter window or another P")
+        avg = AveragingConfig(lawa_window=k, lawa_every=p)
+    else:
+        avg = AveragingConfig(ema_decay=a)
+    return replace(control, name=nodecay_branch(from_step, decay_steps, average), averaging=avg)
+
+
 def run_branch(cfg: RunConfig, branch_dir: Path, source: CheckpointInfo | None, parent: dict, progress: bool = True,
                hooks: Sequence = (), verbose: bool = False) -> Path:
     """Train one branch, resume it, or skip it when it is done. ``source``: the parent run's checkpoint it starts
@@ -153,10 +174,13 @@ def run_branch(cfg: RunConfig, branch_dir: Path, source: CheckpointInfo | None, 
 def cooldown(
     run_dir: Path, from_step: int, decay_steps: list[int], shape: str = "linear", control: bool = False,
     progress: bool = True, device: str | None = None, hooks: Sequence = (), verbose: bool = False,
-    intervention: Intervention = Intervention(),
+    intervention: Intervention = Intervention(), nodecay: Sequence[str] = (),
 ) -> list[Path]:
     """Start cooldown branches (and control twins) from the run's checkpoint at ``from_step``.
 
+    nodecay: averages (lawa-kK-pP, ema-DECAY) for no-decay branches beside the cooldowns: constant LR over the same
+            steps, then that online average as the endpoint (``nodecay-sS-dD-AVG``, :func:`nodecay_config`); with
+            no cooldowns wanted, ``decay_steps`` is still the branches' length.
     intervention: what the cooldowns train with besides the decay (SAM, QAT in a format; named in the branch:
             ``cooldown-sS-dD-SHAPE-qat-rtn4``); the controls are the plain constant-LR twins either way.
     device: overrides the parent's train.device for the branches (e.g. 'cpu', 'cuda:1').
@@ -178,14 +202,17 @@ def cooldown(
     source = checkpoint_info(ckpt, from_step)
     out = []
     pairs = [branch_configs(parent_cfg, from_step, d, shape, intervention) for d in decay_steps]  # all checked first
+    flat = [nodecay_config(ctrl, from_step, d, a) for d, (_, ctrl) in zip(decay_steps, pairs) for a in nodecay]
     for d, (cool, ctrl) in zip(decay_steps, pairs):
-        pairs = [(cool, "cooldown")] + ([(ctrl, "control")] if control else [])
-        for cfg, kind in pairs:
+        todo = [(cool, "cooldown")] + ([(ctrl, "control")] if control else [])
+        todo += [(c, "nodecay") for c in flat if c.train.steps == ctrl.train.steps]
+        for cfg, kind in todo:
             bdir = RunDir(run_dir).branch(cfg.name).path
             remove_stale_temporaries(bdir)
             parent = {"run_dir": BRANCH_PARENT, "run": parent_cfg.name, "from_step": from_step, "kind": kind,
                       "decay_steps": d, "shape": shape if kind == "cooldown" else "constant",
-                      **({"intervention": intervention.tag} if kind == "cooldown" and intervention.tag else {})}
+                      **({"intervention": intervention.tag} if kind == "cooldown" and intervention.tag else {}),
+                      **({"average": parse_branch(cfg.name).average} if kind == "nodecay" else {})}
             out.append(run_branch(cfg, bdir, source, parent, progress, hooks=hooks, verbose=verbose))
     return out
 
