@@ -137,3 +137,21 @@ def test_intervention_names_round_trip():
         assert standard_of(cooldown_branch(8, 4, shape)) is None and is_cooldown(cooldown_branch(8, 4, shape))
     for name in ("control-s8-d4-qat-rtn4", "cooldown-s8-d4-qat-rtn4", "cooldown-s8-d4-linear-sam"):
         assert not is_intervention(name)
+
+
+def test_qat_cooldown_from_an_hf_checkpoint(tmp_path, hf_models, cli):
+    """--qat on a cooldown from a Hugging Face checkpoint: the cooldowns train with the format (per tensor of the
+    llama blocks), the controls do not."""
+    out = tmp_path / "cd"
+    r = cli("cooldown", hf_models["llama"], "--peak-lr", "1e-3", "--decay-steps", "2", "--control", "--qat", "nvfp4",
+            "--data", "builtin:kjv", "--batch-size", "2", "--seq-len", "16", "--out", out, "--optimizer-start",
+            "estimate:2", "--quiet", "data.max_tokens=200000", "data.bpe_train_chars=400000", "train.eval_windows=4",
+            "train.eval_every=0", "train.log_every=1")
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in (out / "branches").iterdir()) == ["control-s0-d2", "cooldown-s0-d2-linear-qat-nvfp4"]
+    qat = out / "branches" / "cooldown-s0-d2-linear-qat-nvfp4"
+    assert _info(qat)["qat_format"] == "nvfp4" and _info(qat)["parent"]["intervention"] == "qat-nvfp4"
+    assert yaml.safe_load((out / "branches" / "control-s0-d2" / "config.yaml").read_text()).get("qat") is None
+    bad = cli("cooldown", hf_models["llama"], "--peak-lr", "1e-3", "--decay-steps", "2", "--qat", "gptq3",
+              "--out", tmp_path / "bad", "--quiet")
+    assert bad.returncode == 2 and "no fake-quantized training path" in bad.stderr and not (tmp_path / "bad").exists()
