@@ -157,3 +157,52 @@ def test_league_study_end_to_end(tmp_path, kjv_small):
     assert len(detail) == 2 * 2 * 2 and all(d["paired"] for d in detail)  # CE(q) paired window by window
     assert [f["deployed_format"] for f in found if f["branch"].endswith("qat-rtn4")].count(True) == 1
     assert (tmp_path / "report" / "findings_interventions.png").is_file()
+
+
+def test_grid_values_read_back_what_the_grid_named():
+    from quantdyn.launch.grid import expand_grid, grid_values
+
+    keys = ["schedule.decay", "schedule.decay_shape"]
+    for name, d in expand_grid({"name": "wd", "train": {"steps": 100}}, ["schedule.decay=0.1,0.33",
+                                                                         "schedule.decay_shape=linear,1-sqrt"], seeds=2):
+        v = grid_values(name, keys)
+        assert v == {"schedule.decay": str(d["schedule"]["decay"]), "schedule.decay_shape": d["schedule"]["decay_shape"]}
+    assert grid_values("wd-lr1e-3-s0", keys) is None and grid_values("wd", keys) is None
+
+
+def test_warmdown_findings_by_hand():
+    """Each length x shape against the 20 % linear run of its seed, final checkpoints paired over windows."""
+    from quantdyn.studies.league import warmdown_findings
+
+    base_fp = np.linspace(3.0, 3.5, N)
+    pattern = np.array([1, -1] * (N // 2), dtype=float)
+    shift = {"wd-decay0.2-shapelinear": 0.0, "wd-decay0.33-shapelinear": -0.02, "wd-decay0.2-shape1-sqrt": 0.01}
+    rows, fpw = [], {}
+    for seed in (0, 1):
+        for fam, off in shift.items():
+            run = f"{fam}-s{seed}"
+            for step in (50, 100):
+                ck = f"/x/{run}/step-{step}"
+                fp = base_fp + (0.001 * seed if off else 0.0)
+                fpw[ck] = fp.tolist()
+                wd = 0.1 + (off if step == 100 else 0.5) + (0.003 * pattern if off else np.zeros(N))
+                rows.append({"kind": "ptq", "run": run, "branch": "main", "step": step, "tokens": step * 10,
+                             "quantizer": "rtn4", "bits": 4, "checkpoint": ck, "ckpt_kind": "checkpoint",
+                             "ce_fp": float(fp.mean()), "delta_ce": float(wd.mean()), "window_delta": wd.tolist(),
+                             "delta_ce_se": 0.01, "ce_q": float((fp + wd).mean()), "eval_hash": "e"})
+    runs = sorted({r["run"] for r in rows})
+    found, detail = warmdown_findings(rows, runs, fp_windows=fpw)
+    f = {x["seed_family"]: x for x in found}
+    assert set(f) == {"wd-decay0.33-shapelinear", "wd-decay0.2-shape1-sqrt"} and len(detail["warmdown"]) == 4
+    x = f["wd-decay0.33-shapelinear"]
+    # per seed: -0.02 + FP shift 0.001*seed; windows: the ±0.003 pattern
+    per_seed = [-0.02, -0.02 + 0.001]
+    se_w = 0.003 * math.sqrt(N / (N - 1)) / math.sqrt(N)
+    assert x["effect"] == pytest.approx(np.mean(per_seed), abs=1e-12)
+    assert x["se"] == pytest.approx(max(math.sqrt(2) * se_w / 2, np.std(per_seed, ddof=1) / math.sqrt(2)), rel=1e-9)
+    assert x["verdict"] == "reproduced" and x["d_ce_fp"] == pytest.approx(0.0005, abs=1e-12)
+    assert x["warmdown"] == {"schedule.decay": "0.33", "schedule.decay_shape": "linear"}
+    assert f["wd-decay0.2-shape1-sqrt"]["verdict"] == "opposite"
+    assert [y["seed_family"] for y in found] == ["wd-decay0.33-shapelinear", "wd-decay0.2-shape1-sqrt"]
+    # without the 20 % linear run there is nothing to compare with
+    assert warmdown_findings([r for r in rows if "0.2-shapelinear" not in r["run"]], runs)[0] == []

@@ -138,6 +138,24 @@ def _name_part(value: str) -> str:
     return re.sub(r"[^A-Za-z0-9.+\-_]+", "_", value).strip("_") or "x"
 
 
+def grid_values(run: str, keys: Sequence[str]) -> dict[str, str] | None:
+    """The values of ``keys`` that :func:`expand_grid` spelled into ``run``'s name (``wd-decay0.33-shape1-sqrt-s0``
+    with keys schedule.decay, schedule.decay_shape -> {schedule.decay: '0.33', schedule.decay_shape: '1-sqrt'}), as
+    written there; None when the name does not carry every key. A value's dashes stay in it (a part that does not
+    start with another key's alias continues the value before it)."""
+    aliases = {_alias(k, keys): k for k in keys}
+    out: dict[str, str] = {}
+    current = None
+    for part in re.sub(r"-s\d+$", "", run).split("-"):
+        head = next((a for a in sorted(aliases, key=len, reverse=True) if part.startswith(a)), None)
+        if head is not None and aliases[head] not in out:
+            current = aliases[head]
+            out[current] = part[len(head):]
+        elif current is not None:
+            out[current] += "-" + part
+    return out if set(out) == set(keys) and all(out.values()) else None
+
+
 def _get_dotted(cfg: Any, path: list[str]) -> Any:
     for p in path:
         cfg = cfg[p] if isinstance(cfg, dict) else getattr(cfg, p)

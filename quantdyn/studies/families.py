@@ -273,6 +273,17 @@ register_family(FindingFamily(
         draw=lambda found, detail, out: _league_figure().league(found, out))))
 
 
+register_family(FindingFamily(
+    name="warmdown", about="issue 48.3, each warmdown length x shape of a grid against the 20 % linear warmdown: "
+                           "the final checkpoints' quantized CE, FP CE beside it",
+    needs="vary over schedule.decay and/or schedule.decay_shape, with the 20 % linear warmdown among the values",
+    in_spec=lambda spec: bool(set(league.WARMDOWN_KEYS) & {parse_vary(v)[0] for v in spec.vary}),
+    in_rows=lambda rows: bool(league.warmdown_points(fd.trained_runs(rows))[1]),
+    compute=lambda i: league.warmdown_findings(i.rows, i.runs, i.spec.quantizers, i.spec.z, i.fp_windows),
+    label=lambda f, with_family: f"{f['quantizer']} · " + " ".join(f"{k.rsplit('.', 1)[1]} {v}" for k, v in
+                                                                  f["warmdown"].items()) if f.get("warmdown") else None))
+
+
 def _league_figure():
     """studies/league_figure.py, imported when its figure is drawn (matplotlib)."""
     from quantdyn.studies import league_figure

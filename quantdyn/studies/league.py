@@ -18,6 +18,7 @@ from one checkpoint per seed) are one line naming them.
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from typing import Mapping, Sequence
 
@@ -132,3 +133,89 @@ def league_findings(rows: list[dict], runs: Sequence[str], quantizers: Sequence[
             baseline=statistics.fmean(g["ref"]), baseline_of="the standard endpoint's CE(quantized)", **cost))
     out.sort(key=lambda f: (qs.index(f["quantizer"]), f["effect"]))
     return out, {"interventions": detail}
+
+
+# ------------------------------------------------------------------ the warmdown grid (issue 48.3)
+WARMDOWN_KEYS = ("schedule.decay", "schedule.decay_shape")
+"""The grid axes of a warmdown study: its length (a fraction of the run, or steps) and its shape."""
+WARMDOWN_BASELINE = {"schedule.decay": 0.2, "schedule.decay_shape": "linear"}
+"""What every warmdown is compared with: paper A's WSD, a 20 % linear decay (the house default)."""
+WARMDOWN_CLAIM = "Warmdown length and shape: the quantized CE against a 20 % linear warmdown"
+WARMDOWN_FIGURE = "findings.png"
+
+
+def warmdown_points(runs: Sequence[str]) -> tuple[tuple[str, ...], dict[str, tuple]]:
+    """(the warmdown keys the run names vary, {run: its values}) for the runs a grid named with them
+    (launch/grid.py names: ``wd-decay0.33-shape1-sqrt-s0``); ({}, ...) when none."""
+    from quantdyn.launch.grid import grid_values
+
+    for keys in (WARMDOWN_KEYS, WARMDOWN_KEYS[:1], WARMDOWN_KEYS[1:]):
+        got = {r: grid_values(r, keys) for r in runs}
+        got = {r: tuple(v[k] for k in keys) for r, v in got.items() if v is not None}
+        if len({v for v in got.values()}) >= 2:
+            return keys, got
+    return (), {}
+
+
+def _is_baseline(keys: Sequence[str], values: Sequence[str]) -> bool:
+    for k, v in zip(keys, values):
+        want = WARMDOWN_BASELINE[k]
+        try:
+            same = float(v) == want if isinstance(want, float) else v == want
+        except ValueError:
+            same = False
+        if not same:
+            return False
+    return True
+
+
+def warmdown_findings(rows: list[dict], runs: Sequence[str], quantizers: Sequence[str] = (), z: float = 2.0,
+                      fp_windows: Mapping[str, Sequence[float]] | None = None) -> tuple[list[dict], dict]:
+    """Per quantizer and warmdown (length x shape) of a grid: the final checkpoint's CE(quantized) minus that of
+    the 20 % linear warmdown of the same seed (equal tokens: the runs have the same steps), paired over windows,
+    seeds combined, the verdict rule (claim: it lowers the quantized CE); FP CE beside it."""
+    keys, points = warmdown_points(list(runs))
+    base_runs = {re.sub(r".*-s(\d+)$", r"\1", r) if re.search(r"-s\d+$", r) else "": r
+                 for r, v in points.items() if _is_baseline(keys, v)}
+    if not base_runs:
+        return [], {"warmdown": []}
+    qs = quantizers_of(rows, quantizers)
+    fp_rows = {(r.get("run"), r.get("step")): r for r in rows if FP.matches(r) and r.get("branch") == "main"}
+    groups: dict[tuple, dict] = {}
+    detail: list[dict] = []
+    for run, values in sorted(points.items()):
+        if _is_baseline(keys, values):
+            continue
+        seed = re.sub(r".*-s(\d+)$", r"\1", run) if re.search(r"-s\d+$", run) else ""
+        base = base_runs.get(seed)
+        if base is None:
+            continue
+        for q in qs:
+            end = _last([r for r in rows if PTQ.matches(r) and r.get("run") == run and r.get("branch") == "main"
+                         and r.get("quantizer") == q])
+            ref = _last([r for r in rows if PTQ.matches(r) and r.get("run") == base and r.get("branch") == "main"
+                         and r.get("quantizer") == q])
+            if end is None or ref is None or end.get("tokens") != ref.get("tokens"):
+                continue
+            dq = paired_difference(end, ref, "ce_q", fp_windows)
+            dfp = _fp_difference(fp_rows.get((run, end.get("step"))) or end, fp_rows.get((base, ref.get("step"))) or ref,
+                                 fp_windows)
+            what = " ".join(f"{v}" for v in values)
+            detail.append({"run": run, "baseline_run": base, "quantizer": q, "warmdown": what, "tokens": end.get("tokens"),
+                           "ce_q": end["ce_q"], "ce_q_baseline": ref["ce_q"], "d_ce_q": dq.difference,
+                           "d_ce_q_se": dq.se, "paired": dq.paired, "d_ce_fp": dfp.difference, "d_ce_fp_se": dfp.se})
+            g = groups.setdefault((q, values), {"q": [], "fp": [], "ref": [], "fam": family_of(run),
+                                                "base": family_of(base)})
+            g["q"].append(dq)
+            g["fp"].append(dfp)
+            g["ref"].append(float(ref["ce_q"]))
+    out = []
+    for (q, values), g in groups.items():
+        eff, fp = combine(g["q"]), combine(g["fp"])
+        out.append(finding_row(
+            WARMDOWN_CLAIM, "warmdown", q, f"{g['fam']} − {g['base']} (final checkpoints, equal tokens)",
+            "CE(quantized)", eff, -1, z, WARMDOWN_FIGURE, seed_family=g["fam"],
+            warmdown={k: v for k, v in zip(keys, values)}, d_ce_fp=fp.effect, d_ce_fp_se=fp.se,
+            baseline=statistics.fmean(g["ref"]), baseline_of="the 20 % linear warmdown's CE(quantized)"))
+    out.sort(key=lambda f: (qs.index(f["quantizer"]), f["effect"]))
+    return out, {"warmdown": detail}

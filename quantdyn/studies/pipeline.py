@@ -254,8 +254,16 @@ def run_study(spec: StudySpec | dict, progress: bool = True, echo: Echo = print)
     ends_of = ([ref] if ref is not None else []) + (
         [spec.cooldowns.branch_name(spec.cooldowns.from_steps[0])] if "interventions" in fams else [])
     fp_windows = None
-    if ends_of:
+    if "warmdown" in fams:  # the warmdown grid compares the runs' final checkpoints
         fp_windows = {}
+        for s in summary:
+            last = [r for r in rows if PTQ.matches(r) and r.get("run") == s["cfg"].name and r.get("branch") == "main"]
+            if last:
+                tokens = max(r["tokens"] for r in last)
+                cks = sorted({r["checkpoint"] for r in last if r.get("tokens") == tokens})
+                fp_windows.update(fp_window_losses(spec, s["run_dir"], cks, report_dir / "fp_windows.json"))
+    if ends_of:
+        fp_windows = fp_windows or {}
         for s in summary:
             for end_branch in ends_of:
                 ends = [r for r in rows if PTQ.matches(r) and r.get("run") == s["cfg"].name
