@@ -14,6 +14,9 @@ branch's own format is marked (``deployed_format``): that row is the artifact it
 
 Bad input: intervention branches of one run that start from different checkpoints (a league compares branches
 from one checkpoint per seed) are one line naming them.
+
+The warmdown grid (issue 48.3, :func:`warmdown_findings`) is the same comparison between whole runs: each warmdown
+length x shape of a grid's runs against the 20 % linear warmdown of the same seed, at their final checkpoints.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from quantdyn.errors import QuantdynError
+from quantdyn.launch.grid import grid_values
 from quantdyn.results.schema import FP, PTQ, number
 from quantdyn.results.stats import Difference, combine, mean_se, paired_difference
 from quantdyn.runs import cooldown_branch, is_intervention, is_nodecay, parse_branch, standard_of
@@ -147,8 +151,6 @@ WARMDOWN_FIGURE = "findings.png"
 def warmdown_points(runs: Sequence[str]) -> tuple[tuple[str, ...], dict[str, tuple]]:
     """(the warmdown keys the run names vary, {run: its values}) for the runs a grid named with them
     (launch/grid.py names: ``wd-decay0.33-shape1-sqrt-s0``); ({}, ...) when none."""
-    from quantdyn.launch.grid import grid_values
-
     for keys in (WARMDOWN_KEYS, WARMDOWN_KEYS[:1], WARMDOWN_KEYS[1:]):
         got = {r: grid_values(r, keys) for r in runs}
         got = {r: tuple(v[k] for k in keys) for r, v in got.items() if v is not None}

@@ -8,10 +8,10 @@ before anything is trained.  Layout::
   run:        a RunConfig (the base run; names get -<vary>... and -sSEED)
   seeds:      [0, 1, 2]            one run per seed
   vary:       ["optim.lr=1e-3,3e-3"]  a grid over run keys (as `quantdyn grid --vary`)
-  cooldowns:  {from_steps: [...], decay_steps: D | end_step: T, shape, control}
+  cooldowns:  {from_steps: [...], decay_steps: D | end_step: T, shape, control, interventions, nodecay}
   averaging:  {lawa: [{window, every}, ...], at_step, soup_cooldowns, reference_from_step}
   sweep:      SweepConfig fields except trajectory (set per run); state quant_repeats
-  findings:   {compute: [decay, peak_lr, averaging, sharpness, predictors], quantizers, z, ...}
+  findings:   {compute: [decay, peak_lr, averaging, sharpness, predictors, interventions, warmdown], quantizers, z, ...}
   report:     report directory
   scale:      a named size (quantdyn/studies/scales.py), applied before typing
 
