@@ -305,6 +305,7 @@ class QATLinear(nn.Linear):
             q.format_config = config_for_tensor(qat_format_config(cfg.format), site)[0]
         return q
 
+    @torch.compiler.disable  # under train.compile: called as it is (its cache test would recompile every step)
     def quantized_weight(self) -> torch.Tensor:
         """Q(W) of the format (method 'format'), computed once per state of the weight: micro-batches of one
         step share it; an optimizer step (or SAM's perturbation) changes the weight's version and so Q(W)."""
