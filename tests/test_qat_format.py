@@ -112,3 +112,12 @@ def test_format_fixes_the_other_fields():
     with pytest.raises(QuantdynError, match="needs qat.format"):
         QATConfig(method="format")
     assert QATConfig().label == "quest-w4a4"
+
+
+def test_format_qat_is_refused_under_fsdp2():
+    from quantdyn.config import from_dict
+    from quantdyn.train.config import RunConfig
+
+    with pytest.raises(QuantdynError, match="fsdp2 shards"):
+        from_dict(RunConfig, {"qat": {"format": "rtn4"}, "dist": {"strategy": "fsdp2"}})
+    assert from_dict(RunConfig, {"qat": {"format": "rtn4"}}).qat.format == "rtn4"
