@@ -155,3 +155,12 @@ def test_qat_cooldown_from_an_hf_checkpoint(tmp_path, hf_models, cli):
     bad = cli("cooldown", hf_models["llama"], "--peak-lr", "1e-3", "--decay-steps", "2", "--qat", "gptq3",
               "--out", tmp_path / "bad", "--quiet")
     assert bad.returncode == 2 and "no fake-quantized training path" in bad.stderr and not (tmp_path / "bad").exists()
+
+
+def test_format_qat_on_conv1d_model_is_one_line(tmp_path, hf_models, cli):
+    r = cli("cooldown", hf_models["gpt2"], "--peak-lr", "1e-3", "--decay-steps", "2", "--qat", "rtn4",
+            "--data", "builtin:kjv", "--batch-size", "2", "--seq-len", "16", "--out", tmp_path / "g2",
+            "--optimizer-start", "estimate:2", "--quiet", "data.max_tokens=200000", "data.bpe_train_chars=400000",
+            "train.eval_windows=4", "train.eval_every=0")
+    err = r.stderr.strip()
+    assert r.returncode == 2 and "\n" not in err and "swaps nn.Linear layers" in err and "Conv1D" in err
