@@ -8,7 +8,11 @@
                                   quantdyn.json (step, tokens, lr, schedule, config, git SHA),
                                   training_state.pt (optimizer, step, RNG; loaded weights_only)
       branches/NAME/              child runs (cooldowns, constant-LR controls), same layout;
-                                  NAME: cooldown-sS-dD-SHAPE, control-sS-dD (:func:`cooldown_branch`)
+                                  NAME: cooldown-sS-dD-SHAPE, control-sS-dD (:func:`cooldown_branch`);
+                                  a cooldown with an intervention: cooldown-sS-dD-SHAPE-TAG, TAG e.g.
+                                  sam0.05, asam0.5, qat-rtn4, sam0.05-qat-q4_k (:func:`intervention_tag`);
+                                  no decay + averaging: nodecay-sS-dD-AVG, AVG lawa-kK-pP or ema-DECAY
+                                  (:func:`nodecay_branch`), its endpoint the average in its own averages/
       averages/NAME/step-N/       averaged checkpoints as HF checkpoints; NAME: lawa-kK-pP (online),
                                   lawa-kK-pP-offline, ema-DECAY, soup-..., interp-A-B/alpha-X (:func:`lawa_name` ...)
 
@@ -32,6 +36,7 @@ import json
 import re
 import shutil
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 
 from quantdyn.config import load_yaml
@@ -397,7 +402,8 @@ MAIN = "main"
 """The branch name of a run's own checkpoints."""
 COOLDOWN = "cooldown"
 CONTROL = "control"
-_BRANCH = re.compile(r"^(cooldown|control)-s(\d+)-d(\d+)(?:-(.+))?$")
+_TAG = r"(?:a?sam\d[\d.]*(?:-qat-.+)?|qat-.+)"
+_BRANCH = re.compile(rf"^(cooldown|control)-s(\d+)-d(\d+)(?:-(.+?))??(?:-({_TAG}))?$")
 
 
 @dataclass(frozen=True)
@@ -412,14 +418,60 @@ class BranchName:
     """Its length in steps (the decay's, for a control its twin's)."""
     shape: str | None
     """The decay shape of a cooldown (linear, cosine, 1-sqrt; None on a control or an old unshaped name)."""
+    intervention: str | None = None
+    """What the cooldown trains with besides its decay (:func:`intervention_tag`: sam0.05, qat-rtn4, ...);
+    None for the standard cooldown and for controls."""
+    average: str | None = None
+    """A no-decay branch's average (lawa-kK-pP, ema-DECAY: :func:`lawa_name`, :func:`ema_name`); None otherwise."""
 
 
-def cooldown_branch(from_step: int, decay_steps: int, shape: str) -> str:
+NODECAY = "nodecay"
+"""The kind of a no-decay branch: constant LR for D steps, then its weight average as the endpoint."""
+_NODECAY = re.compile(r"^nodecay-s(\d+)-d(\d+)-(lawa-k\d+-p\d+|ema-\d[\d.]*)$")
+
+
+def nodecay_branch(from_step: int, decay_steps: int, average: str) -> str:
+    """The name of a no-decay branch: ``nodecay-s<from_step>-d<decay_steps>-<average>``, where ``average`` is the
+    online average that is its endpoint (``lawa-k5-p10``, ``ema-0.99``: :func:`parse_average`)."""
+    parse_average(average)
+    return f"{NODECAY}-s{int(from_step)}-d{int(decay_steps)}-{average}"
+
+
+def parse_average(name: str) -> tuple[str, float, int]:
+    """('lawa', K, P) of ``lawa-kK-pP``, ('ema', DECAY, 0) of ``ema-DECAY``; one line for any other name."""
+    m = re.fullmatch(r"lawa-k(\d+)-p(\d+)", str(name))
+    if m is not None and int(m[1]) >= 1 and int(m[2]) >= 1:
+        return "lawa", int(m[1]), int(m[2])
+    m = re.fullmatch(r"ema-(\d[\d.]*)", str(name))
+    if m is not None and 0 < float(m[1]) < 1 and ema_name(float(m[1])) == name:
+        return "ema", float(m[1]), 0
+    raise QuantdynError(f"average '{name}': name it lawa-kK-pP (the last K snapshots, P steps apart, e.g. "
+                        "lawa-k5-p10) or ema-DECAY (a per-step decay in (0, 1), e.g. ema-0.99)")
+
+
+def _plain_number(value: float) -> str:
+    """A number without exponent or sign, as names spell it (1e-05 -> 0.00001, 0.05 -> 0.05, 1.0 -> 1)."""
+    text = format(Decimal(repr(float(value))), "f")
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def intervention_tag(sam_rho: float = 0.0, sam_adaptive: bool = False, qat_format: str = "") -> str:
+    """The part of a cooldown branch's name that says what it trains with besides its decay: ``sam<rho>``
+    (``asam<rho>`` adaptive), ``qat-<format label>``, both as ``sam0.05-qat-rtn4``; '' for neither."""
+    parts = []
+    if sam_rho > 0:
+        parts.append(f"{'asam' if sam_adaptive else 'sam'}{_plain_number(sam_rho)}")
+    if qat_format:
+        parts.append(f"qat-{qat_format}")
+    return "-".join(parts)
+
+
+def cooldown_branch(from_step: int, decay_steps: int, shape: str, intervention: str = "") -> str:
     """The name of a cooldown branch: ``cooldown-s<from_step>-d<decay_steps>-<shape>`` (the shape may hold
-    dashes: ``1-sqrt``)."""
+    dashes: ``1-sqrt``), then ``-<intervention>`` for a cooldown with one (:func:`intervention_tag`)."""
     if not shape:
         raise QuantdynError("a cooldown branch needs a decay shape (linear, cosine, 1-sqrt)")
-    return f"{COOLDOWN}-s{int(from_step)}-d{int(decay_steps)}-{shape}"
+    return f"{COOLDOWN}-s{int(from_step)}-d{int(decay_steps)}-{shape}" + (f"-{intervention}" if intervention else "")
 
 
 def control_branch(from_step: int, decay_steps: int) -> str:
@@ -432,24 +484,45 @@ def parse_branch(name: str | None) -> BranchName | None:
     """The parts of a cooldown or control branch name; None for any other branch (main, averages ...)."""
     m = _BRANCH.match(str(name or ""))
     if m is None:
+        nd = _NODECAY.match(str(name or ""))
+        return BranchName(NODECAY, int(nd[1]), int(nd[2]), None, average=nd[3]) if nd is not None else None
+    kind, s, d, shape, tag = m.groups()
+    if kind == CONTROL and (shape is not None or tag is not None) or (tag is not None and shape is None):
         return None
-    kind, s, d, shape = m.groups()
-    if kind == CONTROL and shape is not None:
-        return None
-    return BranchName(kind, int(s), int(d), shape)
+    return BranchName(kind, int(s), int(d), shape, tag)
 
 
 def control_of(branch: str | None) -> str | None:
     """The control twin of a cooldown branch (``cooldown-s8-d4-1-sqrt`` -> ``control-s8-d4``); None when
-    ``branch`` is not a cooldown branch."""
+    ``branch`` is not a standard cooldown branch (a cooldown with an intervention is compared with the standard
+    cooldown, :func:`standard_of`, not paired with the control)."""
     b = parse_branch(branch)
-    return control_branch(b.from_step, b.decay_steps) if b is not None and b.kind == COOLDOWN else None
+    return control_branch(b.from_step, b.decay_steps) if is_cooldown(branch) else None
 
 
 def is_cooldown(branch: str | None) -> bool:
-    """Whether ``branch`` is named as a cooldown branch."""
+    """Whether ``branch`` is named as a standard cooldown branch (a decay and nothing else)."""
     b = parse_branch(branch)
-    return b is not None and b.kind == COOLDOWN
+    return b is not None and b.kind == COOLDOWN and b.intervention is None
+
+
+def is_intervention(branch: str | None) -> bool:
+    """Whether ``branch`` is a cooldown with an intervention (SAM, QAT: ``cooldown-s8-d4-linear-qat-rtn4``)."""
+    b = parse_branch(branch)
+    return b is not None and b.kind == COOLDOWN and b.intervention is not None
+
+
+def is_nodecay(branch: str | None) -> bool:
+    """Whether ``branch`` is a no-decay branch (constant LR, then an average: ``nodecay-s8-d4-lawa-k2-p2``)."""
+    b = parse_branch(branch)
+    return b is not None and b.kind == NODECAY
+
+
+def standard_of(branch: str | None) -> str | None:
+    """The standard cooldown an intervention's branch is compared with: the same start, length and shape without
+    the intervention (``cooldown-s8-d4-linear-qat-rtn4`` -> ``cooldown-s8-d4-linear``); None otherwise."""
+    b = parse_branch(branch)
+    return cooldown_branch(b.from_step, b.decay_steps, b.shape) if is_intervention(branch) else None
 
 
 def is_control(branch: str | None) -> bool:

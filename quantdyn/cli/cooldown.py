@@ -20,13 +20,22 @@ def cooldown(
                                           "from: a local HF directory, a hub id, id@revision or a preset point "
                                           "(smollm3-3b@REVISION)."),
     overrides: Optional[List[str]] = typer.Argument(None, help="From a checkpoint: run-config key=value overrides, "
-                                                               "e.g. optim.weight_decay=0.1 train.checkpoint_every=10"),
+                                                               "e.g. optim.weight_decay=0.1 train.checkpoint_every=10; "
+                                                               "of a quantdyn run: optim.sam_rho, optim.sam_adaptive, "
+                                                               "qat.format (named in the cooldown branch)"),
     from_step: Optional[str] = typer.Option(None, "--from-step", help="Of a quantdyn run: the stable-phase "
                                                                       "checkpoint to branch from: a step (400), "
                                                                       "-N (N steps before the run's end) or latest."),
     decay_steps: str = typer.Option(..., "--decay-steps", help="Decay lengths, comma-separated: 200,400"),
     shape: str = typer.Option("linear", "--shape", help="linear | cosine | 1-sqrt"),
     control: bool = typer.Option(False, "--control", help="Also run constant-LR control twins."),
+    qat: Optional[str] = typer.Option(None, "--qat", help="Train the cooldowns with this format's fake quantization "
+                                                          "(straight-through), e.g. rtn4 (int4 g128), q4_k, nvfp4; "
+                                                          "= qat.format=FORMAT."),
+    nodecay: Optional[str] = typer.Option(None, "--nodecay", help="Of a quantdyn run: also no-decay branches, constant "
+                                                                  "LR to the end, then this average as the endpoint: "
+                                                                  "lawa-kK-pP (the last K snapshots P steps apart) or "
+                                                                  "ema-DECAY; comma-separated for several."),
     peak_lr: Optional[float] = typer.Option(None, "--peak-lr", rich_help_panel=_CHECKPOINT,
                                             help="The stable-phase LR the branches start at [default: a preset "
                                                  "point's LR there; required otherwise]."),
@@ -47,7 +56,8 @@ def cooldown(
     """Branch LR cooldowns from a stable-phase checkpoint.
 
     Each branch decays the LR to lr_end over its decay length; --control adds a constant-LR twin of each.
-    `quantdyn cooldown RUN_DIR --from-step S --decay-steps 200,400` branches a quantdyn run;
+    `quantdyn cooldown RUN_DIR --from-step S --decay-steps 200,400` branches a quantdyn run (`--qat rtn4`,
+    `optim.sam_rho=0.05`: cooldowns with QAT or SAM, named for it);
     `quantdyn cooldown MODEL --peak-lr LR --decay-steps 50,100 --control --data SOURCE --batch-size B
     --seq-len L --out DIR` branches any HF causal LM (branch point = step 0 of every branch)."""
     from quantdyn.runs import RunDir
@@ -60,44 +70,62 @@ def cooldown(
         raise QuantdynError(f"--decay-steps '{decay_steps}' must be integers separated by commas, e.g. 200,400") from None
     show = dict(progress=mode != "quiet", verbose=mode == "verbose")
     if RunDir(model).is_run:
-        paths = _from_run(Path(model), from_step, ds, shape, control, device, overrides, out, peak_lr, show)
+        paths = _from_run(Path(model), from_step, ds, shape, control, device, overrides, out, peak_lr, qat, nodecay,
+                          show)
     else:
         if from_step is not None:
             raise QuantdynError(f"--from-step is for a quantdyn run directory; '{model}' is a checkpoint, whose weights "
                                 "are the branch point (step 0 of every branch)")
+        if nodecay:
+            raise QuantdynError("--nodecay is for a quantdyn run directory (with --from-step); not built yet for a "
+                                "cooldown from a checkpoint")
         paths = _from_checkpoint(model, ds, shape, control, peak_lr, data, batch_size, seq_len, optimizer_start, out,
-                                 device, overrides or [], show)
+                                 device, overrides or [], qat, show)
     for p in paths:
         typer.echo(f"branch: {p}")
 
 
-def _from_run(run_dir: Path, from_step, ds, shape, control, device, overrides, out, peak_lr, show) -> list[Path]:
+def _from_run(run_dir: Path, from_step, ds, shape, control, device, overrides, out, peak_lr, qat, nodecay,
+              show) -> list[Path]:
+    from quantdyn.config import parse_override
     from quantdyn.monitor import hooks_for
     from quantdyn.train.branches import cooldown as run_cooldown
+    from quantdyn.train.branches import intervention_of
     from quantdyn.train.config import load_run_config
 
     if from_step is None:
         raise QuantdynError(f"'{run_dir}' is a quantdyn run: give --from-step, the step of its checkpoint to branch from")
-    extra = [n for n, v in (("--out", out), ("--peak-lr", peak_lr), ("key=value overrides", overrides)) if v]
+    extra = [n for n, v in (("--out", out), ("--peak-lr", peak_lr)) if v]
     if extra:
         raise QuantdynError(f"{extra[0]} is for a cooldown from a checkpoint; a quantdyn run's branches go under "
                             "RUN_DIR/branches with its own config")
+    # a run's branches keep its config (so that they compare, and a name says what a branch is); the keys of an
+    # intervention are the exception, since the branch's name carries them (train/branches.INTERVENTION_KEYS)
+    given = {".".join(k): v for k, v in map(parse_override, overrides or [])}
+    if qat is not None:
+        if given.get("qat.format", qat) != qat:
+            raise QuantdynError(f"--qat {qat} and qat.format={given['qat.format']} disagree; give one")
+        given["qat.format"] = qat
+    intervention = intervention_of(given)
+    averages = [a.strip() for a in (nodecay or "").split(",") if a.strip()]
     from quantdyn.files import ensure_writable
     from quantdyn.runs import RunDir, resolve_step
 
     step = resolve_step(run_dir, from_step)  # -100: 100 steps before the run's end, whatever its length
     ensure_writable(RunDir(run_dir).branches, f"the branches of run '{run_dir}'")
     hooks = hooks_for(load_run_config(run_dir))  # the parent's monitor section, for every branch
-    return run_cooldown(run_dir, step, ds, shape, control, device=device, hooks=hooks, **show)
+    return run_cooldown(run_dir, step, ds, shape, control, device=device, hooks=hooks, intervention=intervention,
+                        nodecay=averages, **show)
 
 
 def _from_checkpoint(model: str, ds, shape, control, peak_lr, data, batch_size, seq_len, optimizer_start, out,
-                     device, overrides, show) -> list[Path]:
+                     device, overrides, qat, show) -> list[Path]:
     from quantdyn.config import apply_overrides, from_dict
     from quantdyn.monitor import hooks_for
-    from quantdyn.train.branches import cooldown_from_checkpoint
+    from quantdyn.train.branches import Intervention, cooldown_from_checkpoint
     from quantdyn.train.config import RunConfig
 
+    intervention = Intervention(qat_format=qat or "")  # a format without a training path: one line, first
     if out is None:
         raise QuantdynError(f"give --out DIR: the directory the cooldown experiment from '{model}' is written to")
     ref, source, known_lr = resolve_model_ref(model)
@@ -115,7 +143,8 @@ def _from_checkpoint(model: str, ds, shape, control, peak_lr, data, batch_size, 
             "optim": {"lr": lr}, "schedule": {"name": "constant", "warmup": 0}, "optimizer_start": start,
             "train": {"batch_size": batch_size, "seq_len": seq_len, **({"device": device} if device else {})}}
     parent = from_dict(RunConfig, apply_overrides(base, overrides))
-    return cooldown_from_checkpoint(parent, out, ds, shape, control, source=source, hooks=hooks_for(parent), **show)
+    return cooldown_from_checkpoint(parent, out, ds, shape, control, source=source, hooks=hooks_for(parent),
+                                    intervention=intervention, **show)
 
 
 def resolve_model_ref(model: str) -> tuple[str, dict, float | None]:

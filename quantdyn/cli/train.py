@@ -35,7 +35,7 @@ def train(
     from quantdyn.runs import RunDir, latest_resumable
     from quantdyn.sources.hub import open_checkpoint
     from quantdyn.sources.presets import as_hub_ref
-    from quantdyn.train.config import RunConfig, load_run_config
+    from quantdyn.train.config import RunConfig, check_warmdown, load_run_config
     from quantdyn.train.loggers import console_mode
     from quantdyn.train.trainer import train as run_train
 
@@ -69,6 +69,8 @@ def train(
             raise QuantdynError("missing CONFIG.yaml; e.g. `quantdyn train configs/tiny.yaml` (or --resume RUN_DIR)")
         data = apply_overrides(load_yaml(config), [*(overrides or []), *([f"train.device={device}"] if device else [])])
         cfg = from_dict(RunConfig, data)
+        if any(o.split("=", 1)[0].strip() in ("schedule.decay", "train.steps") for o in overrides or []):
+            check_warmdown(cfg)  # a warmdown set on the command line, longer than the run: one line
         if cfg.model.hf:  # a preset point names a hub revision: what transformers loads (and config.yaml records)
             cfg = replace(cfg, model=replace(cfg.model, hf=as_hub_ref(cfg.model.hf)))
         run_dir = Path(cfg.out_dir) / cfg.name

@@ -50,7 +50,7 @@ from quantdyn.monitor import hooks_for
 from quantdyn.runtime import git_sha
 from quantdyn.runs import CHECKPOINTS, METRICS, STATE, WEIGHTS, RunDir, latest_resumable, step_name
 from quantdyn.sources.presets import as_hub_ref
-from quantdyn.train.config import RunConfig
+from quantdyn.train.config import RunConfig, check_warmdown
 from quantdyn.train.trainer import train
 
 MANIFEST = "grid.json"
@@ -138,6 +138,24 @@ def _name_part(value: str) -> str:
     return re.sub(r"[^A-Za-z0-9.+\-_]+", "_", value).strip("_") or "x"
 
 
+def grid_values(run: str, keys: Sequence[str]) -> dict[str, str] | None:
+    """The values of ``keys`` that :func:`expand_grid` spelled into ``run``'s name (``wd-decay0.33-shape1-sqrt-s0``
+    with keys schedule.decay, schedule.decay_shape -> {schedule.decay: '0.33', schedule.decay_shape: '1-sqrt'}), as
+    written there; None when the name does not carry every key. A value's dashes stay in it (a part that does not
+    start with another key's alias continues the value before it)."""
+    aliases = {_alias(k, keys): k for k in keys}
+    out: dict[str, str] = {}
+    current = None
+    for part in re.sub(r"-s\d+$", "", run).split("-"):
+        head = next((a for a in sorted(aliases, key=len, reverse=True) if part.startswith(a)), None)
+        if head is not None and aliases[head] not in out:
+            current = aliases[head]
+            out[current] = part[len(head):]
+        elif current is not None:
+            out[current] += "-" + part
+    return out if set(out) == set(keys) and all(out.values()) else None
+
+
 def _get_dotted(cfg: Any, path: list[str]) -> Any:
     for p in path:
         cfg = cfg[p] if isinstance(cfg, dict) else getattr(cfg, p)
@@ -163,6 +181,8 @@ def expand_grid(base: dict, vary: Sequence[str], seeds: int = 0, grid_dir: str |
     if seeds and "seed" in keys:
         raise QuantdynError("give --seeds N or --vary seed=..., not both")
     base_cfg = from_dict(RunConfig, base)  # the base itself must be valid
+    if "schedule.decay" not in keys and "train.steps" not in keys:
+        check_warmdown(base_cfg)
     aliases = [_alias(k, keys) for k in keys]
     seed_list = [base_cfg.seed + i for i in range(seeds)] if seeds else [None]
     out, names = [], set()
@@ -184,6 +204,7 @@ def expand_grid(base: dict, vary: Sequence[str], seeds: int = 0, grid_dir: str |
             if grid_dir is not None:
                 d["out_dir"] = str(Path(grid_dir) / "runs")
             cfg = from_dict(RunConfig, d)
+            check_warmdown(cfg)  # a warmdown axis (schedule.decay) longer than the run: one line, before any work
             for key in keys:  # store the typed value ('1e-4' is a string to YAML 1.1, a float to the config)
                 d = set_dotted(d, key.split("."), to_dict(_get_dotted(cfg, key.split("."))))
             out.append((name, d))

@@ -98,7 +98,8 @@ CHECKPOINT_FIELDS = _table("""
     parent_step      int | None    Step of the main-run checkpoint a branch starts from (None on main).
     optimizer        str | None    The run's optimizer name.
     weight_decay     float | None  The run's weight decay.
-    qat              str | None    Quantization-aware training of the run, e.g. quest-w4a4 (None: full precision).
+    qat              str | None    Quantization-aware training of the run, e.g. quest-w4a4, or the format of format
+                                   QAT (rtn4, nvfp4: a QAT cooldown branch) (None: full precision).
     n_params         int           Non-embedding parameters of the model.
     preset           str | None    Public-trajectory preset the checkpoint comes from.
     family           str | None    Model family of the preset (pythia, olmo, ...).

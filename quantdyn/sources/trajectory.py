@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from quantdyn.errors import QuantdynError
-from quantdyn.runs import MAIN, RunDir, averaged_checkpoints, branch_runs, list_checkpoints, read_meta, run_root_of
+from quantdyn.runs import MAIN, NODECAY, RunDir, averaged_checkpoints, branch_runs, list_checkpoints, read_meta, run_root_of
 from quantdyn.schedules import ScheduleConfig, is_decaying, lr_at
 from quantdyn.sources.hub import cached_snapshot, hub_offline, hub_refs, list_revisions
 from quantdyn.sources.presets import Preset, get_preset, parse_count
@@ -107,7 +107,15 @@ def points_of_run(run_dir: Path) -> list[Point]:
     run = info.get("name", run_dir.name)
     pts = _points_of_run_dir(run_dir, run, MAIN, "checkpoint")
     for b in branch_runs(run_dir):
-        kind = b.read_info().get("parent", {}).get("kind", "branch")
+        link = b.read_info().get("parent", {})
+        kind = link.get("kind", "branch")
+        if kind == NODECAY:  # a no-decay branch's endpoints are its average's (its raw weights are its control's)
+            for name, c in averaged_checkpoints(b.path):
+                if name == link.get("average"):
+                    m = read_meta(c)
+                    pts.append(Point(str(c), run, b.path.name, kind, m.get("step"), m.get("tokens"), m.get("lr"),
+                                     False, m))
+            continue
         pts += _points_of_run_dir(b.path, run, b.path.name, kind)
     for name, c in averaged_checkpoints(run_dir):
         m = read_meta(c)

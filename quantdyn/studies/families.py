@@ -36,6 +36,7 @@ from quantdyn.results.schema import ANALYSIS, PTQ, number
 from quantdyn.results.stats import decay_verdict, verdict_sign
 from quantdyn.runs import control_of, is_cooldown
 from quantdyn.studies import findings as fd
+from quantdyn.studies import league
 from quantdyn.studies import rotation_findings as rot
 
 # A family reads a study's spec (studies/spec.py: StudySpec, its FindingsSpec), but spec.py imports this module to
@@ -251,6 +252,43 @@ register_family(FindingFamily(
         "(grey) and with a Hadamard rotation before quantizing (the verdict's colour), ± 2 × its uncertainty; beside "
         "them what the rotation does to it.",
         draw=lambda found, detail, out: _rotation_figure().rotations(found, out))))
+
+
+register_family(FindingFamily(
+    name="interventions", about="issue 48, each intervention's quantized CE minus the standard linear-decay "
+                                "endpoint's from the same checkpoint at equal tokens (SAM, QAT in a format, no decay "
+                                "+ averaging), FP CE and cost beside it",
+    needs="cooldowns with interventions or nodecay",
+    in_spec=lambda spec: bool(spec.cooldowns.interventions or spec.cooldowns.nodecay),
+    in_rows=lambda rows: bool(league.league_branches(_trained_ptq(rows))),
+    compute=lambda i: league.league_findings(i.rows, i.runs, i.spec.quantizers, i.spec.z, i.fp_windows),
+    label=lambda f, with_family: (f"{f['seed_family']} · " if with_family and f.get("seed_family") else "")
+    + f"{f['quantizer']} · {f['intervention']}" if f.get("intervention") else None,
+    figure=FamilyFigure(
+        league.FIGURE, "Interventions: quantized CE against FP CE",
+        "Each intervention's difference from the standard linear-decay endpoint (same checkpoint, equal tokens), "
+        "mean over seeds ± 2 × its uncertainty: FP CE across, CE of the quantized model up; one panel per "
+        "quantizer, a diamond where a QAT branch is deployed with its own format. Below the dotted diagonal it buys "
+        "more quantized than FP quality.",
+        draw=lambda found, detail, out: _league_figure().league(found, out))))
+
+
+register_family(FindingFamily(
+    name="warmdown", about="issue 48.3, each warmdown length x shape of a grid against the 20 % linear warmdown: "
+                           "the final checkpoints' quantized CE, FP CE beside it",
+    needs="vary over schedule.decay and/or schedule.decay_shape, with the 20 % linear warmdown among the values",
+    in_spec=lambda spec: bool(set(league.WARMDOWN_KEYS) & {parse_vary(v)[0] for v in spec.vary}),
+    in_rows=lambda rows: bool(league.warmdown_points(fd.trained_runs(rows))[1]),
+    compute=lambda i: league.warmdown_findings(i.rows, i.runs, i.spec.quantizers, i.spec.z, i.fp_windows),
+    label=lambda f, with_family: f"{f['quantizer']} · " + " ".join(f"{k.rsplit('.', 1)[1]} {v}" for k, v in
+                                                                  f["warmdown"].items()) if f.get("warmdown") else None))
+
+
+def _league_figure():
+    """studies/league_figure.py, imported when its figure is drawn (matplotlib)."""
+    from quantdyn.studies import league_figure
+
+    return league_figure
 
 
 def _rotation_figure():

@@ -99,7 +99,10 @@ def _cooldowns(spec: StudySpec, run_dir: Path, name: str, progress: bool, echo: 
     echo(f"[2/4] {name}: cooldowns from steps {list(cd.from_steps)} to step{'s' if len(ends) > 1 else ''} "
          f"{', '.join(map(str, ends))}" + (" with constant-LR controls" if cd.control else ""))
     for s in cd.from_steps:
-        cooldown(run_dir, s, [cd.decay_of(s)], cd.shape, cd.control, progress=progress)
+        cooldown(run_dir, s, [cd.decay_of(s)], cd.shape, cd.control, progress=progress, nodecay=cd.nodecay)
+        for text in cd.interventions:  # issue 48: the same start and length, with SAM or QAT in a format
+            echo(f"[2/4] {name}: cooldown from step {s} with {text}")
+            cooldown(run_dir, s, [cd.decay_of(s)], cd.shape, progress=progress, intervention=cd.intervention(text))
 
 
 def lawa_at_step(run_dir: Path, window: int, every: int, step: int) -> Path:
@@ -246,18 +249,31 @@ def run_study(spec: StudySpec | dict, progress: bool = True, echo: Echo = print)
     rows = _rows_of(store, [s["run_dir"] for s in summary], spec.sweep.quant_repeats)
     fams = spec.finding_families
     ref = reference_branch(spec) if "averaging" in fams else None
+    # CE(quantized) differences between checkpoints pair window by window with their FP window losses: at the
+    # tokens of the averaging family's decayed endpoint, and of the interventions league's standard endpoint
+    ends_of = ([ref] if ref is not None else []) + (
+        [spec.cooldowns.branch_name(spec.cooldowns.from_steps[0])] if "interventions" in fams else [])
     fp_windows = None
-    if ref is not None:
+    if "warmdown" in fams:  # the warmdown grid compares the runs' final checkpoints
         fp_windows = {}
         for s in summary:
-            ends = [r for r in rows if PTQ.matches(r) and r.get("run") == s["cfg"].name
-                    and r.get("branch") == ref]
-            if not ends:
-                continue
-            tokens = max(r["tokens"] for r in ends)
-            cks = sorted({r["checkpoint"] for r in rows if PTQ.matches(r) and r.get("run") == s["cfg"].name
-                          and r.get("tokens") == tokens})
-            fp_windows.update(fp_window_losses(spec, s["run_dir"], cks, report_dir / "fp_windows.json"))
+            last = [r for r in rows if PTQ.matches(r) and r.get("run") == s["cfg"].name and r.get("branch") == "main"]
+            if last:
+                tokens = max(r["tokens"] for r in last)
+                cks = sorted({r["checkpoint"] for r in last if r.get("tokens") == tokens})
+                fp_windows.update(fp_window_losses(spec, s["run_dir"], cks, report_dir / "fp_windows.json"))
+    if ends_of:
+        fp_windows = fp_windows or {}
+        for s in summary:
+            for end_branch in ends_of:
+                ends = [r for r in rows if PTQ.matches(r) and r.get("run") == s["cfg"].name
+                        and r.get("branch") == end_branch]
+                if not ends:
+                    continue
+                tokens = max(r["tokens"] for r in ends)
+                cks = sorted({r["checkpoint"] for r in rows if PTQ.matches(r) and r.get("run") == s["cfg"].name
+                              and r.get("tokens") == tokens})
+                fp_windows.update(fp_window_losses(spec, s["run_dir"], cks, report_dir / "fp_windows.json"))
     notes = [f"{name} diverged: {msg}" for name, msg in diverged.items()]
     answer = section.answer(rows, runs, fams, spec.findings, ref, fp_windows, notes, spec.title, to_dict(spec))
     page = section.write_report(store, report_dir, answer_of=answer)

@@ -8,10 +8,10 @@ before anything is trained.  Layout::
   run:        a RunConfig (the base run; names get -<vary>... and -sSEED)
   seeds:      [0, 1, 2]            one run per seed
   vary:       ["optim.lr=1e-3,3e-3"]  a grid over run keys (as `quantdyn grid --vary`)
-  cooldowns:  {from_steps: [...], decay_steps: D | end_step: T, shape, control}
+  cooldowns:  {from_steps: [...], decay_steps: D | end_step: T, shape, control, interventions, nodecay}
   averaging:  {lawa: [{window, every}, ...], at_step, soup_cooldowns, reference_from_step}
   sweep:      SweepConfig fields except trajectory (set per run); state quant_repeats
-  findings:   {compute: [decay, peak_lr, averaging, sharpness, predictors], quantizers, z, ...}
+  findings:   {compute: [decay, peak_lr, averaging, sharpness, predictors, interventions, warmdown], quantizers, z, ...}
   report:     report directory
   scale:      a named size (quantdyn/studies/scales.py), applied before typing
 
@@ -32,17 +32,18 @@ from typing import Sequence
 
 import yaml
 
-from quantdyn.config import apply_overrides, from_dict, load_yaml, parse_override
+from quantdyn.config import apply_overrides, from_dict, load_yaml, parse_override, to_dict
 from quantdyn.errors import QuantdynError, unknown_name
-from quantdyn.launch.grid import parse_vary
+from quantdyn.launch.grid import expand_grid, parse_vary
 from quantdyn.quantize.catalogue import parse_quantizer
-from quantdyn.runs import control_branch, cooldown_branch, lawa_name
+from quantdyn.runs import control_branch, cooldown_branch, lawa_name, parse_average
 from quantdyn.schedules import DECAY_SHAPES
 from quantdyn.sources.trajectory import TrajectoryConfig
 from quantdyn.studies.families import FINDING_FAMILIES
 from quantdyn.studies.scales import SCALES, apart_paths, apply_scale
 from quantdyn.sweep.sweep import SweepConfig
-from quantdyn.train.config import RunConfig
+from quantdyn.train.branches import Intervention, branch_configs, intervention_of, nodecay_config
+from quantdyn.train.config import RunConfig, check_warmdown
 
 _DEFAULT_TRAJECTORY = TrajectoryConfig(run="runs/tiny")
 
@@ -62,10 +63,24 @@ class CooldownSpec:
     """Decay shape: linear | cosine | 1-sqrt."""
     control: bool = False
     """Also train a constant-LR control twin of every branch (same start, data and tokens)."""
+    interventions: tuple[str, ...] = ()
+    """Cooldown branches with an intervention beside the standard one (issue 48), each 'key=value [key=value]'
+    of train/branches.INTERVENTION_KEYS: "qat.format=rtn4", "optim.sam_rho=0.05", "optim.sam_rho=0.5
+    optim.sam_adaptive=true". Needs a single from_step (one stable-phase checkpoint per seed)."""
+    nodecay: tuple[str, ...] = ()
+    """No-decay branches beside the cooldowns: constant LR over the same steps, then the average named here
+    (lawa-kK-pP, ema-DECAY) as the endpoint. Needs a single from_step."""
 
     def __post_init__(self):
         if self.shape not in DECAY_SHAPES:
             raise unknown_name("cooldowns.shape", self.shape, DECAY_SHAPES)
+        for a in self.nodecay:
+            parse_average(a)
+        for text in self.interventions:
+            self.intervention(text)
+        if (self.interventions or self.nodecay) and len(self.from_steps) != 1:
+            raise QuantdynError(f"cooldowns.interventions and nodecay compare branches from one stable-phase "
+                                f"checkpoint per seed; give one from_step (got {list(self.from_steps)})")
         if not self.from_steps:
             if self.decay_steps or self.end_step or self.control:
                 raise QuantdynError("cooldowns: give from_steps (the checkpoints to branch from)")
@@ -84,6 +99,14 @@ class CooldownSpec:
     @property
     def enabled(self) -> bool:
         return bool(self.from_steps)
+
+    @staticmethod
+    def intervention(text: str) -> Intervention:
+        """The Intervention of one cooldowns.interventions entry ('qat.format=rtn4 optim.sam_rho=0.05')."""
+        given = {".".join(k): v for k, v in map(parse_override, text.split())}
+        if not given:
+            raise QuantdynError("cooldowns.interventions has an empty entry; write e.g. \"qat.format=rtn4\"")
+        return intervention_of(given)
 
     def decay_of(self, from_step: int) -> int:
         """Decay length of the branch that starts at ``from_step``."""
@@ -219,6 +242,10 @@ class StudySpec:
         keys = [parse_vary(v)[0] for v in self.vary]
         if "seed" in keys:
             raise QuantdynError("vary: give seeds as `seeds: [...]`, not vary seed=...")
+        if self.vary:  # every grid point typed and checked now (a warmdown axis longer than the run: one line)
+            expand_grid(to_dict(self.run), list(self.vary))
+        else:
+            check_warmdown(self.run)
         for q in self.sweep.quantizers:
             parse_quantizer(q)
         steps, every = self.run.train.steps, self.run.train.checkpoint_every
@@ -232,6 +259,10 @@ class StudySpec:
             if s > steps or not is_stored(s):
                 raise QuantdynError(f"cooldowns.from_steps: step {s} is not a stored checkpoint of a {steps}-step "
                                     f"run with {stored}; pick a multiple of it")
+        for s in cd.from_steps if cd.nodecay else ():  # every average's window fits its branch, before any work
+            control = branch_configs(self.run, s, cd.decay_of(s), cd.shape)[1]
+            for a in cd.nodecay:
+                nodecay_config(control, s, cd.decay_of(s), a)
         av = self.averaging
         at = av.at_step or steps
         if av.at_step > steps:

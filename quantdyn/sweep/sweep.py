@@ -222,7 +222,7 @@ def point_fields(p: Point, ckpt_hash: str) -> dict:
             "parent_step": (p.meta.get("parent") or {}).get("from_step"),
             "optimizer": (conf.get("optim") or {}).get("name"),
             "weight_decay": (conf.get("optim") or {}).get("weight_decay"),
-            "qat": f"{qat['method']}-w{qat['w_bits']}a{qat.get('a_bits') or 0}" if qat else None,
+            "qat": (qat.get("format") or f"{qat['method']}-w{qat['w_bits']}a{qat.get('a_bits') or 0}") if qat else None,
             **preset_row_fields(p)}
 
 
@@ -243,6 +243,11 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True,
         raise QuantdynError("the propagation analysis needs quantizers: set quantizers or propagation_quantizers")
     mcfg = cfg.engine
     points = plan_points(cfg.trajectory)
+    for label in qat_formats(points):  # a branch trained with a format's QAT is deployed with that same format
+        if parse_quantizer(label) not in qcfgs.values():
+            qcfgs[label] = parse_quantizer(label)
+            (echo or log.info)(f"sweep: {label} added to the quantizers: checkpoints trained with its QAT (qat.format) "
+                               "are deployed with it")
     _check_rotations(points, list(qcfgs.values()))
     say = echo or log.warning
     for name, reason in points.skipped:
@@ -297,6 +302,17 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True,
             repo, _, rev = p.ref.partition("@")
             evict_revision(repo, rev)
     return {"written": written, "skipped": skipped, "checkpoints": len(mine), "seconds": timings, "failed": failed}
+
+
+def qat_formats(points: list[Point]) -> list[str]:
+    """The formats the points' runs were trained with by format QAT (qat.format), in order of appearance: each is
+    deployed (and so measured, on every point, for the comparison) with that same quantizer."""
+    out: list[str] = []
+    for p in points:
+        label = ((p.meta.get("config") or {}).get("qat") or {}).get("format")
+        if label and label not in out:
+            out.append(label)
+    return out
 
 
 def plan_line(cfg: SweepConfig, checkpoints: int, shard: str = "") -> str:
@@ -429,6 +445,8 @@ def _point_keys(ctx: _SweepContext, p: Point):
     q_keys = {label: key(ptq_what(qc, ctx.calib_hash, cfg.quant_repeats, cfg.repeat_vary))
               for label, qc in ctx.qcfgs.items()}
     qat_cfg = (p.meta.get("config") or {}).get("qat")
+    if qat_cfg and qat_cfg.get("format"):  # format QAT is deployed by its format's quantizer: ptq rows (qat_formats)
+        qat_cfg = None
     qat_key = key(f"qat:{config_hash(qat_cfg)}") if qat_cfg else None
     prop_hash = config_hash({k: to_dict(v) for k, v in sorted(ctx.prop_q.items())})
     a_keys = {a: key(f"analysis:{a}:{config_hash(cfg.analysis_budget)}" + (f":{prop_hash}" if a == "propagation" else ""))

@@ -12,7 +12,7 @@ from quantdyn.errors import QuantdynError, unknown_name
 from quantdyn.models.gpt import ModelConfig
 from quantdyn.quantize.catalogue import parse_quantizer
 from quantdyn.runs import RunDir
-from quantdyn.schedules import ScheduleConfig
+from quantdyn.schedules import ScheduleConfig, wsd_bounds
 from quantdyn.train.loggers import LOGGERS
 from quantdyn.train.optimizers import OptimConfig
 from quantdyn.train.qat import QATConfig
@@ -229,6 +229,9 @@ class RunConfig:
             raise QuantdynError(f"run name '{self.name}' must be non-empty and contain no '/'")
         if self.model.hf and self.init_weights:
             raise QuantdynError("init_weights does not go with model.hf (the weights are model.hf's); drop one")
+        if self.qat is not None and self.qat.method == "format" and self.dist.strategy == "fsdp2":
+            raise QuantdynError(f"qat.format={self.qat.format} quantizes whole weights, which fsdp2 shards; use "
+                                "dist.strategy=ddp (the default)")
         if self.model.hf and self.optimizer_start.mode == "estimate" and self.optim.name == "schedulefree_adamw":
             raise QuantdynError("optimizer_start.mode=estimate steps at LR 0, which schedule-free AdamW cannot; "
                                 "use optimizer_start.mode=fresh with a schedule.warmup")
@@ -237,6 +240,20 @@ class RunConfig:
     def tokens_per_step(self) -> int:
         """Tokens per optimizer step for ONE process (the trainer multiplies by world size)."""
         return self.train.batch_size * self.train.seq_len * self.train.grad_accum
+
+
+def check_warmdown(cfg: RunConfig) -> None:
+    """A WSD warmdown (schedule.decay) that the user set longer than the run is one line. Called where a user's
+    schedule is read (`quantdyn train`, grids, study specs), not in RunConfig itself: tiny runs with the default
+    decay and a handful of steps are valid configs there."""
+    s, steps = cfg.schedule, cfg.train.steps
+    if s.name != "wsd":
+        return
+    decay = wsd_bounds(s, steps)[1]
+    if decay > steps:
+        raise QuantdynError(f"run '{cfg.name}': schedule.decay={s.decay:g} is a warmdown of {decay} steps, longer than "
+                            f"the run's {steps} (train.steps); give a fraction of the run (e.g. 0.2) or at most "
+                            f"{steps} steps")
 
 
 def data_config_of(cfg: RunConfig) -> DataConfig:

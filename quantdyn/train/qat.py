@@ -1,7 +1,7 @@
 """Quantization-aware training: fake quantization of linear layers with a
 straight-through estimator (STE).
 
-Two quantizers (``QATConfig.method``):
+Three quantizers (``QATConfig.method``):
 
 * ``'ste'``: plain asymmetric min-max, per output row for weights and per token
   for activations, ``2**bits`` levels on the grid of quantize/primitives.py (the
@@ -14,6 +14,13 @@ Two quantizers (``QATConfig.method``):
   optimal constant (:data:`GAUSSIAN_OPTIMAL_CLIP`, 2.514 at 4 bits), a symmetric
   uniform grid of ``2**bits`` levels spanning ``[-s, s]``, and a trust mask on
   the gradient: it passes only where ``|x| <= s`` (``trust_mask=True``).
+* ``'format'`` (``QATConfig.format``: a registered quantizer's label, ``rtn4`` = int4 g128, ``q4_k``, ``nvfp4``):
+  the deployment format's own fake quantization of the weights of every block linear, straight-through: the
+  forward uses Q(W) dequantized, computed by the quantizer's registered function (quantize/; one implementation of
+  each format), the gradient goes to the latent W unchanged (identity); activations stay in full precision and the
+  head is not quantized. Each linear is quantized as the engine quantizes it (a llama.cpp mix's type for that
+  tensor, a shape fallback), so the model trained is the model a sweep deploys with that label
+  (:func:`qat_format_config` says which formats have this path).
 
 Block size: if a layer's input width is not a multiple of ``hadamard_block``,
 the largest power of two that divides the width is used instead (e.g. 96 -> 32);
@@ -38,18 +45,21 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from quantdyn.config import OMIT_DEFAULT
 from quantdyn.errors import QuantdynError, unknown_name
-from quantdyn.quantize.catalogue import BlockTransform
+from quantdyn.models.adapters import adapter_for
+from quantdyn.quantize.catalogue import (AUTO_PREFIX, PLAN_PREFIX, QUANTIZERS, BlockTransform, QuantConfig, TensorSite,
+                                      config_for_tensor, parse_quantizer, rotation_of)
 from quantdyn.quantize.primitives import fake_quantize, find_params
 
-METHODS = ("ste", "quest")
+METHODS = ("ste", "quest", "format")
 
 # Clipping scale, in units of the standard deviation, that minimises the MSE of
 # quantizing N(0, 1) onto 2**b uniform levels whose outermost levels sit at +-alpha
@@ -77,8 +87,14 @@ class QATConfig:
     """'quest': gradient passes only where |x| <= clipping scale (False = plain identity STE)."""
     include_head: bool = False
     """Also quantize the output head (embed_out / lm_head); embeddings are never quantized."""
+    format: str = field(default="", metadata=OMIT_DEFAULT)
+    """A deployment format's quantizer label (rtn4 = int4 g128, rtn4g64, q4_k, q4_k_m, nvfp4, ...): train with
+    that format's own straight-through fake quantization of the block linears' weights (method 'format', set
+    by this field; activations stay full precision). '' = method's own quantizer."""
 
     def __post_init__(self):
+        if self.format or self.method == "format":
+            _set_format_fields(self)
         if self.method not in METHODS:
             raise unknown_name("QAT method", self.method, METHODS)
         if not 1 <= self.w_bits <= 8:
@@ -95,6 +111,55 @@ class QATConfig:
     def act_bits(self) -> int:
         """Activation bits, 0 when activations are not quantized."""
         return self.a_bits or 0
+
+    @property
+    def label(self) -> str:
+        """What a row's ``qat`` field says: the format's label (``rtn4``), else ``quest-w4a4``."""
+        return self.format or f"{self.method}-w{self.w_bits}a{self.act_bits}"
+
+
+def _set_format_fields(cfg: QATConfig) -> None:
+    """method 'format': the format fixes the weight bits and quantizes no activations (QATConfig's defaults give
+    way to it, as a format's bits and group size do in QuantConfig); a contrary value is one line."""
+    if not cfg.format:
+        raise QuantdynError("qat.method=format needs qat.format, a quantizer label such as rtn4 or q4_k")
+    qc = qat_format_config(cfg.format)
+    defaults = QATConfig.__dataclass_fields__
+    if cfg.method not in ("format", defaults["method"].default):
+        raise QuantdynError(f"qat.format={cfg.format} trains with the format's own quantizer; drop "
+                            f"qat.method={cfg.method}")
+    if cfg.w_bits not in (qc.bits, defaults["w_bits"].default):
+        raise QuantdynError(f"qat.format={cfg.format} has {qc.bits}-bit weights by definition; drop "
+                            f"qat.w_bits={cfg.w_bits}")
+    if cfg.a_bits not in (None, 0, defaults["a_bits"].default) or cfg.include_head:
+        what = "qat.include_head" if cfg.include_head else f"qat.a_bits={cfg.a_bits}"
+        raise QuantdynError(f"qat.format={cfg.format} quantizes the block linears' weights only; drop {what}")
+    for name, value in (("method", "format"), ("w_bits", qc.bits), ("a_bits", None), ("format", qc.name)):
+        object.__setattr__(cfg, name, value)
+
+
+def qat_formats() -> list[str]:
+    """The registered quantizers that have a fake-quantized training path: those that quantize a weight from
+    the weight alone (no calibration data, no activation quantization, not a per-tensor plan)."""
+    return [n for n in QUANTIZERS.names()
+            if not QUANTIZERS.get(n).needs_calibration and QUANTIZERS.get(n).act_quant is None]
+
+
+def qat_format_config(label: str) -> QuantConfig:
+    """The QuantConfig of a QAT format label, or one line naming the formats that have a training path."""
+    qc = parse_quantizer(label)
+    method = QUANTIZERS.get(qc.method)
+    why = ("it needs calibration data" if method.needs_calibration else
+           "it also quantizes activations" if method.act_quant is not None else
+           "a per-tensor plan" if qc.method.startswith((PLAN_PREFIX, AUTO_PREFIX)) else
+           f"its rotation (+{rotation_of(qc)}) is applied at deployment only" if rotation_of(qc) else
+           "its head is not quantized in training (no -head)" if qc.quantize_head else "")
+    if why:
+        names = [QUANTIZERS.get(n).format.label if QUANTIZERS.get(n).format else f"{n}<bits>[g<group>]"
+                 for n in qat_formats()]
+        raise QuantdynError(f"QAT format '{label}' has no fake-quantized training path ({why}); formats that have "
+                            f"one: {', '.join(names)} (e.g. rtn4 = int4 g128)")
+    return qc
 
 
 # --------------------------------------------------------------------------- primitives
@@ -188,8 +253,24 @@ def quest_fake_quant(x: torch.Tensor, bits: int, trust_mask: bool = True) -> tor
     return xm + (q - xm).detach()
 
 
-def fake_quantize_weight(W: torch.Tensor, cfg: QATConfig) -> torch.Tensor:
-    """Dequantized quantized weight in the original basis (what a plain linear would hold)."""
+def format_fake_quant(W: torch.Tensor, qc: QuantConfig) -> torch.Tensor:
+    """Straight-through fake quantization of a weight W (out, in) with a registered quantizer ``qc`` (already
+    resolved for its tensor, ``config_for_tensor``): the value is Q(W) dequantized, as the quantizer's own
+    function computes it, the gradient is the identity to W."""
+    return W + (_format_weight(W, qc) - W).detach()
+
+
+@torch.no_grad()
+def _format_weight(W: torch.Tensor, qc: QuantConfig) -> torch.Tensor:
+    """Q(W) dequantized, in W's dtype, by the registered quantizer's own function (on a float32 copy)."""
+    return QUANTIZERS.get(qc.method).fn(W.detach().float().clone(), None, qc).weight.to(W.dtype)
+
+
+def fake_quantize_weight(W: torch.Tensor, cfg: QATConfig, qc: QuantConfig | None = None) -> torch.Tensor:
+    """Dequantized quantized weight in the original basis (what a plain linear would hold); method 'format'
+    takes the tensor's resolved quantizer ``qc`` (default: the format's own)."""
+    if cfg.method == "format":
+        return format_fake_quant(W, qc or qat_format_config(cfg.format))
     if cfg.method == "ste":
         return minmax_fake_quant(W, cfg.w_bits)
     Wh = hadamard_transform(W, cfg.hadamard_block)
@@ -208,15 +289,35 @@ class QATLinear(nn.Linear):
         self.qat_config = cfg or QATConfig()
         if self.qat_config.method == "quest":
             hadamard_block_size(in_features, self.qat_config.hadamard_block)  # fail early on odd widths
+        self.format_config: QuantConfig | None = None  # method 'format': this tensor's quantizer (prepare_qat)
+        self._cached: tuple[tuple, torch.Tensor] | None = None
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear, cfg: QATConfig) -> "QATLinear":
-        """A QATLinear sharing ``lin``'s parameter objects (no copy)."""
+    def from_linear(cls, lin: nn.Linear, cfg: QATConfig, site: TensorSite | None = None) -> "QATLinear":
+        """A QATLinear sharing ``lin``'s parameter objects (no copy); method 'format' resolves the format for
+        the tensor at ``site`` as the engine does (a mix's type, a shape fallback)."""
         q = cls(lin.in_features, lin.out_features, bias=lin.bias is not None, cfg=cfg, device="meta")
         q.weight = lin.weight
         q.bias = lin.bias
         q.train(lin.training)
+        if cfg.method == "format":
+            site = site or TensorSite("", 0, 1, (lin.out_features, lin.in_features))
+            q.format_config = config_for_tensor(qat_format_config(cfg.format), site)[0]
         return q
+
+    @torch.compiler.disable  # under train.compile: called as it is (its cache test would recompile every step)
+    def quantized_weight(self) -> torch.Tensor:
+        """Q(W) of the format (method 'format'), computed once per state of the weight: micro-batches of one
+        step share it; an optimizer step (or SAM's perturbation) changes the weight's version and so Q(W)."""
+        W = self.weight
+        key = (W._version, W.data_ptr(), W.device, W.dtype)
+        if self._cached is None or self._cached[0] != key:
+            self._cached = (key, _format_weight(W, self.format_config))
+            self.fake_quantizations += 1
+        return self._cached[1]
+
+    fake_quantizations = 0
+    """How many times this layer computed Q(W) (method 'format'): the cost QAT adds, counted."""
 
     def to_linear(self) -> nn.Linear:
         lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
@@ -227,6 +328,8 @@ class QATLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.qat_config
+        if cfg.method == "format":  # straight-through: the value Q(W), the gradient the identity to W
+            return F.linear(x, self.weight + (self.quantized_weight() - self.weight).detach(), self.bias)
         if cfg.method == "ste":
             xq = minmax_fake_quant(x, cfg.act_bits) if cfg.act_bits else x
             return F.linear(xq, minmax_fake_quant(self.weight, cfg.w_bits), self.bias)
@@ -239,6 +342,8 @@ class QATLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         c = self.qat_config
+        if c.method == "format":
+            return f"{super().extra_repr()}, format={self.format_config.name if self.format_config else c.format}"
         return f"{super().extra_repr()}, method={c.method}, w_bits={c.w_bits}, a_bits={c.act_bits}"
 
 
@@ -264,9 +369,37 @@ def _target_linears(model: nn.Module, cfg: QATConfig) -> list[tuple[nn.Module, s
     return out
 
 
+def _block_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear, TensorSite]]:
+    """Every linear of the model's decoder blocks, with its parent, name and the site the engine quantizes it
+    at (its path in the block, the block's index): the layers method 'format' trains through."""
+    adapter = adapter_for(model)
+    blocks = adapter.get_blocks(model)
+    out = []
+    for b, block in enumerate(blocks):
+        for path, lin in (x for grp in adapter.linear_groups(block) for x in grp):
+            if isinstance(lin, QATLinear):
+                continue
+            if type(lin) is not nn.Linear:
+                raise QuantdynError(f"QAT format training swaps nn.Linear layers; '{path}' of block {b} is a "
+                                    f"{type(lin).__name__}")
+            parent_path, _, name = path.rpartition(".")
+            parent = block.get_submodule(parent_path) if parent_path else block
+            site = TensorSite(path, b, len(blocks), (lin.out_features, lin.in_features))
+            out.append((parent, name, lin, site))
+    return out
+
+
 def prepare_qat(model: nn.Module, cfg: QATConfig) -> nn.Module:
     """Swap the model's linears (not the head unless ``include_head``) for QATLinear,
-    in place; parameter objects and names are unchanged. Returns ``model``."""
+    in place; parameter objects and names are unchanged. Returns ``model``. Method 'format': the decoder
+    blocks' linears, each with its tensor's quantizer (what the engine quantizes with the format's label)."""
+    if cfg.method == "format":
+        found = _block_linears(model)
+        for parent, name, lin, site in found:
+            setattr(parent, name, QATLinear.from_linear(lin, cfg, site))
+        if not found and not any(isinstance(m, QATLinear) for m in model.modules()):
+            raise QuantdynError("prepare_qat found no nn.Linear layers to quantize in this model")
+        return model
     targets = _target_linears(model, cfg)
     if not targets and not any(isinstance(m, QATLinear) for m in model.modules()):
         raise QuantdynError("prepare_qat found no nn.Linear layers to quantize in this model")
@@ -291,6 +424,13 @@ def fake_quantize_weights_(model: nn.Module, cfg: QATConfig) -> nn.Module:
     linears in place -- the deployed QAT model.  Works on plain and QAT models;
     activations are not touched (use :func:`fake_quant_forward` for W+A).
     Returns ``model``."""
+    if cfg.method == "format":
+        found = _block_linears(model)
+        for _, _, lin, site in found:
+            lin.weight.copy_(_format_weight(lin.weight, config_for_tensor(qat_format_config(cfg.format), site)[0]))
+        if not found:
+            raise QuantdynError("fake_quantize_weights_ found no nn.Linear layers in this model")
+        return model
     head = _head_module(model)
     n = 0
     for m in model.modules():
@@ -306,10 +446,15 @@ def fake_quantize_weights_(model: nn.Module, cfg: QATConfig) -> nn.Module:
 def fake_quant_forward(model: nn.Module, cfg: QATConfig) -> Iterator[nn.Module]:
     """Within the block the model runs the W+A fake-quantized (QAT) forward; the
     original linear modules are put back on exit. Weights are not modified."""
-    targets = _target_linears(model, cfg)
+    if cfg.method == "format":
+        targets = [(parent, name, lin) for parent, name, lin, _ in _block_linears(model)]
+        sites = [site for *_, site in _block_linears(model)]
+    else:
+        targets = _target_linears(model, cfg)
+        sites = [None] * len(targets)
     try:
-        for parent, name, lin in targets:
-            setattr(parent, name, QATLinear.from_linear(lin, cfg))
+        for (parent, name, lin), site in zip(targets, sites):
+            setattr(parent, name, QATLinear.from_linear(lin, cfg, site))
         yield model
     finally:
         for parent, name, lin in targets:
@@ -321,6 +466,9 @@ class QATDeployed(BlockTransform):
     (and the head with ``include_head``) runs the W+A fake-quantized forward of ``cfg``."""
 
     def __init__(self, cfg: QATConfig):
+        if cfg.method == "format":
+            raise QuantdynError(f"a format-QAT model (qat.format={cfg.format}) is deployed by the quantizer of that "
+                                f"label (a sweep with --quantizers {cfg.format}), not by a QAT block transform")
         self.cfg = cfg
         self.name = f"qat-{cfg.method}-w{cfg.w_bits}a{cfg.a_bits or 0}"
 
@@ -334,7 +482,13 @@ class QATDeployed(BlockTransform):
 
 
 __all__ = [
-    "QATConfig", "QATLinear", "GAUSSIAN_OPTIMAL_CLIP", "gaussian_optimal_clip", "hadamard_matrix",
+    "QATConfig", "QATLinear", "qat_formats", "qat_format_config", "format_fake_quant", "fake_quantizations",
+    "GAUSSIAN_OPTIMAL_CLIP", "gaussian_optimal_clip", "hadamard_matrix",
     "hadamard_block_size", "hadamard_transform", "minmax_fake_quant", "quest_fake_quant",
     "fake_quantize_weight", "prepare_qat", "strip_qat", "fake_quantize_weights_", "fake_quant_forward", "QATDeployed",
 ]
+
+
+def fake_quantizations(model: nn.Module) -> int:
+    """Q(W) computations of a format-QAT model's layers so far (each QATLinear's count, summed)."""
+    return sum(m.fake_quantizations for m in model.modules() if isinstance(m, QATLinear))

@@ -469,6 +469,7 @@ def write_run_files(run: TrainingRun, start_step: int, *, clear: bool, resuming:
             "tokens_per_step": run.runtime.tokens_per_step,
             # what one optimizer step costs in passes over its tokens (SAM: two), so that runs compare at equal compute
             "forward_backward_per_step": forward_backward_passes(cfg),
+            **fake_quant_cost(cfg),
             "world_size": run.runtime.world,
             "dist_strategy": run.runtime.strategy.name,
             "git_sha": git_sha(),
@@ -571,6 +572,15 @@ def optimizer_step(run: TrainingRun, state: TrainState, step: int,
 def forward_backward_passes(cfg: RunConfig) -> int:
     """Forward/backward passes over a step's tokens per optimizer step: 2 with SAM (train/sam.py), else 1."""
     return 2 if cfg.optim.sam_rho > 0 else 1
+
+
+def fake_quant_cost(cfg: RunConfig) -> dict:
+    """What format QAT (``qat.format``) adds to a step, for run.json: the format, and how many times per
+    optimizer step every block linear's weight is fake-quantized (once per state of the weights: once, with SAM
+    twice; the micro-batches of a step share it). {} without format QAT."""
+    if cfg.qat is None or cfg.qat.method != "format":
+        return {}
+    return {"qat_format": cfg.qat.format, "fake_quant_per_step": forward_backward_passes(cfg)}
 
 
 def forward_backward(run: TrainingRun, state: TrainState, step: int, stream: int = 0) -> torch.Tensor:
