@@ -55,7 +55,7 @@ bench: $(STAMP)
 	$(VENV)/bin/python bench/common.py $(BENCH_MODE) $(if $(BENCH_ONLY),--only $(BENCH_ONLY))
 
 clean:
-	rm -rf $(VENV) .cache runs results report demo
+	rm -rf $(VENV) .cache runs results report ship demo
 
 # Cross-checks against the tools people use (BENCHMARKS.md, "Cross-checks"). GPTQModel pins numpy==2.2.6,
 # so the crosscheck extra gets its own venv; it also runs the export tests that load GPTQ checkpoints

@@ -52,7 +52,8 @@ def test_the_demo_with_rotations_measures_both_effects_and_the_gain(tmp_path):
     spec = load_study_spec(DEMO, [
         "scale=cpu-tiny", f"run.out_dir={tmp_path / 'runs'}", f"sweep.store={tmp_path / 'store'}",
         f"report={tmp_path / 'rep'}", "sweep.quantizers=[rtn4,rtn4+had,w4a4,w4a4+had]",
-        "sweep.data.eval_windows=16", "findings.compute=[decay,rotations]", "run.train.eval_every=0"])
+        "sweep.data.eval_windows=16", "findings.compute=[decay,rotations]", "run.train.eval_every=0",
+        "ship.budget=0"])  # the demo's ship stage is test_ship's
     out = run_study(spec, progress=False, echo=lambda *a, **k: None)
     rows = [r for r in ResultStore(tmp_path / "store").rows() if r.get("kind") == "ptq"]
     details = json.loads((tmp_path / "rep" / "findings.json").read_text())["details"]

@@ -235,3 +235,70 @@ def test_ship_end_to_end_kill_resume_and_nothing_measured_twice(tmp_path, kjv_sm
     second = json.loads(again.stdout)
     assert (second["artifact"]["name"], second["quantizer"], second["ce_q"]) == (
         shipped["artifact"]["name"], shipped["quantizer"], shipped["ce_q"])
+
+
+# ------------------------------------------------------------------ the demo ends with the decision (issue 46.6)
+
+
+def test_the_demo_spec_ships_at_a_budget_its_width_holds_and_scales_write_apart():
+    from quantdyn.studies.pipeline import ship_config
+    from quantdyn.studies.spec import demo_spec
+
+    spec = demo_spec()
+    assert (spec.ship.budget, spec.ship.quantizers, spec.ship.last) == (4.5, ("q4_0", "gptq4"), 1)
+    cfg = ship_config(spec, Path("runs/demo"), "demo")
+    # measured on the sweep's own windows and calibration, into its store
+    assert (cfg.eval_tokens, cfg.eval_seq_len, cfg.calib_samples, cfg.calib_seq_len) == (200 * 128, 128, 32, 128)
+    assert (cfg.source, cfg.out, cfg.store) == (("runs/demo",), "ship/demo-4.5", "results")
+    assert demo_spec(["scale=cpu-tiny"]).ship.out == "ship-cpu-tiny"  # a smoke size never meets the full size's
+    assert not demo_spec(["ship.budget=0"]).ship.enabled
+
+
+@pytest.mark.parametrize("override, msg", [
+    ("ship.budget=-1", "ship.budget=-1 must be a positive number"),
+    ("ship.formats=[ggfu]", "did you mean 'gguf'"),
+    ("ship.last=0", "last and repeats must be >= 1"),
+])
+def test_a_bad_ship_section_is_one_line_before_anything_runs(override, msg):
+    from quantdyn.studies.spec import demo_spec
+
+    with pytest.raises(QuantdynError, match=msg.replace("(", r"\(")):
+        demo_spec([override])
+
+
+@pytest.mark.e2e
+def test_the_demo_ends_with_the_decision(tmp_path):
+    """The embedded demo at its smoke size: after the sweep, ship decides on the demo's run; the printed summary and
+    the report open with "What to ship"; a rerun measures nothing again."""
+    import re
+
+    from quantdyn.results.store import ResultStore
+    from quantdyn.studies.pipeline import run_study
+    from quantdyn.studies.spec import demo_spec
+
+    spec = demo_spec(["scale=cpu-tiny", f"run.out_dir={tmp_path / 'runs'}", f"sweep.store={tmp_path / 'store'}",
+                      f"report={tmp_path / 'rep'}", f"ship.out={tmp_path / 'ship'}", "sweep.quantizers=[rtn4]",
+                      "run.train.eval_every=0"])
+    lines: list[str] = []
+    out = run_study(spec, progress=False, echo=lines.append)
+    shipped = json.loads((tmp_path / "ship" / "demo-4.5" / "ship.json").read_text())
+    assert out["ship"] == [json.loads(json.dumps(shipped))]
+    assert shipped["budget"] == 4.5 and shipped["naive"]["quantizer"] == "q4_0"  # q4_0 is 4.5 bpw on any width
+    assert shipped["quantizer"] in {"q4_0", "gptq4", "auto@4.5"} and shipped["bits_per_weight"] <= 4.5
+    # last=1: the main run's final checkpoint, the 4 branch endpoints, LAWA over the last 3, the soup
+    assert sorted(c["how"] for c in shipped["candidates"]) == ["checkpoint", "control", "control", "cooldown",
+                                                               "cooldown", "lawa", "soup"]
+    # the decision leads the summary, before the findings; the screen's drops are one counted line
+    head = next(i for i, x in enumerate(lines) if x.startswith("What to ship at 4.5 bits per weight"))
+    assert head < next(i for i, x in enumerate(lines) if x.startswith("Answer"))
+    assert any(x.startswith("ship: ") and shipped["artifact"]["name"] in x for x in lines[head:])
+    drops = [x for x in lines if x.strip().startswith("screen: dropped")]
+    assert len(drops) == 1 and f"dropped {len(shipped['dropped'])} of " in drops[0]
+    assert not any(x.strip().startswith("dropped ") for x in lines)
+    html = (tmp_path / "rep" / "index.html").read_text()
+    assert re.findall(r"<h2[^>]*>([^<]*)", html)[0].startswith("What to ship at 4.5 bits per weight")
+    keys = ResultStore(tmp_path / "store").keys()
+    again: list[str] = []
+    run_study(spec, progress=False, echo=again.append)
+    assert ResultStore(tmp_path / "store").keys() == keys  # every stage resumed: nothing measured twice
+    assert json.loads((tmp_path / "ship" / "demo-4.5" / "ship.json").read_text())["quantizer"] == shipped["quantizer"]

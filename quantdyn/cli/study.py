@@ -34,12 +34,12 @@ def study(
 
 
 def check_places(spec) -> None:
-    """Every place a study writes (its runs' out_dir, the store, the report) checked writable before any work
-    (files.ensure_writable: one line naming the spec key, or the option that set it)."""
+    """Every place a study writes (its runs' out_dir, the store, the report, the ship decisions) checked writable
+    before any work (files.ensure_writable: one line naming the spec key, or the option that set it)."""
     from quantdyn.files import ensure_writable
 
     for path, what in ((spec.run.out_dir, "run.out_dir"), (spec.sweep.store, "--store (sweep.store)"),
-                       (spec.report, "--out (report)")):
+                       (spec.report, "--out (report)")) + (((spec.ship.out, "ship.out"),) if spec.ship.enabled else ()):
         ensure_writable(path, what)
 
 

@@ -1,9 +1,9 @@
 """Studies end to end: `quantdyn study SPEC.yaml [key=value ...]` and `quantdyn demo` (the embedded spec).
 
     train (seeds x grid) -> cooldown branches + constant-LR controls -> weight averages (LAWA, soup of
-    cooldown branches) -> sweep quantizers and analyses over every checkpoint -> findings (effect,
-    uncertainty, verdict) -> the HTML report, which opens with them, and the same summary printed
-    (studies/section.py)
+    cooldown branches) -> sweep quantizers and analyses over every checkpoint -> what to ship at ship.budget
+    (quantdyn/ship/, when the spec has a budget) -> findings (effect, uncertainty, verdict) -> the HTML report,
+    which opens with the decision and the findings, and the same summary printed (studies/section.py)
 
 Every stage resumes: rerunning skips finished runs, branches, averages and stored rows.  A run whose
 training diverges (a peak LR too high) is recorded in REPORT/study.json, reported, and left out of the
@@ -25,10 +25,12 @@ from quantdyn.evaluate.loss import window_losses
 from quantdyn.files import write_json_atomic
 from quantdyn.launch.grid import expand_grid
 from quantdyn.models.hf_io import checkpoint_hash, load_causal_lm
-from quantdyn.results.schema import PTQ
+from quantdyn.results.schema import PTQ, SHIP
 from quantdyn.results.store import ResultStore
 from quantdyn.runs import SOUP_OF_COOLDOWNS, RunDir, has_weights, lawa_name, latest_resumable
 from quantdyn.runtime import git_sha, hardware, resolve_device
+from quantdyn.ship.candidates import CandidateSpec
+from quantdyn.ship.ship import ShipConfig, ShipResult, ship, summary_lines
 from quantdyn.sources.presets import as_hub_ref
 from quantdyn.sources.trajectory import TrajectoryConfig
 from quantdyn.studies import findings as fd
@@ -163,6 +165,45 @@ def _sweep(spec: StudySpec, run_dir: Path, name: str, progress: bool, echo: Echo
     return counts
 
 
+def ship_config(spec: StudySpec, run_dir: Path, name: str) -> ShipConfig:
+    """`quantdyn ship RUN --budget B --out SHIP/<run>-<B>` as the study asks it: on the sweep's evaluation and
+    calibration windows, into the sweep's store."""
+    sh, sw = spec.ship, spec.sweep
+    return ShipConfig(source=(str(run_dir),), budget=sh.budget, out=sh.out_of(name), quantizers=sh.quantizers,
+                      formats=sh.formats, auto=sh.auto, candidates=CandidateSpec(last=sh.last, lawa=sh.lawa,
+                                                                                 soup=sh.soup),
+                      eval_data=sw.data.source, eval_tokens=sw.data.eval_windows * sw.data.eval_seq_len,
+                      eval_seq_len=sw.data.eval_seq_len, calib_samples=sw.data.calib_samples,
+                      calib_seq_len=sw.data.calib_seq_len, screen_windows=sh.screen_windows, repeats=sh.repeats,
+                      store=sw.store, device=sw.device, engine=sw.engine)
+
+
+def _ship(spec: StudySpec, run_dir: Path, name: str, progress: bool, echo: Echo) -> ShipResult | None:
+    """What to ship from one run at spec.ship.budget; the screen's drops are counted here (ship.json lists each
+    with its z), the other lines of ship printed as they come."""
+    if not spec.ship.enabled:
+        return None
+    cfg = ship_config(spec, run_dir, name)
+    echo(f"[3/4] {name}: what to ship at {cfg.budget:g} bits per weight (quantdyn ship {run_dir} --budget "
+         f"{cfg.budget:g} --out {cfg.out}" + (f" --quantizers {','.join(cfg.quantizers)}" if cfg.quantizers else "")
+         + f" --last {cfg.candidates.last})")
+    dropped = []
+
+    def say(line: str) -> None:
+        if line.startswith("dropped "):
+            dropped.append(line)
+        else:
+            echo(f"  {line}")
+
+    res = ship(cfg, echo=say, progress=progress)
+    if dropped:
+        s = res.report["screen"]
+        echo(f"  screen: dropped {len(dropped)} of {len(dropped) + len(res.report['options'])} options on the first "
+             f"{s['screen_windows']} of {s['windows']} windows (beaten by the best at z > {cfg.z:g}; "
+             f"{res.path} lists each with its z)")
+    return res
+
+
 def _rows_of(store: str, run_dirs: list[Path], repeats: int) -> list[dict]:
     prefixes = [str(d.resolve()) + os.sep for d in run_dirs]
     rows = []
@@ -212,7 +253,7 @@ def run_study(spec: StudySpec | dict, progress: bool = True, echo: Echo = print)
     state = _load_state(state_path)
     diverged: dict[str, str] = dict(state.get("diverged") or {})
     cfgs = plan_runs(spec)
-    seconds = {"train": 0.0, "cooldowns": 0.0, "averages": 0.0, "sweep": 0.0, "report": 0.0}
+    seconds = {"train": 0.0, "cooldowns": 0.0, "averages": 0.0, "sweep": 0.0, "ship": 0.0, "report": 0.0}
     if spec.title:
         echo(spec.title)
     summary = []
@@ -236,10 +277,14 @@ def run_study(spec: StudySpec | dict, progress: bool = True, echo: Echo = print)
         t3 = time.perf_counter()
         counts = _sweep(spec, run_dir, cfg.name, progress, echo)
         t4 = time.perf_counter()
-        for k, a, b in (("train", t0, t1), ("cooldowns", t1, t2), ("averages", t2, t3), ("sweep", t3, t4)):
+        shipped = _ship(spec, run_dir, cfg.name, progress, echo)
+        t_ship = time.perf_counter()
+        for k, a, b in (("train", t0, t1), ("cooldowns", t1, t2), ("averages", t2, t3), ("sweep", t3, t4),
+                        ("ship", t4, t_ship)):
             seconds[k] += b - a
         vals = [r["val/loss"] for r in read_metrics(run_dir) if "val/loss" in r]
-        summary.append({"run_dir": run_dir, "cfg": cfg, "counts": counts, "val": (vals[0], vals[-1]) if vals else None})
+        summary.append({"run_dir": run_dir, "cfg": cfg, "counts": counts, "val": (vals[0], vals[-1]) if vals else None,
+                        "ship": shipped})
     if not summary:
         raise QuantdynError("every run of the study diverged; lower the peak LR (run.optim.lr or vary)")
     echo("[4/4] writing the report and the findings")
@@ -279,13 +324,19 @@ def run_study(spec: StudySpec | dict, progress: bool = True, echo: Echo = print)
     page = section.write_report(store, report_dir, answer_of=answer)
     echo("")
     for s in summary:
-        mine = [r for r in rows if r.get("run") == s["cfg"].name]
+        mine = [r for r in rows if r.get("run") == s["cfg"].name and not SHIP.matches(r)]  # the sweep's rows
         echo(f"run directory: {s['run_dir']}")
         if s["val"]:
             echo(f"  validation loss: {s['val'][0]:.3f} -> {s['val'][1]:.3f} over {s['cfg'].train.steps} steps")
         echo(f"  result rows: {len(mine)} ({s['counts']['written']} new)")
     echo(f"results store: {store}")
     echo("")
+    for s in summary:  # the decision leads, as it leads the report
+        if s["ship"] is not None:
+            for line in summary_lines(s["ship"].report):
+                echo(line)
+            echo(f"  decision: {s['ship'].path}")
+            echo("")
     for line in section.summary_lines(answer):
         echo(line)
     echo("")
@@ -296,7 +347,8 @@ def run_study(spec: StudySpec | dict, progress: bool = True, echo: Echo = print)
     echo(f"findings:      {findings_page}")
     echo(f"wall time {wall / 60:.1f} min (training {seconds['train'] / 60:.1f}, cooldowns "
          f"{seconds['cooldowns'] / 60:.1f}, averages {seconds['averages'] / 60:.1f}, sweeps "
-         f"{seconds['sweep'] / 60:.1f}, report {seconds['report'] / 60:.1f}; stages already done are skipped)")
+         f"{seconds['sweep'] / 60:.1f}" + (f", ship {seconds['ship'] / 60:.1f}" if spec.ship.enabled else "")
+         + f", report {seconds['report'] / 60:.1f}; stages already done are skipped)")
     history = list(state.get("invocations") or [])
     history.append({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "wall_s": round(wall, 1),
                     "stages_s": {k: round(v, 1) for k, v in seconds.items()}, "git_sha": git_sha(),
@@ -307,7 +359,8 @@ def run_study(spec: StudySpec | dict, progress: bool = True, echo: Echo = print)
                                    "findings": [{k: v for k, v in x.items()} for x in answer.found]})
     return {"report": page, "table": answer.decay, "across_seeds": answer.across,
             "runs": [s["run_dir"] for s in summary], "findings": answer.found, "details": answer.details,
-            "notes": notes, "section": findings_page, "seconds": seconds, "wall_s": wall}
+            "notes": notes, "section": findings_page, "seconds": seconds, "wall_s": wall,
+            "ship": [s["ship"].report for s in summary if s["ship"] is not None]}
 
 
 def run_demo(progress: bool = True, echo: Echo = print) -> dict:

@@ -13,7 +13,7 @@ A scale rewrites the study dict before it is typed:
 * data: a scale may name a corpus and tokenizer for its size (GPU scales read a FineWeb-Edu sample);
   ``run.data.source=...`` on the command line wins, as every override does;
 * outputs: a scale asked for on the command line that is not the file's own (``scale=cpu-tiny`` on a file
-  written for the CPU) writes apart, :func:`apart_paths`: run.out_dir, sweep.store and report get ``-<scale>``,
+  written for the CPU) writes apart, :func:`apart_paths`: run.out_dir, sweep.store, report and ship.out get ``-<scale>``,
   so a smoke run never lands in (or is refused by) the full size's runs, store and report; paths given on the
   command line win.
 
@@ -159,8 +159,8 @@ def _suffixed(path: str, name: str) -> str:
 
 
 def apart_paths(spec: dict, name: str) -> dict:
-    """``spec`` (a new dict) with its outputs apart for scale ``name``: run.out_dir, sweep.store and report, each
-    where the spec gives it, get ``-<name>``; a store inside run.out_dir moves with it (runs/x/results ->
+    """``spec`` (a new dict) with its outputs apart for scale ``name``: run.out_dir, sweep.store, report and
+    ship.out (where the spec ships), each where the spec gives it, get ``-<name>``; a store inside run.out_dir moves with it (runs/x/results ->
     runs/x-<name>/results)."""
     out = copy.deepcopy(spec)
     run = out.get("run") or {}
@@ -174,4 +174,7 @@ def apart_paths(spec: dict, name: str) -> dict:
         sweep["store"] = run["out_dir"] + store[len(old_dir):] if inside else _suffixed(store, name)
     if out.get("report"):
         out["report"] = _suffixed(str(out["report"]), name)
+    ship = out.get("ship") or {}
+    if ship.get("budget"):
+        ship["out"] = _suffixed(str(ship.get("out") or "ship"), name)
     return out

@@ -12,6 +12,8 @@ before anything is trained.  Layout::
   averaging:  {lawa: [{window, every}, ...], at_step, soup_cooldowns, reference_from_step}
   sweep:      SweepConfig fields except trajectory (set per run); state quant_repeats
   findings:   {compute: [decay, peak_lr, averaging, sharpness, predictors, interventions, warmdown], quantizers, z, ...}
+  ship:       {budget: BPW, quantizers, formats, auto, last, lawa, soup, screen_windows, out}  `quantdyn ship`
+              on every run once it is swept: what to deploy at that size (none without a budget)
   report:     report directory
   scale:      a named size (quantdyn/studies/scales.py), applied before typing
 
@@ -38,6 +40,7 @@ from quantdyn.launch.grid import expand_grid, parse_vary
 from quantdyn.quantize.catalogue import parse_quantizer
 from quantdyn.runs import control_branch, cooldown_branch, lawa_name, parse_average
 from quantdyn.schedules import DECAY_SHAPES
+from quantdyn.ship.quantizations import check_formats
 from quantdyn.sources.trajectory import TrajectoryConfig
 from quantdyn.studies.families import FINDING_FAMILIES
 from quantdyn.studies.scales import SCALES, apart_paths, apply_scale
@@ -208,6 +211,52 @@ class FindingsSpec:
 
 
 @dataclass(frozen=True)
+class ShipSpec:
+    """`quantdyn ship` on every run of the study once it is swept (quantdyn/ship/): which weights, quantized how,
+    to deploy at ``budget`` bits per weight; the decision leads the summary and the report.  It is measured on the
+    sweep's evaluation and calibration windows (sweep.data) and stores its rows in sweep.store."""
+
+    budget: float = 0.0
+    """Bits per weight of the quantized linears, scales included (0 = no ship stage)."""
+    quantizers: tuple[str, ...] = ()
+    """Uniform types considered (() = ship's common deployment types whose bits per weight fit the budget)."""
+    formats: tuple[str, ...] = ()
+    """Export formats allowed (gguf, gptq, compressed-tensors; () = all)."""
+    auto: bool = True
+    """Also allocate a per-tensor plan auto@BUDGET on each candidate."""
+    last: int = 2
+    """Candidates: the last checkpoints of the main run and of each branch."""
+    lawa: int = 3
+    """Candidates: LAWA over the last K main-run checkpoints (0 = none)."""
+    soup: bool = True
+    """Candidates: a soup of the decayed branch endpoints."""
+    screen_windows: int = 0
+    """Windows of the screen (0 = a quarter of the evaluation windows, at least 16)."""
+    repeats: int = 1
+    """Calibration draws per quantization (ship --repeats)."""
+    out: str = "ship"
+    """Directory of the decisions: OUT/<run>-<budget> per run (candidates made, plans, export, ship.json)."""
+
+    def __post_init__(self):
+        if self.budget < 0:
+            raise QuantdynError(f"ship.budget={self.budget:g} must be a positive number of bits per weight "
+                                "(0: no ship stage)")
+        if self.last < 1 or self.lawa < 0 or self.screen_windows < 0 or self.repeats < 1:
+            raise QuantdynError("ship: last and repeats must be >= 1, lawa and screen_windows >= 0")
+        for q in self.quantizers:
+            parse_quantizer(q)
+        check_formats(self.formats)
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget > 0
+
+    def out_of(self, run: str) -> str:
+        """The ship directory of one run of the study."""
+        return str(Path(self.out) / f"{run}-{self.budget:g}")
+
+
+@dataclass(frozen=True)
 class StudySpec:
     """A study: runs (seeds x grid), cooldowns and controls, averages, a sweep, a report and findings."""
 
@@ -225,6 +274,8 @@ class StudySpec:
     """The sweep of every run's checkpoints (SweepConfig without trajectory; state quant_repeats)."""
     findings: FindingsSpec = field(default_factory=FindingsSpec)
     """The findings table."""
+    ship: ShipSpec = field(default_factory=ShipSpec)
+    """What to ship at a size budget, decided on every run once it is swept (none without ship.budget)."""
     report: str = "report"
     """Report directory (index.html, figures, findings.json)."""
     scale: str = ""
