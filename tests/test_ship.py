@@ -266,6 +266,19 @@ def test_a_bad_ship_section_is_one_line_before_anything_runs(override, msg):
         demo_spec([override])
 
 
+def test_a_study_whose_ship_out_holds_another_decision_names_its_own_key(tmp_path):
+    from quantdyn.studies.pipeline import _ship
+    from quantdyn.studies.spec import demo_spec
+
+    spec = demo_spec([f"ship.out={tmp_path / 'ship'}"])
+    other = tmp_path / "ship" / "demo-4.5"
+    other.mkdir(parents=True)
+    (other / "ship-request.json").write_text(json.dumps({"budget": 4.5, "quantizers": ["q8_0"]}))
+    with pytest.raises(QuantdynError, match=r"^ship.out '.*demo-4.5' holds another decision .*give another ship.out"):
+        _ship(spec, tmp_path / "runs" / "demo", "demo", False, lambda line: None)
+    assert sorted(p.name for p in other.iterdir()) == ["ship-request.json"]
+
+
 @pytest.mark.e2e
 def test_the_demo_ends_with_the_decision(tmp_path):
     """The embedded demo at its smoke size: after the sweep, ship decides on the demo's run; the printed summary and

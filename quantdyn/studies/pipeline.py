@@ -192,7 +192,10 @@ def _ship(spec: StudySpec, run_dir: Path, name: str, progress: bool, echo: Echo)
         else:
             echo(f"  {line}")
 
-    res = ship(cfg, echo=say, progress=progress)
+    try:
+        res = ship(cfg, echo=say, progress=progress)
+    except QuantdynError as e:  # the study's key for what the command line calls --out
+        raise QuantdynError(str(e).replace("--out", "ship.out")) from None
     if dropped:
         s = res.report["screen"]
         echo(f"  screen: dropped {len(dropped)} of {len(dropped) + len(res.report['options'])} options on the first "
