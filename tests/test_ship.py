@@ -310,6 +310,12 @@ def test_the_demo_ends_with_the_decision(tmp_path):
     assert not any(x.strip().startswith("dropped ") for x in lines)
     html = (tmp_path / "rep" / "index.html").read_text()
     assert re.findall(r"<h2[^>]*>([^<]*)", html)[0].startswith("What to ship at 4.5 bits per weight")
+    # `quantdyn report` over the store prints the same summary, the decision first
+    from quantdyn.studies.section import write_report
+
+    printed: list[str] = []
+    write_report(tmp_path / "store", tmp_path / "rep2", echo=printed.append)
+    assert printed[0].startswith("What to ship at 4.5") and lines[head:head + len(printed)] == printed
     keys = ResultStore(tmp_path / "store").keys()
     again: list[str] = []
     run_study(spec, progress=False, echo=again.append)
