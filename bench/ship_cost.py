@@ -2,8 +2,8 @@
 the windows, the survivors on the rest) against the reference, every candidate x quantization measured on every
 window, in one process on the same run (issue 46, item 3; target: ship <= 0.5 x the reference).
 
-    .venv/bin/python bench/ship_cost.py --run runs/demo --budget 4.5                  # ship's defaults (make demo's run)
-    .venv/bin/python bench/ship_cost.py --run runs/demo --budget 4.5 --quantizers q4_0,gptq4 --last 1   # the demo's
+    .venv/bin/python bench/ship_cost.py --run runs/demo --budget 4.5                  # ship's defaults, the demo's run
+    .venv/bin/python bench/ship_cost.py --run runs/demo --budget 4.5 --quantizers q4_0,gptq4 --last 1  # the demo's
     .venv/bin/python bench/ship_cost.py --quick          # the demo at its smoke size, trained here: the code path
 
 Both are `ship()` itself, each into a fresh store and output directory (so nothing is reused between them): the

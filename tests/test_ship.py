@@ -266,6 +266,19 @@ def test_a_bad_ship_section_is_one_line_before_anything_runs(override, msg):
         demo_spec([override])
 
 
+def test_a_study_whose_ship_out_holds_another_decision_names_its_own_key(tmp_path):
+    from quantdyn.studies.pipeline import _ship
+    from quantdyn.studies.spec import demo_spec
+
+    spec = demo_spec([f"ship.out={tmp_path / 'ship'}"])
+    other = tmp_path / "ship" / "demo-4.5"
+    other.mkdir(parents=True)
+    (other / "ship-request.json").write_text(json.dumps({"budget": 4.5, "quantizers": ["q8_0"]}))
+    with pytest.raises(QuantdynError, match=r"^ship.out '.*demo-4.5' holds another decision .*give another ship.out"):
+        _ship(spec, tmp_path / "runs" / "demo", "demo", False, lambda line: None)
+    assert sorted(p.name for p in other.iterdir()) == ["ship-request.json"]
+
+
 @pytest.mark.e2e
 def test_the_demo_ends_with_the_decision(tmp_path):
     """The embedded demo at its smoke size: after the sweep, ship decides on the demo's run; the printed summary and
@@ -297,6 +310,12 @@ def test_the_demo_ends_with_the_decision(tmp_path):
     assert not any(x.strip().startswith("dropped ") for x in lines)
     html = (tmp_path / "rep" / "index.html").read_text()
     assert re.findall(r"<h2[^>]*>([^<]*)", html)[0].startswith("What to ship at 4.5 bits per weight")
+    # `quantdyn report` over the store prints the same summary, the decision first
+    from quantdyn.studies.section import write_report
+
+    printed: list[str] = []
+    write_report(tmp_path / "store", tmp_path / "rep2", echo=printed.append)
+    assert printed[0].startswith("What to ship at 4.5") and lines[head:head + len(printed)] == printed
     keys = ResultStore(tmp_path / "store").keys()
     again: list[str] = []
     run_study(spec, progress=False, echo=again.append)

@@ -30,7 +30,7 @@ from quantdyn.results.store import ResultStore
 from quantdyn.runs import SOUP_OF_COOLDOWNS, RunDir, has_weights, lawa_name, latest_resumable
 from quantdyn.runtime import git_sha, hardware, resolve_device
 from quantdyn.ship.candidates import CandidateSpec
-from quantdyn.ship.ship import ShipConfig, ShipResult, ship, summary_lines
+from quantdyn.ship.ship import ShipConfig, ShipResult, ship
 from quantdyn.sources.presets import as_hub_ref
 from quantdyn.sources.trajectory import TrajectoryConfig
 from quantdyn.studies import findings as fd
@@ -195,7 +195,10 @@ def _ship(spec: StudySpec, run_dir: Path, name: str, progress: bool, echo: Echo)
         else:
             echo(f"  {line}")
 
-    res = ship(cfg, echo=say, progress=progress)
+    try:
+        res = ship(cfg, echo=say, progress=progress)
+    except QuantdynError as e:  # the study's key for what the command line calls --out
+        raise QuantdynError(str(e).replace("--out", "ship.out")) from None
     if dropped:
         s = res.report["screen"]
         echo(f"  screen: dropped {len(dropped)} of {len(dropped) + len(res.report['options'])} options on the first "
@@ -331,12 +334,8 @@ def run_study(spec: StudySpec | dict, progress: bool = True, echo: Echo = print)
         echo(f"  result rows: {len(mine)} ({s['counts']['written']} new)")
     echo(f"results store: {store}")
     echo("")
-    for s in summary:  # the decision leads, as it leads the report
-        if s["ship"] is not None:
-            for line in summary_lines(s["ship"].report):
-                echo(line)
-            echo(f"  decision: {s['ship'].path}")
-            echo("")
+    for line in section.ship_lines([s["ship"].report for s in summary if s["ship"] is not None]):
+        echo(line)  # the decision leads, as it leads the report (and `quantdyn report` prints the same)
     for line in section.summary_lines(answer):
         echo(line)
     echo("")

@@ -13,9 +13,9 @@ A scale rewrites the study dict before it is typed:
 * data: a scale may name a corpus and tokenizer for its size (GPU scales read a FineWeb-Edu sample);
   ``run.data.source=...`` on the command line wins, as every override does;
 * outputs: a scale asked for on the command line that is not the file's own (``scale=cpu-tiny`` on a file
-  written for the CPU) writes apart, :func:`apart_paths`: run.out_dir, sweep.store, report and ship.out get ``-<scale>``,
-  so a smoke run never lands in (or is refused by) the full size's runs, store and report; paths given on the
-  command line win.
+  written for the CPU) writes apart, :func:`apart_paths`: run.out_dir, sweep.store, report and ship.out get
+  ``-<scale>``, so a smoke run never lands in (or is refused by) the full size's runs, store and report; paths
+  given on the command line win.
 
 ``cpu`` leaves the spec as written (the study files are sized for it).  The GPU scales' sizes are
 choices, not measurements: no GPU was lent while they were written, so none of their timings is
@@ -159,9 +159,9 @@ def _suffixed(path: str, name: str) -> str:
 
 
 def apart_paths(spec: dict, name: str) -> dict:
-    """``spec`` (a new dict) with its outputs apart for scale ``name``: run.out_dir, sweep.store, report and
-    ship.out (where the spec ships), each where the spec gives it, get ``-<name>``; a store inside run.out_dir moves with it (runs/x/results ->
-    runs/x-<name>/results)."""
+    """``spec`` (a new dict) with its outputs apart for scale ``name``: run.out_dir, sweep.store and report, each
+    where the spec gives it, and ship.out where the spec ships, get ``-<name>``; a store inside run.out_dir moves
+    with it (runs/x/results -> runs/x-<name>/results)."""
     out = copy.deepcopy(spec)
     run = out.get("run") or {}
     old_dir = str(run["out_dir"]).rstrip("/") if run.get("out_dir") else ""

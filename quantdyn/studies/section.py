@@ -29,10 +29,11 @@ from quantdyn.files import write_json_atomic, write_text_atomic
 from quantdyn.report.html import write_page
 from quantdyn.report.palette import Palette
 from quantdyn.report.sections import Page, Section
-from quantdyn.report.what_to_ship import ship_sections
+from quantdyn.report.what_to_ship import decisions, ship_sections
 from quantdyn.results.schema import PTQ, number
 from quantdyn.results.stats import NOT_RESOLVED, OPPOSITE, REPRODUCED, format_estimate, uncertainty, verdict_of
 from quantdyn.runs import is_cooldown, parse_branch
+from quantdyn.ship.ship import summary_lines as decision_lines
 from quantdyn.studies import findings as fd
 from quantdyn.studies.families import FINDING_FAMILIES, FindingInputs, draw_figures, families_in, family_of
 from quantdyn.studies.spec import FindingsSpec
@@ -293,19 +294,28 @@ def write_report(store_or_run: str | Path, out_dir: str | Path, store: str | Pat
                  echo: Callable[[str], None] | None = None) -> Path:
     """The report of a store or a run directory (report/html.py's write_page) opening with its answer: the
     findings ``answer_of`` holds (a study's), else those the report's rows allow (:func:`answer`). ``echo``:
-    where the summary lines go (:func:`summary_lines`; `quantdyn report` prints them). Returns index.html."""
+    where the summary lines go (:func:`ship_lines` of each decision first, as the page opens with them, then
+    :func:`summary_lines`; `quantdyn report` prints them). Returns index.html."""
     got: list[Answer] = []
+    shipped_json: list[dict] = []
 
     def lead(rows: list[dict], out: Path) -> list[Section]:
         got.append(answer_of if answer_of is not None else answer(rows))
+        shipped_json.extend(decisions(rows))
         shipped = ship_sections(Page(rows, out, Palette.for_rows(rows)))  # the decision, when `quantdyn ship` made one
         return shipped + lead_sections(got[0], out)
 
     page = write_page(store_or_run, out_dir, store=store, extra_sections=extra_sections, lead=lead)
     if echo is not None:
-        for line in summary_lines(got[0]):
+        for line in ship_lines(shipped_json) + summary_lines(got[0]):
             echo(line)
     return page
+
+
+def ship_lines(shipped: Sequence[dict]) -> list[str]:
+    """What `quantdyn ship` decided (each decision's ship.json), as ship prints it, a blank line after each: the
+    summary of a study or a report that holds decisions leads with them."""
+    return [line for s in shipped for line in [*decision_lines(s), ""]]
 
 
 def markdown_table(found: Sequence[dict]) -> str:
