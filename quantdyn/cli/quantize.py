@@ -154,3 +154,7 @@ def _print_row(model: str, row: dict, eval_seq_len: int) -> None:
                f"{row['delta_ppl']:>+12.3f}")
     typer.echo(f"  KL(FP||Q) {row['kl']:.5f} nats/token   top-1 agreement {row['top1_agree']:.4f}   "
                f"quantize {row['t_quantize']:.1f}s")
+    if row.get("weight_grid"):
+        from quantdyn.analysis.grid import grid_note
+
+        typer.echo(f"  note: {grid_note(row['weight_grid_levels'], row['weight_grid'])}")
