@@ -127,3 +127,13 @@ def test_results_and_the_report_say_it_once_and_only_on_a_grid(cli, tmp_path):
         assert (said in r.stdout) is grid and len(r.stdout.splitlines()) == 1 + grid
         page = write_page(st, tmp_path / f"report{grid}").read_text()
         assert page.count("Weights already on a ~4-bit grid") == int(grid)
+
+
+def test_quantize_says_it_once_on_a_q4_dequantized_checkpoint(cli, hf_models, tmp_path):
+    deq = tmp_path / "q4deq"
+    args = ("--calib-samples", 2, "--calib-seq-len", 32, "--eval-tokens", 256, "--eval-seq-len", 64, "--quiet")
+    assert cli("quantize", hf_models["llama"], "--quantizers", "q4_0", "--out", deq, *args).returncode == 0
+    for ckpt, said in ((deq, 1), (hf_models["llama"], 0)):
+        r = cli("quantize", ckpt, "--quantizers", "rtn4,rtn8", *args)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.count("note: weights already on a ~4-bit grid") == said, r.stdout
