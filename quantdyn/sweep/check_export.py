@@ -36,6 +36,7 @@ from typing import Callable
 import torch
 
 from quantdyn.data.prepare import DataConfig, prepare_data
+from quantdyn.engine.lazy_model import LazyModel, compute_dtype_of
 from quantdyn.engine.measure import measure
 from quantdyn.engine.rows import calibration_draws
 from quantdyn.errors import QuantdynError
@@ -213,8 +214,6 @@ def check_export(
         raise QuantdynError(f"--eval-tokens {eval_tokens} is less than one window of --eval-seq-len {eval_seq_len}")
     ref = resolve_run_reference(checkpoint)
     weights = open_checkpoint(ref)
-    from quantdyn.engine.lazy_model import LazyModel, compute_dtype_of
-
     dev = resolve_device(device)
     source = LazyModel(weights, compute_dtype_of("auto"), dev)
     _check_same_model(info, weights.config, len(source.blocks), ref)
