@@ -61,6 +61,8 @@ def test_sweep_rows_idempotent_and_report(small_run, tmp_path):
                and len(r["floor_window_delta"]) == 12 and len(r["floor_block_rel_fro"]) == 2 for r in fps.values())
     for r in ptq:
         assert isinstance(r["within_noise_floor"], bool) and len(r["block_sqnr"]) == 2 and r["n_tokens"] == 12 * 31
+    # float-trained weights: every row says how many distinct values a 32-weight block holds (32), and no grid
+    assert all(r["weight_grid_levels"] == 32 and r["weight_grid"] is None for r in [*ptq, *fps.values()])
     # adding a quantizer only computes the new one; its rows read the floor the stored fp rows carry
     more = run_sweep(_cfg(small_run, store, quantizers=["rtn4", "gptq3", "rtn2"]), progress=False)
     assert more["written"] == 5

@@ -7,7 +7,8 @@ package registers the commands on :data:`app`, in pipeline order; it imports no 
 fast: commands import the library inside their functions).
 """
 from quantdyn.cli import (  # noqa: F401, I001  (registers the commands, in pipeline order)
-    train, cooldown, average, grid, quantize, allocate, sweep, ship, analyze, interpolate, eval, results, report, study,
+    train, cooldown, average, grid, quantize, check_export, allocate, sweep, ship, analyze, interpolate, eval, results,
+    report, study,
     demo, scaling, trajectories,
 )
 from quantdyn.cli.app import app, main

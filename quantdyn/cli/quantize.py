@@ -109,6 +109,11 @@ def quantize(
         return
     for row in result.rows:
         _print_row(model, row, eval_seq_len)
+    first = result.rows[0] if result.rows else {}
+    if first.get("weight_grid"):  # one checkpoint: said once, whatever the number of quantizers
+        from quantdyn.analysis.grid import grid_note
+
+        typer.echo(f"note: {grid_note(first['weight_grid_levels'], first['weight_grid'])}")
     if out is not None and result.row.get("export", {}).get("fitted"):
         typer.echo(f"compressed-tensors: {result.row['export']['fitted']}")
     if out is not None:
@@ -154,3 +159,4 @@ def _print_row(model: str, row: dict, eval_seq_len: int) -> None:
                f"{row['delta_ppl']:>+12.3f}")
     typer.echo(f"  KL(FP||Q) {row['kl']:.5f} nats/token   top-1 agreement {row['top1_agree']:.4f}   "
                f"quantize {row['t_quantize']:.1f}s")
+

@@ -79,7 +79,14 @@ def results(
         shape = "every column" if fmt == "parquet" else f"{len(every)} columns"  # parquet: the store's own columns
         typer.echo(f"wrote {len(recs)} rows ({shape}) to {target}"
                    + (f" (rows where {where})" if where else ""))
+        from quantdyn.analysis.grid import rows_grid_note
+
+        if (grid := rows_grid_note(recs)) is not None:
+            typer.echo(f"note: {grid}")
         return
+    from quantdyn.analysis.grid import rows_grid_note
+
+    grid = rows_grid_note(recs)
     recs = [{c: r.get(c) for c in cols} for r in recs]
     if not recs:
         typer.echo("no rows")
@@ -90,6 +97,8 @@ def results(
         typer.echo("  ".join(fmt_cell(r[c]).ljust(w) for c, w in zip(cols, widths)))
     more = "" if all_columns or asked else "; --columns A,B or --all for more columns"
     typer.echo(f"({len(recs)} rows{more})")
+    if grid is not None:
+        typer.echo(f"note: {grid}")
 
 
 def fmt_cell(v) -> str:

@@ -140,6 +140,9 @@ class Measurement:
     plans: dict[str, dict] = field(default_factory=dict)
     """Per ``auto@`` quantizer label: the plan it allocated on this checkpoint (engine/sensitivity.py
     ``allocate_auto``: its label, digest, bits per weight, predicted KL, the sensitivity pass's seconds)."""
+    weight_levels: dict[str, float | None] = field(default_factory=dict)
+    """Per quantizable block linear: the median distinct values per 32-weight block of its FP weight
+    (analysis/grid.py; ``engine.rows.grid_fields`` turns them into the rows' weight_grid_levels / weight_grid)."""
 
     @property
     def ce_fp(self) -> float:
@@ -280,6 +283,7 @@ def measure(
         quantizations = dict(w.variants)
         t_eval = w.probe_seconds + t_head
         phase_seconds = dict(w.times.seconds)
+        weight_levels = dict(w.weight_levels)
     floor = None
     if NOISE_FLOOR_LABEL in metrics:
         floor = {**metrics.pop(NOISE_FLOOR_LABEL), "floor_rounding": floor_rounding(source.dtype)}
@@ -289,7 +293,7 @@ def measure(
     propagation = {label: finalize_propagation(s) for label, s in prop_sums.items()}
     phase_seconds["total"] = time.perf_counter() - t_start
     return Measurement(fp_ce, metrics, quantizations, t_eval, source.n_params(), str(source.dtype).replace("torch.", ""),
-                       streams, propagation, phase_seconds, floor, plans)
+                       streams, propagation, phase_seconds, floor, plans, weight_levels)
 
 
 def _head_metrics(w, targets: torch.Tensor, batch_size: int, logits_budget: int, device: torch.device,

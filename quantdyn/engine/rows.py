@@ -11,6 +11,8 @@ identity (``calib_hash``) live in :mod:`quantdyn.results.schema`:
   quantizer's allocated plan) and how it was computed
   (batch size and threads while calibrating, timings, seconds per phase), and whether its Δ CE sits
   inside its checkpoint's noise floor;
+* ``grid_fields`` — whether the checkpoint's weights already lie on a low-bit grid (``weight_grid_levels``,
+  ``weight_grid``: analysis/grid.py), on every row of a measured checkpoint;
 * ``floor_fields`` — the bf16 noise floor of a checkpoint as the fp row stores it (``floor_<field>``).
 """
 from __future__ import annotations
@@ -20,6 +22,7 @@ import statistics
 
 import torch
 
+from quantdyn.analysis.grid import grid_verdict
 from quantdyn.config import config_hash
 from quantdyn.engine.measure import MeasureConfig, Measurement
 from quantdyn.errors import unknown_name
@@ -111,6 +114,13 @@ def storage_fields(layer_rows: list[dict]) -> dict:
             **({"plan_types": plan_types} if plan_types else {})}
 
 
+def grid_fields(m: Measurement) -> dict:
+    """``weight_grid_levels`` (median over the quantizable tensors of their median distinct values per 32-weight
+    block) and ``weight_grid`` ("4-bit grid", or None for float weights) of the measured checkpoint."""
+    levels, verdict = grid_verdict(m.weight_levels)
+    return {"weight_grid_levels": levels, "weight_grid": verdict}
+
+
 def floor_fields(floor: dict | None) -> dict:
     """The bf16 noise floor of a checkpoint (``Measurement.noise_floor``) as the fp row stores it: every error
     field prefixed ``floor_`` (its CE(FP) is the row's own ce_fp, not repeated); {} without a floor."""
@@ -149,6 +159,7 @@ def ptq_fields(label: str, qc: QuantConfig, m: Measurement, cfg: MeasureConfig, 
         "within_noise_floor": within_noise_floor(errors, floor_row),
         "delta_ce_floor_z": number(above.z) if above is not None else None,
         **storage_fields(vs[0].rows),
+        **grid_fields(m),
         **m.plans.get(label, {}),  # an auto@ quantizer: the plan it allocated on this checkpoint
         "repeat_vary": vary if repeats > 1 else None,
         "layer_loss_sum": float(sum(losses)) if losses else None,

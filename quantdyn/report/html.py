@@ -25,6 +25,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from quantdyn.analysis.grid import rows_grid_note
 from quantdyn.errors import QuantdynError
 from quantdyn.files import write_json_atomic, write_text_atomic
 from quantdyn.report import contents  # noqa: F401  (registers the report's own sections, in page order)
@@ -237,12 +238,14 @@ def write_page(store_or_run: str | Path, out_dir: str | Path, store: str | Path 
                   if k >= lead_n)
     n_fig = sum(1 for s in sections if s.figure)
     unc = _uncertainty_summary(rows)
+    grid_said = rows_grid_note(rows)  # weights dequantized from a low-bit format: every error is relative to it
+    grid = f"\n<p class='unc'><b>Note:</b> {html.escape(grid_said[0].upper() + grid_said[1:])}.</p>" if grid_said else ""
     unc_link = " <a href='#uncertainty'>uncertainty</a> ·" if unc else ""
     source = html.escape(str(st.root if st is not None else run_dir))
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>quantdyn report</title>
 <style>{CSS}</style></head><body>
 <h1>quantdyn report</h1><p class='sub'>{source} · {len(rows)} rows · {n_fig} figures ·
-written {html.escape(prov['date'])} ·{unc_link} <a href='#provenance'>provenance</a></p>
+written {html.escape(prov['date'])} ·{unc_link} <a href='#provenance'>provenance</a></p>{grid}
 {"".join(html_of[k] for k in range(lead_n))}
 <section id='contents'><h2>Figures</h2><ol>{toc}</ol></section>
 {"".join(html_of[k] for k in range(lead_n, len(sections)))}

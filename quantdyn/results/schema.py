@@ -101,6 +101,11 @@ CHECKPOINT_FIELDS = _table("""
     qat              str | None    Quantization-aware training of the run, e.g. quest-w4a4, or the format of format
                                    QAT (rtn4, nvfp4: a QAT cooldown branch) (None: full precision).
     n_params         int           Non-embedding parameters of the model.
+    weight_grid_levels  float | None  Median distinct values per 32-weight block (input dim) of the FP block
+                                   weights, median over the quantizable tensors (analysis/grid.py): ~32 for
+                                   float-trained weights, <= 16 for weights dequantized from a 4-bit format.
+    weight_grid      str | None    "4-bit grid" (the bits of that median) when it is at most 24: the weights are
+                                   already quantized underneath, every error is relative to that grid; None else.
     preset           str | None    Public-trajectory preset the checkpoint comes from.
     family           str | None    Model family of the preset (pythia, olmo, ...).
     phase            str | None    Schedule phase of a preset checkpoint (warmup, stable, decay ...).

@@ -29,11 +29,13 @@ from typing import Any, ClassVar
 
 import torch
 
+from quantdyn.analysis.grid import grid_note
 from quantdyn.config import config_hash, from_dict, to_dict
 from quantdyn.data.prepare import DataConfig, TokenData, prepare_data
 from quantdyn.engine.lazy_model import LazyModel
 from quantdyn.engine.measure import MeasureConfig, measure
-from quantdyn.engine.rows import REPEAT_VARY, calibration_draws, floor_fields, ptq_fields, ptq_what, repeat_labels
+from quantdyn.engine.rows import (REPEAT_VARY, calibration_draws, floor_fields, grid_fields, ptq_fields, ptq_what,
+                                  repeat_labels)
 from quantdyn.engine.sensitivity import SensitivityConfig, check_quantizers_fit, measure_sensitivity
 from quantdyn.errors import QuantdynError, unknown_name
 from quantdyn.models.hf_io import checkpoint_hash, load_causal_lm
@@ -269,7 +271,7 @@ def run_sweep(cfg: SweepConfig, shard: str | None = None, progress: bool = True,
         eval_hash=data.token_hash("val", d.eval_seq_len, d.eval_windows),
         calib_hash=calib_identity(data.data_hash, d.calib_samples, d.calib_seq_len, d.calib_seed),
         done=store.keys(), acc_done=store.keys("sweep_acc_key") if cfg.eval_tasks else set(),
-        block_echo=say if verbose else None,
+        block_echo=say if verbose else None, say=say,
         eta=_FirstETA(note, len(mine)) if progress else None,
     )
     written = skipped = 0
@@ -377,6 +379,8 @@ class _SweepContext:
     block_echo: Any = None
     eta: _FirstETA | None = None
     """The first ETA line (None: no progress output)."""
+    say: Any = None
+    """Where lines the user must see go (the sweep's echo, or the log's warnings)."""
     stored_floors: dict | None = None
     """fp row key -> its floor fields, read from the store once when first needed."""
     measured: dict | None = None
@@ -513,13 +517,17 @@ def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
                     noise_floor=cfg.noise_floor if g == 0 and fp_pending else False)
         if g == 0 and fp_pending:
             floor = floor_fields(m.noise_floor)
+        grid = grid_fields(m)
+        if g == 0 and grid["weight_grid"] and ctx.say is not None:
+            ctx.say(f"{p.ref}: {grid_note(grid['weight_grid_levels'], grid['weight_grid'])}")
         base["n_params"] = m.n_params
         rows = []
         if g == 0 and fp_pending:
             fp_ce = m.fp_window_ce
             rows.append({"key": fp_key, "kind": FP.name, **base, "measurement": mids[fp_key], "ce_fp": float(fp_ce.mean()),
                          "ce_fp_se": mean_se(fp_ce)[1],
-                         "n_windows": len(fp_ce), "compute_dtype": m.dtype, **floor, **provenance()})
+                         "n_windows": len(fp_ce), "compute_dtype": m.dtype, **grid, **floor,
+                         **provenance()})
         if "__qat__" in variants:
             tr = variants["__qat__"]
             qc = tr.cfg
