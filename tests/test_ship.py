@@ -321,3 +321,32 @@ def test_the_demo_ends_with_the_decision(tmp_path):
     run_study(spec, progress=False, echo=again.append)
     assert ResultStore(tmp_path / "store").keys() == keys  # every stage resumed: nothing measured twice
     assert json.loads((tmp_path / "ship" / "demo-4.5" / "ship.json").read_text())["quantizer"] == shipped["quantizer"]
+
+
+def test_a_branch_trained_by_format_qat_is_deployed_with_its_format_only_and_stays_out_of_the_soup(tmp_path):
+    """Issue 48.2: a cooldown trained with q4_k's fake quantization is compared artifact to artifact: ship measures
+    it with q4_k only, and does not mix its weights (tuned to q4_k's grid) into the soup of decayed branches."""
+    from quantdyn.ship.candidates import CandidateSpec, default_candidates
+    from quantdyn.ship.quantizations import Quantization
+    from quantdyn.ship.ship import deployable
+    from quantdyn.sources.trajectory import Point
+
+    def pt(branch, step, kind, qat=None):
+        ref = tmp_path / branch / str(step)
+        ref.mkdir(parents=True)
+        return Point(str(ref), "r", branch, kind, step, step * 10, 0.0, kind == "cooldown",
+                     meta={"config": {"qat": {"format": qat} if qat else None}})
+
+    points = [pt("main", 400, "checkpoint"), pt("main", 600, "checkpoint"),
+              pt("cooldown-s400-d100-linear", 500, "cooldown"), pt("cooldown-s200-d100-linear", 300, "cooldown"),
+              pt("cooldown-s400-d100-linear-qat-q4_k", 500, "cooldown", "q4_k")]
+    cands, make = default_candidates(points, CandidateSpec(last=1, lawa=0, soup=True))
+    qat = next(c for c in cands if c.branch.endswith("qat-q4_k"))
+    assert qat.qat_format == "q4_k" and qat.describe()["qat_format"] == "q4_k"
+    assert all(not c.qat_format for c in cands if c is not qat)
+    assert make["soup"] == sorted(str(tmp_path / b / s) for b, s in
+                                  [("cooldown-s400-d100-linear", "500"), ("cooldown-s200-d100-linear", "300")])
+    qs = [Quantization(n, n, 4.5, "gguf") for n in ("q4_0", "q4_k", "gptq4")]
+    assert [q.name for q in deployable(qat, qs)] == ["q4_k"]
+    plain = next(c for c in cands if c.branch == "main")
+    assert [q.name for q in deployable(plain, qs)] == ["q4_0", "q4_k", "gptq4"]

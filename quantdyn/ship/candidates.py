@@ -47,11 +47,15 @@ class Candidate:
     """checkpoint_hash of the weights (filled by :func:`resolve_candidates`)."""
     same_as: tuple[str, ...] = field(default=())
     """Other names of the same weights (measured once, under this name)."""
+    qat_format: str = ""
+    """The format a branch was trained for by format QAT (its run's qat.format): deployed with that format only,
+    artifact to artifact; empty for weights trained in full precision."""
 
     def describe(self) -> dict:
         return {"name": self.name, "path": self.path, "how": self.how, "members": list(self.members),
                 "step": self.step, "branch": self.branch, "run": self.run, "checkpoint_hash": self.weights_hash,
-                **({"same_as": list(self.same_as)} if self.same_as else {})}
+                **({"same_as": list(self.same_as)} if self.same_as else {}),
+                **({"qat_format": self.qat_format} if self.qat_format else {})}
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,11 @@ def source_points(source: Sequence[str]) -> tuple[list[Point], Path | None]:
     return points_of_checkpoints([str(s) for s in source], ScheduleSpec()), None
 
 
+def qat_format_of(p: Point) -> str:
+    """The format a point's run trained for by format QAT (qat.format), or ''."""
+    return str(((p.meta.get("config") or {}).get("qat") or {}).get("format") or "")
+
+
 def default_candidates(points: list[Point], spec: CandidateSpec) -> tuple[list[Candidate], dict]:
     """The candidates the points give as checkpoints (no average made yet) and the averages to make:
     {"lawa": [paths], "soup": [paths]} (only those with two or more members)."""
@@ -126,11 +135,13 @@ def default_candidates(points: list[Point], spec: CandidateSpec) -> tuple[list[C
                                      p.step, p.branch, p.run))
             continue
         for p in pts[-spec.last:]:
-            out.append(Candidate(_name(p), p.ref, how, (), p.step, p.branch, p.run))
+            out.append(Candidate(_name(p), p.ref, how, (), p.step, p.branch, p.run, qat_format=qat_format_of(p)))
     main = sorted([p for p in points if p.branch == MAIN and p.is_local and p.step], key=lambda p: p.step)
     if spec.lawa >= 2 and len(main) >= 2:
         make["lawa"] = [p.ref for p in main[-spec.lawa:]]
-    decayed = [max(pts, key=lambda p: p.step or 0) for b, pts in by_branch.items() if is_cooldown(b)]
+    # a soup of the decayed branches trained in full precision (a format-QAT branch's weights are tuned to its grid)
+    decayed = [max(pts, key=lambda p: p.step or 0) for b, pts in by_branch.items()
+               if is_cooldown(b) and not qat_format_of(pts[-1])]
     if main and main[-1].decaying:
         decayed.append(main[-1])
     if spec.soup and len(decayed) >= 2 and all(p.is_local for p in decayed):

@@ -237,6 +237,12 @@ def _measure_slice(ctx: _Ctx, c: Candidate, qs: Sequence[Quantization], a: int, 
     ctx.done.update(r["key"] for r in rows)
 
 
+def deployable(c: Candidate, qs: Sequence[Quantization]) -> list[Quantization]:
+    """The quantizations candidate ``c`` is deployed with: a branch trained by format QAT with that format only
+    (artifact to artifact, issue 48), other weights with every one."""
+    return [q for q in qs if not c.qat_format or q.name == c.qat_format]
+
+
 def plan_stability(m, name: str, repeats: int) -> dict | None:
     """How much an allocated plan moves between calibration draws (R >= 2): tensors whose type differs from draw
     0's plan (per draw), the spread of the plan's predicted KL, and the checkpoint's bf16 noise floor in KL."""
@@ -336,6 +342,11 @@ def ship(cfg: ShipConfig | str | Sequence[str], budget: float | None = None, out
         if c.same_as:
             say(f"{c.name}: the same weights as {', '.join(c.same_as)} (measured once)")
     naive_c = next((c.name for c in cands if c.name == naive_c or naive_c in c.same_as), naive_c)
+    names = {q.name for q in qs}
+    for c in [c for c in cands if c.qat_format and c.qat_format not in names]:
+        say(f"{c.name}: trained for {c.qat_format} by QAT, which is not among this ship's quantizations (fits the "
+            f"budget and --formats? add it with --quantizers); left out")
+        cands.remove(c)
     # data: the run's own tokens (its tokenizer, its held-out split), or eval_data with the model's tokenizer
     scfg = SweepConfig(trajectory=TrajectoryConfig(checkpoints=(cands[0].path,)) if run_dir is None else
                        TrajectoryConfig(run=str(run_dir)),
@@ -356,10 +367,10 @@ def ship(cfg: ShipConfig | str | Sequence[str], budget: float | None = None, out
     ctx.plans_dir.mkdir(exist_ok=True)
     # ---------------------------------------------------------------- screen
     for c in counted(cands, desc="ship screen", enabled=progress, unit="candidate"):
-        _measure_slice(ctx, c, qs, 0, n0, "screen")
+        _measure_slice(ctx, c, deployable(c, qs), 0, n0, "screen")
     rows = [r for r in store.rows() if SHIP.matches(r) and r.get("data_key") == ctx.data_hash
             and r.get("calib_hash") == ctx.calib_hash and str(r.get("eval_hash", "")).startswith(ctx.eval_base)]
-    options = [o for c in cands for q in qs if (o := _option(rows, c, q, n0)) is not None]
+    options = [o for c in cands for q in deployable(c, qs) if (o := _option(rows, c, q, n0)) is not None]
     kept, dropped = screen(options, cfg.z, keep=[(naive_c, naive_q)] if naive_q else ())
     for d in dropped:
         say(f"dropped {d.reason()}")
@@ -371,7 +382,7 @@ def ship(cfg: ShipConfig | str | Sequence[str], budget: float | None = None, out
             _measure_slice(ctx, c, cq, n0, n, "full")
         rows = [r for r in store.rows() if SHIP.matches(r) and r.get("data_key") == ctx.data_hash
                 and r.get("calib_hash") == ctx.calib_hash and str(r.get("eval_hash", "")).startswith(ctx.eval_base)]
-    by = {(c.name, q.name): (c, q) for c in cands for q in qs}
+    by = {(c.name, q.name): (c, q) for c in cands for q in deployable(c, qs)}
     full = [o for o in (_option(rows, *by[k]) for k in sorted({(o.candidate, o.quantizer) for o in kept},
                                                               key=lambda k: list(by).index(k)))
             if o is not None and len(o.window_ce) == n]
