@@ -602,3 +602,48 @@ def _restrict(hvp: HVPFn, tensors: Tensors, idx: list[int]) -> HVPFn:
         return [hv[j] for j in idx]
 
     return f
+
+
+# ----------------------------------------------------------------------------
+# the cheap early warning: curvature along one direction from three losses
+
+
+@torch.no_grad()
+def curvature_along(
+    loss_fn: Callable[[], torch.Tensor], params: Sequence[torch.Tensor], direction: Sequence[torch.Tensor],
+    rel_step: float = 1e-2,
+) -> dict:
+    """The curvature of the loss along ``direction`` d, k = uᵀ H u with u = d / |d|, by a central finite
+    difference of three losses on the batch ``loss_fn`` evaluates: (L(w + h u) − 2 L(w) + L(w − h u)) / h².
+
+    Why this signal (issue 48.5): it costs three forward passes and no double backward (a Hutchinson trace needs
+    a Hessian-vector product per probe), and along the optimizer's last update it is the curvature the training
+    step itself sees, the direction in which the LR decay settles the weights into a sharper valley.
+
+    ``h = rel_step · |w|`` (the norm of all ``params``): a step relative to the weights, so the same setting
+    serves any model size. Its error: truncation O(h² · L⁗) and rounding ≈ 4 ε |L| / h² (ε of the losses'
+    dtype). The default 1e-2 is for float32 losses: on a 1-layer d=32 GPT (|w| ≈ 13) rounding is then ≈ 1e-4
+    in absolute curvature, truncation ≈ 0.6 % relative (5.7e-5 at 1e-3, measured in float64); curvature along
+    a random direction of an untrained model (6.6e-4) is below that floor, along a trained model's update it is
+    orders of magnitude above it. The weights are restored bit for bit
+    (copied back from a clone). Returns {"curvature", "slope" (the first derivative along u), "loss", "h"}."""
+    params = list(params)
+    norm_d = math.sqrt(sum(float(d.double().pow(2).sum()) for d in direction))
+    if not norm_d > 0:
+        raise QuantdynError("curvature_along: the direction is zero (no update since the last call?)")
+    norm_w = math.sqrt(sum(float(p.double().pow(2).sum()) for p in params))
+    h = rel_step * (norm_w if norm_w > 0 else 1.0)
+    saved = [p.detach().clone() for p in params]
+    units = [d.to(p.dtype) / norm_d for d, p in zip(direction, params)]
+    try:
+        l0 = float(loss_fn())
+        for p, u in zip(params, units):
+            p.add_(u, alpha=h)
+        lp = float(loss_fn())
+        for p, s, u in zip(params, saved, units):
+            p.copy_(s).add_(u, alpha=-h)
+        lm = float(loss_fn())
+    finally:
+        for p, s in zip(params, saved):
+            p.copy_(s)
+    return {"curvature": (lp - 2 * l0 + lm) / (h * h), "slope": (lp - lm) / (2 * h), "loss": l0, "h": h}

@@ -21,7 +21,7 @@ def monitor_for(cfg: RunConfig, data: TokenData | None = None) -> PTQMonitor | N
     """The PTQ monitor ``cfg.monitor`` describes (None when ``monitor.every`` is 0); its quantizer specs are
     checked now. ``data``: the run's token data if already open (else opened at the first measurement)."""
     mon = cfg.monitor
-    if not mon.every:
+    if not mon.every and not mon.warning_every:
         return None
     opened: list[TokenData] = [data] if data is not None else []
 
@@ -38,6 +38,7 @@ def monitor_for(cfg: RunConfig, data: TokenData | None = None) -> PTQMonitor | N
         every=mon.every,
         eval_windows=mon.eval_windows,
         calib_samples=mon.calib_samples,
+        warning_every=mon.warning_every,
     )
 
 

@@ -34,7 +34,9 @@ from quantdyn.errors import QuantdynError
 from quantdyn.models.adapters import ADAPTERS
 from quantdyn.models.gpt import GPT
 from quantdyn.quantize.catalogue import QUANTIZERS, QuantConfig, parse_quantizer
-from quantdyn.train.loggers import PTQ_CE_FP, PTQ_METRICS, PTQ_SECONDS, TRAIN_LR, TRAIN_TOKENS, MetricLogger, ptq_key
+from quantdyn.analysis.hessian import curvature_along, next_token_loss
+from quantdyn.train.loggers import (PTQ_CE_FP, PTQ_METRICS, PTQ_SECONDS, TRAIN_LR, TRAIN_TOKENS, WARN_CURVATURE, WARN_SECONDS,
+                                     MetricLogger, ptq_key)
 
 Tokens = Union[torch.Tensor, np.ndarray, Sequence[int]]
 TokenSource = Union[Tokens, Callable[[], Tokens]]
@@ -152,6 +154,11 @@ class PTQMonitor:
     device:       where the blocks are quantized and evaluated (None: where the model's weights are).
     measure_cfg:  the engine's batching and dtype (``quantdyn.engine.measure.MeasureConfig``); by default torch's
                   thread count is kept (``quantize_threads=0``).
+    warning_every: the cheap early warning (0 = off): every this many steps, the loss's curvature along the
+                  weights' update since the previous warning (``warn/curvature_along_update``: three forward passes
+                  on ``warning_windows`` held-out windows, analysis/hessian.curvature_along), logged from the second
+                  warning step on. It holds one copy of the weights between warnings. ``every=0`` with
+                  ``warning_every`` > 0 logs the warning only.
 
     Old keywords, still accepted with a DeprecationWarning: ``eval_tokens`` and ``calib_tokens`` (now ``eval_ids``
     and ``calib_ids``, before 0.2, when a 1-D stream was cut into windows of seq_len + 1 tokens), and
@@ -173,6 +180,8 @@ class PTQMonitor:
         calib_samples: int = 16,
         seed: int = 0,
         measure_cfg: MeasureConfig | None = None,
+        warning_every: int = 0,
+        warning_windows: int = 4,
         **old: Any,
     ):
         for name, value in old.items():
@@ -190,8 +199,14 @@ class PTQMonitor:
                 calib_samples = value
         if eval_ids is None:
             raise QuantdynError("PTQMonitor needs held-out token ids: pass eval_ids (windows or a token stream)")
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise QuantdynError(f"PTQMonitor every={every!r} must be a whole number of steps >= 1")
+        for name, v in (("every", every), ("warning_every", warning_every)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise QuantdynError(f"PTQMonitor {name}={v!r} must be a whole number of steps >= 0")
+        if not every and not warning_every:
+            raise QuantdynError("PTQMonitor every=0 and warning_every=0 measure nothing: give every >= 1 (or "
+                                "warning_every >= 1 for the early warning alone)")
+        if warning_windows < 1:
+            raise QuantdynError("PTQMonitor warning_windows must be >= 1")
         if eval_windows < 1 or calib_samples < 1:
             raise QuantdynError("PTQMonitor eval_windows and calib_samples must be >= 1")
         if isinstance(quantizers, (str, QuantConfig)):
@@ -214,6 +229,8 @@ class PTQMonitor:
                 raise QuantdynError(f"monitor quantizer '{needs[0]}' needs calibration data: pass calib_ids "
                                     "(token ids of text like the training data)")
         self.every = every
+        self.warning_every, self.warning_windows = warning_every, warning_windows
+        self._last: list[torch.Tensor] | None = None  # the weights at the previous warning step
         self.loggers = list(loggers)
         self.device = torch.device(device) if device is not None else None
         self.seq_len, self.n_eval, self.n_calib, self.seed = seq_len, eval_windows, calib_samples, seed
@@ -242,7 +259,35 @@ class PTQMonitor:
     # -------------------------------------------------------------- measuring
     def due(self, step: int) -> bool:
         """Whether :meth:`step` measures at ``step`` (a multiple of ``every``)."""
-        return step > 0 and step % self.every == 0
+        return step > 0 and any(n and step % n == 0 for n in (self.every, self.warning_every))
+
+    @torch.no_grad()
+    def warn(self, model: nn.Module) -> dict[str, float]:
+        """The early warning now: the curvature along the update since the previous call ({} at the first call,
+        which only keeps the weights). The model is left bit for bit as it was, with its mode and the RNG."""
+        lm = causal_lm_of(model)
+        _check_whole(lm)
+        params = [p for p in lm.parameters()]
+        last, self._last = self._last, [p.detach().clone() for p in params]
+        if last is None:
+            return {}
+        d = [p.detach() - q for p, q in zip(params, last)]
+        if not any(bool(x.any()) for x in d):
+            return {}  # no update since the last warning (e.g. the LR is 0)
+        ids = self.windows()[0][: self.warning_windows]
+        device = next(lm.parameters()).device
+        t0 = time.perf_counter()
+        training = lm.training
+        lm.eval()
+        try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                    torch.autocast(device.type, enabled=False):
+                r = curvature_along(lambda: next_token_loss(lm, ids.to(device)), params, d)
+        finally:
+            lm.train(training)
+        seconds = time.perf_counter() - t0
+        self.seconds += seconds
+        return {WARN_CURVATURE: r["curvature"], WARN_SECONDS: seconds}
 
     @torch.no_grad()
     def measure(self, model: nn.Module) -> dict[str, float]:
@@ -273,7 +318,13 @@ class PTQMonitor:
         (with train/lr and train/tokens when given)."""
         if not self.due(step):
             return {}
-        out = self.measure(model)
+        out: dict[str, float] = {}
+        if self.warning_every and step % self.warning_every == 0:
+            out.update(self.warn(model))
+        if self.every and step % self.every == 0:
+            out.update(self.measure(model))
+        if not out:
+            return {}
         if lr is not None:
             out[TRAIN_LR] = float(lr)
         if tokens is not None:
@@ -289,4 +340,4 @@ class PTQMonitor:
             lg.close()
 
     def __repr__(self) -> str:
-        return f"PTQMonitor({list(self.quantizers)}, every={self.every})"
+        return f"PTQMonitor({list(self.quantizers)}, every={self.every}, warning_every={self.warning_every})"

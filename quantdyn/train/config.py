@@ -127,10 +127,13 @@ class MonitorConfig:
     """Calibration windows for GPTQ/AWQ."""
     eval_windows: int = 64
     """Held-out windows for Δ CE."""
+    warning_every: int = 0
+    """The cheap early warning every this many steps (0 = off): warn/curvature_along_update, the loss's curvature
+    along the weights' update since the previous warning, from three forward passes on 4 held-out windows."""
 
     def __post_init__(self):
-        if self.every < 0:
-            raise QuantdynError("monitor.every must be >= 0")
+        if self.every < 0 or self.warning_every < 0:
+            raise QuantdynError("monitor.every and monitor.warning_every must be >= 0")
         if self.every:
             for q in self.quantizers:
                 parse_quantizer(q)  # an unknown quantizer fails before training starts

@@ -50,6 +50,10 @@ TRAIN_TOKENS = "train/tokens"
 VAL_LOSS = "val/loss"
 PTQ_CE_FP = "ptq/ce_fp"
 PTQ_SECONDS = "ptq/seconds"
+WARN_CURVATURE = "warn/curvature_along_update"
+"""The early warning (PTQMonitor warning_every): the loss's curvature along the weights' update since the last
+warning, uᵀ H u (analysis/hessian.curvature_along), on a few held-out windows."""
+WARN_SECONDS = "warn/seconds"
 
 PTQ_METRICS: tuple[str, ...] = ("delta_ce", "delta_ce_se", "rel_delta_ce", "kl", "kl_se", "top1_agree", "ce_q",
                                 "delta_ppl")

@@ -1,0 +1,125 @@
+"""Issue 48.5: the cheap early warning, the curvature along the optimizer's update from three losses
+(analysis/hessian.curvature_along), and the monitor that logs it every N steps."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from plan_models import tiny_gpt, windows
+from quantdyn.analysis.hessian import curvature_along, hvp_from_loss, next_token_loss
+
+
+def test_on_a_quadratic_the_curvature_along_d_is_u_A_u():
+    g = torch.Generator().manual_seed(0)
+    m = torch.randn(12, 12, generator=g, dtype=torch.float64)
+    A = m @ m.T + torch.eye(12, dtype=torch.float64)
+    w = torch.randn(12, generator=g, dtype=torch.float64)
+    d = torch.randn(12, generator=g, dtype=torch.float64)
+    before = w.clone()
+    got = curvature_along(lambda: 0.5 * w @ A @ w, [w], [d])
+    u = d / d.norm()
+    exact = float(u @ A @ u)
+    # a quadratic has no truncation error: only rounding, ~4 eps |L| / h^2 with eps 2.2e-16
+    tol = 8 * 2.2e-16 * abs(got["loss"]) / got["h"] ** 2 + 1e-12 * exact
+    assert abs(got["curvature"] - exact) <= tol, (got, exact)
+    assert got["slope"] == pytest.approx(float(A @ w @ u), rel=1e-8)
+    assert torch.equal(w, before)
+
+
+def test_on_a_tiny_gpt_it_agrees_with_the_hessian_vector_product():
+    """In float64 it agrees with uᵀ(H u) from the double-backward path: at rel_step 1e-3 the error was 5.7e-5
+    relative (truncation, O(h²)); at 1e-4 it is 100x smaller and rounding (4 ε |L| / h² ≈ 2.5e-9 against a
+    curvature of 6.6e-4: 4e-6 relative) dominates, so 1e-5 relative bounds both. The weights are left as they were."""
+    model = tiny_gpt(n_layer=1, d=32).double()
+    ids = windows(2, 33, 3)
+    params = [p for p in model.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in params]
+    g = torch.Generator().manual_seed(1)
+    d = [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
+    got = curvature_along(lambda: next_token_loss(model, ids), params, d, rel_step=1e-4)
+    norm = math.sqrt(sum(float(x.pow(2).sum()) for x in d))
+    u = [x / norm for x in d]
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):  # the fused kernels have no double backward
+        hvp, _ = hvp_from_loss(lambda: next_token_loss(model, ids), params)
+        exact = sum(float((a * b).sum()) for a, b in zip(u, hvp(u)))
+    assert got["curvature"] == pytest.approx(exact, rel=1e-5)
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+
+def test_a_zero_direction_is_one_line():
+    from quantdyn.errors import QuantdynError
+
+    w = torch.ones(3)
+    with pytest.raises(QuantdynError, match="direction is zero"):
+        curvature_along(lambda: w.sum(), [w], [torch.zeros(3)])
+
+
+def test_the_monitor_logs_the_curvature_along_the_update_since_the_previous_warning():
+    """warning_every=2 over 6 steps: step 2 keeps the weights, steps 4 and 6 log the curvature along w_4 - w_2 and
+    w_6 - w_4 (equal to curvature_along on those differences); the model is left as it was, in its mode."""
+    from quantdyn.monitor.ptq import PTQMonitor
+    from quantdyn.train.loggers import WARN_CURVATURE
+
+    torch.manual_seed(0)
+    model = tiny_gpt(n_layer=1, d=32)
+    ev = windows(6, 33, 4)
+    mon = PTQMonitor(["rtn4"], eval_ids=ev, every=0, warning_every=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    kept, logged = {}, {}
+    for step in range(1, 7):
+        loss = next_token_loss(model, windows(4, 33, 10 + step))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        kept[step] = [p.detach().clone() for p in model.parameters()]
+        model.train()
+        out = mon.step(model, step)
+        assert model.training and all(torch.equal(p, k) for p, k in zip(model.parameters(), kept[step]))
+        if out:
+            logged[step] = out[WARN_CURVATURE]
+            assert "ptq/rtn4/delta_ce" not in out  # every=0: the warning alone
+    assert sorted(logged) == [4, 6]
+    model.eval()
+    for s in (4, 6):
+        d = [a - b for a, b in zip(kept[s], kept[s - 2])]
+        with torch.no_grad():
+            for p, k in zip(model.parameters(), kept[s]):
+                p.copy_(k)
+        ref = curvature_along(lambda: next_token_loss(model, ev[:4]), list(model.parameters()), d)
+        assert logged[s] == ref["curvature"] and math.isfinite(logged[s])
+
+
+def test_off_by_default_and_bad_settings_are_one_line():
+    from quantdyn.errors import QuantdynError
+    from quantdyn.monitor.ptq import PTQMonitor
+
+    mon = PTQMonitor(["rtn4"], eval_ids=windows(2, 33, 4), every=3)
+    assert [s for s in range(1, 10) if mon.due(s)] == [3, 6, 9]
+    with pytest.raises(QuantdynError, match="measure nothing"):
+        PTQMonitor(["rtn4"], eval_ids=windows(2, 33, 4), every=0)
+    with pytest.raises(QuantdynError, match="warning_every=-1"):
+        PTQMonitor(["rtn4"], eval_ids=windows(2, 33, 4), every=1, warning_every=-1)
+
+
+def test_a_run_config_turns_it_on(tmp_path, kjv_small):
+    """monitor.warning_every in a run's config: the trainer logs warn/curvature_along_update from the second
+    warning step on, and nothing of the PTQ monitor when monitor.every is 0."""
+    from conftest import tiny_run_dict
+    from quantdyn.config import from_dict
+    from quantdyn.train.config import RunConfig
+    from quantdyn.train.checkpoint import read_metrics
+    from quantdyn.train.trainer import train
+    from quantdyn.monitor import hooks_for
+
+    d = tiny_run_dict(tmp_path, kjv_small[0], steps=6, checkpoint_every=6)
+    d["monitor"] = {"warning_every": 2}
+    cfg = from_dict(RunConfig, d)
+    run = train(cfg, progress=False, hooks=hooks_for(cfg))
+    rows = [r for r in read_metrics(run) if "warn/curvature_along_update" in r]
+    assert [r["step"] for r in rows] == [4, 6]
+    assert all(math.isfinite(r["warn/curvature_along_update"]) for r in rows)
+    assert not any(k.startswith("ptq/") for r in read_metrics(run) for k in r)
