@@ -82,7 +82,8 @@ LVENV ?= .cache/venv-crosscheck-llamacpp
 LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36 gguf==0.19.0
 LLAMACPP_ARGS ?=
 LLAMA_CPP_TESTS ?= tests/test_formats_export.py::test_llama_cpp_runs_the_export \
-	tests/test_plan_exports.py::test_gguf_plan_loads_in_llama_cpp
+	tests/test_plan_exports.py::test_gguf_plan_loads_in_llama_cpp \
+	tests/test_check_export.py::test_a_gguf_export_names_its_quantizer_and_llama_cpp_is_asked_for
 .PHONY: crosscheck-llamacpp crosscheck-load gguf-plan-fixture
 $(LVENV)/.installed: pyproject.toml
 	test -x $(LVENV)/bin/python || $(PYTHON) -m venv $(LVENV)
@@ -104,7 +105,7 @@ gguf-plan-fixture: $(LVENV)/.installed
 
 # CI's load tests (.ci/run): transformers + GPTQModel load quantdyn's GPTQ and compressed-tensors exports, whole
 # models and per-tensor plans, in the crosscheck venv; QUANTDYN_NO_SKIP=1 makes a skip there a failure
-CROSSCHECK_LOAD_TESTS ?= tests/test_export.py tests/test_plan_exports.py \
+CROSSCHECK_LOAD_TESTS ?= tests/test_export.py tests/test_plan_exports.py tests/test_check_export.py \
 	--deselect tests/test_plan_exports.py::test_gguf_plan_loads_in_llama_cpp
 crosscheck-load: $(XVENV)/.installed
 	QUANTDYN_NO_SKIP=1 GPTQMODEL_CPU_WORKERS=2 $(XVENV)/bin/pytest -q -p no:cacheprovider --timeout=900 \

@@ -109,3 +109,21 @@ def test_a_gguf_export_names_its_quantizer_and_llama_cpp_is_asked_for(cli, hf_mo
     assert (info.format, info.quantizer, info.config) == ("gguf", "q4_0", {"num_hidden_layers": 2, "hidden_size": 64})
     if importlib.util.find_spec("llama_cpp") is None:
         _one_line_exit_2(cli("check-export", out, "--checkpoint", hf_models["llama"]), "llama-cpp-python")
+        return
+    # where llama-cpp-python is installed (make crosscheck-llamacpp): llama.cpp's own CE of the file agrees
+    r = cli("check-export", out, "--checkpoint", hf_models["llama"], *EVAL)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.splitlines()[-1].startswith("agrees:"), r.stdout
+
+
+def test_a_gptq_export_agrees_where_gptqmodel_loads_it(cli, hf_models, tmp_path):
+    """The GPTQ path (optimum + GPTQModel, make crosscheck-load's environment; skipped where they are missing)."""
+    pytest.importorskip("gptqmodel", reason="GPTQ exports load through gptqmodel (make crosscheck-load)")
+    from quantdyn.sweep.quantize_one import quantize_one
+
+    out = tmp_path / "gptq"
+    quantize_one(str(hf_models["llama"]), "gptq4g32", out=out, export="gptq", eval_tokens=512, eval_seq_len=64,
+                 calib_samples=4, calib_seq_len=32, progress=False)
+    r = cli("check-export", out, "--checkpoint", hf_models["llama"], *EVAL)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.splitlines()[-1].startswith("agrees:"), r.stdout
