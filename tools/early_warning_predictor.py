@@ -9,6 +9,7 @@ checkpoints, and the values in order along each branch (does the signal rise bef
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 from pathlib import Path
 
@@ -46,8 +47,13 @@ def main() -> None:
         prev = [start] + [c.path for c in pts]
         pairs += [(b.path.name, c.step, c.path, p) for c, p in zip(pts, prev)]
     rows = [r for r in ResultStore(a.store).rows() if r.get("kind") == "ptq"]
-    out = []
+    out, seen = [], {}
     for branch, step, ckpt, prev in pairs:
+        digest = hashlib.sha256((Path(ckpt) / "model.safetensors").read_bytes()).hexdigest()
+        if digest in seen:  # the same weights (a control twin of a stable-phase main checkpoint): one point
+            print(f"{branch}@{step}: the same weights as {seen[digest]}, counted once")
+            continue
+        seen[digest] = f"{branch}@{step}"
         model, before = load_gpt(ckpt).eval(), load_gpt(prev)
         params = list(model.parameters())
         d = [p.detach() - q.detach() for p, q in zip(params, before.parameters())]
