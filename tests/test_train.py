@@ -283,6 +283,14 @@ def test_monitor_config_without_hooks_warns_the_caller(tmp_path, kjv_small):
     assert [w.filename for w in caught if "step hooks" in str(w.message)] == [__file__]
 
 
+def test_an_early_warning_alone_without_hooks_warns_too(tmp_path, kjv_small):
+    """monitor.warning_every without monitor.every also needs the hooks (issue 48.5)."""
+    d = tiny_run_dict(tmp_path, kjv_small[0], steps=2, checkpoint_every=2)
+    d.update(name="ww", monitor={"warning_every": 1})
+    with pytest.warns(UserWarning, match="monitor.warning_every=1 is set but train\\(\\) got no step hooks"):
+        train(from_dict(RunConfig, d), progress=False)
+
+
 def _one_line_exit2(r, *needles):
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]

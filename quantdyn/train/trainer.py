@@ -494,9 +494,10 @@ def write_run_files(run: TrainingRun, start_step: int, *, clear: bool, resuming:
 def _warn_if_unmonitored(run: TrainingRun, hooks: Sequence[StepHook]) -> None:
     """The trainer cannot build the monitor itself (it lives in a layer above): a caller of :func:`train` that
     forgot it is told."""
-    every = run.cfg.monitor.every
-    if every and not hooks and run.runtime.is_main:
-        warnings.warn(f"{run.cfg.name}: monitor.every={every} is set but train() got no step hooks, so nothing is "
+    mon = run.cfg.monitor
+    what = " and ".join(f"monitor.{k}={v}" for k, v in (("every", mon.every), ("warning_every", mon.warning_every)) if v)
+    if what and not hooks and run.runtime.is_main:
+        warnings.warn(f"{run.cfg.name}: {what} is set but train() got no step hooks, so nothing is "
                       "monitored; pass hooks=quantdyn.monitor.hooks_for(cfg)", stacklevel=3)
 
 
