@@ -123,3 +123,18 @@ def test_a_run_config_turns_it_on(tmp_path, kjv_small):
     assert [r["step"] for r in rows] == [4, 6]
     assert all(math.isfinite(r["warn/curvature_along_update"]) for r in rows)
     assert not any(k.startswith("ptq/") for r in read_metrics(run) for k in r)
+
+
+def test_a_warning_alone_reads_no_calibration_data():
+    """The early warning evaluates on held-out windows only: a warning-only monitor never asks for calibration."""
+    from quantdyn.monitor.ptq import PTQMonitor
+
+    asked = []
+    model = tiny_gpt(n_layer=1, d=32)
+    mon = PTQMonitor(["rtn4"], eval_ids=windows(4, 33, 4), calib_ids=lambda: asked.append(1) or windows(4, 33, 5),
+                     every=0, warning_every=1)
+    for step in (1, 2):
+        with torch.no_grad():
+            next(model.parameters()).add_(0.01)
+        mon.step(model, step)
+    assert mon.history and not asked

@@ -250,11 +250,16 @@ class PTQMonitor:
     # -------------------------------------------------------------- windows
     def windows(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(evaluation windows [N, T+1], calibration sequences [N, L] or None), read on first use."""
-        if self._eval is None:
-            self._eval = eval_windows_of(self._eval_src(), self.seq_len, self.n_eval)
+        ev = self.eval_windows()
         if self._calib is None and self._calib_src is not None:
             self._calib = calib_windows_of(self._calib_src(), self.seq_len, self.n_calib, self.seed)
-        return self._eval, self._calib
+        return ev, self._calib
+
+    def eval_windows(self) -> torch.Tensor:
+        """The evaluation windows [N, T+1] alone, read on first use (the early warning needs no calibration)."""
+        if self._eval is None:
+            self._eval = eval_windows_of(self._eval_src(), self.seq_len, self.n_eval)
+        return self._eval
 
     # -------------------------------------------------------------- measuring
     def due(self, step: int) -> bool:
@@ -274,7 +279,7 @@ class PTQMonitor:
         d = [p.detach() - q for p, q in zip(params, last)]
         if not any(bool(x.any()) for x in d):
             return {}  # no update since the last warning (e.g. the LR is 0)
-        ids = self.windows()[0][: self.warning_windows]
+        ids = self.eval_windows()[: self.warning_windows]
         device = next(lm.parameters()).device
         t0 = time.perf_counter()
         training = lm.training
