@@ -138,3 +138,30 @@ def test_a_warning_alone_reads_no_calibration_data():
             next(model.parameters()).add_(0.01)
         mon.step(model, step)
     assert mon.history and not asked
+
+
+def test_one_monitor_over_two_branches_never_spans_them():
+    """The commands that branch (quantdyn cooldown, study) give every branch the same monitor: branch B's first
+    warning after branch A ended (a step that does not follow A's last warning) only keeps B's weights; its
+    next warning is the curvature along B's own update."""
+    from quantdyn.monitor.ptq import PTQMonitor
+    from quantdyn.train.loggers import WARN_CURVATURE
+
+    torch.manual_seed(0)
+    ev = windows(6, 33, 4)
+    mon = PTQMonitor(["rtn4"], eval_ids=ev, every=0, warning_every=2)
+    start = tiny_gpt(n_layer=1, d=32)
+    logged = {}
+    for branch, lr in (("a", 0.5), ("b", 0.05)):
+        model = tiny_gpt(n_layer=1, d=32)
+        model.load_state_dict(start.state_dict())
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        for step in range(11, 17):  # both branches over steps 11..16, from the same point
+            loss = next_token_loss(model, windows(4, 33, 10 + step))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            out = mon.step(model, step)
+            if out:
+                logged[(branch, step)] = out[WARN_CURVATURE]
+    assert sorted(logged) == [("a", 14), ("a", 16), ("b", 14), ("b", 16)]

@@ -231,6 +231,7 @@ class PTQMonitor:
         self.every = every
         self.warning_every, self.warning_windows = warning_every, warning_windows
         self._last: list[torch.Tensor] | None = None  # the weights at the previous warning step
+        self._last_step: int | None = None  # that step: a warning only follows the one warning_every steps before
         self.loggers = list(loggers)
         self.device = torch.device(device) if device is not None else None
         self.seq_len, self.n_eval, self.n_calib, self.seed = seq_len, eval_windows, calib_samples, seed
@@ -325,7 +326,12 @@ class PTQMonitor:
             return {}
         out: dict[str, float] = {}
         if self.warning_every and step % self.warning_every == 0:
+            if self._last_step is not None and step != self._last_step + self.warning_every:
+                # not the next warning step of the same trajectory: one monitor reused for the next cooldown
+                # branch (which starts earlier) or a resumed run; the update would span two trajectories
+                self._last = None
             out.update(self.warn(model))
+            self._last_step = int(step)
         if self.every and step % self.every == 0:
             out.update(self.measure(model))
         if not out:

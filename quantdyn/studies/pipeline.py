@@ -25,6 +25,7 @@ from quantdyn.evaluate.loss import window_losses
 from quantdyn.files import write_json_atomic
 from quantdyn.launch.grid import expand_grid
 from quantdyn.models.hf_io import checkpoint_hash, load_causal_lm
+from quantdyn.monitor import hooks_for
 from quantdyn.results.schema import PTQ, SHIP
 from quantdyn.results.store import ResultStore
 from quantdyn.runs import SOUP_OF_COOLDOWNS, RunDir, has_weights, lawa_name, latest_resumable
@@ -39,7 +40,7 @@ from quantdyn.studies.spec import StudySpec, demo_spec, spec_from_dict
 from quantdyn.sweep.sweep import run_sweep, sweep_data
 from quantdyn.train.branches import cooldown
 from quantdyn.train.checkpoint import read_metrics
-from quantdyn.train.config import RunConfig
+from quantdyn.train.config import RunConfig, load_run_config
 from quantdyn.train.offline_averaging import average_lawa, make_soup
 from quantdyn.train.trainer import train
 
@@ -85,7 +86,7 @@ def _train(cfg: RunConfig, run_dir: Path, progress: bool, echo: Echo) -> str | N
     echo(f"[1/4] training {cfg.name} ({cfg.train.steps} steps, {cfg.schedule.name}, peak LR {cfg.optim.lr:g}, "
          f"{cfg.optim.name})" + (f", resuming at step {partial.step}" if partial else ""))
     try:
-        train(cfg, run_dir, resume=partial, progress=progress)
+        train(cfg, run_dir, resume=partial, progress=progress, hooks=hooks_for(cfg))  # the run's monitor: section
     except QuantdynError as e:
         if "diverged" not in str(e):  # the trainer's divergence check; anything else is the user's to fix
             raise
@@ -100,11 +101,14 @@ def _cooldowns(spec: StudySpec, run_dir: Path, name: str, progress: bool, echo: 
     ends = sorted({s + cd.decay_of(s) for s in cd.from_steps})
     echo(f"[2/4] {name}: cooldowns from steps {list(cd.from_steps)} to step{'s' if len(ends) > 1 else ''} "
          f"{', '.join(map(str, ends))}" + (" with constant-LR controls" if cd.control else ""))
+    hooks = hooks_for(load_run_config(run_dir))  # the run's monitor: section, in every branch as in `quantdyn cooldown`
     for s in cd.from_steps:
-        cooldown(run_dir, s, [cd.decay_of(s)], cd.shape, cd.control, progress=progress, nodecay=cd.nodecay)
+        cooldown(run_dir, s, [cd.decay_of(s)], cd.shape, cd.control, progress=progress, nodecay=cd.nodecay,
+                 hooks=hooks)
         for text in cd.interventions:  # issue 48: the same start and length, with SAM or QAT in a format
             echo(f"[2/4] {name}: cooldown from step {s} with {text}")
-            cooldown(run_dir, s, [cd.decay_of(s)], cd.shape, progress=progress, intervention=cd.intervention(text))
+            cooldown(run_dir, s, [cd.decay_of(s)], cd.shape, progress=progress, intervention=cd.intervention(text),
+                     hooks=hooks)
 
 
 def lawa_at_step(run_dir: Path, window: int, every: int, step: int) -> Path:
