@@ -33,6 +33,7 @@ half-written checkpoint under its final name; the temporaries a killed process l
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -323,6 +324,35 @@ def in_checkpoints(ckpt: Path) -> Path | None:
     ckpt = Path(ckpt)
     run = ckpt.parent.parent
     return run if ckpt.parent.name == CHECKPOINTS and RunDir(run).is_run else None
+
+
+def previous_checkpoint(ckpt: Path) -> tuple[Path | None, str]:
+    """The checkpoint ``ckpt`` was trained from, as (its directory, '') or (None, why there is none): the run's
+    previous checkpoint; for a branch's first checkpoint after its branch point, the branch point (the parent run's
+    checkpoint at the branch's ``from_step``); for a branch's own copy of its branch point (a checkpoint at
+    ``from_step``), the branch point's own predecessor (the same weights, the same update). None for the first
+    checkpoint of a run, and for a checkpoint outside a run's ``checkpoints/`` (an average, a loose directory)."""
+    ckpt = Path(ckpt)
+    run = in_checkpoints(ckpt)
+    if run is None:
+        return None, "not a checkpoint in a run's checkpoints/ (an average or a loose directory)"
+    step = checkpoint_info(ckpt).step
+    rd = RunDir(run)
+    earlier = [c for c in list_checkpoints(run) if c.step < step]
+    link = rd.read_info().get("parent") or {}
+    if not link:
+        return (earlier[-1].path, "") if earlier else (None, "the first checkpoint of its run")
+    from_step = int(link.get("from_step", 0))
+    point = RunDir(os.path.normpath(run / link.get("run_dir", BRANCH_PARENT))).checkpoint(from_step)
+    if step <= from_step:
+        return previous_checkpoint(point) if step == from_step and has_weights(point) else \
+            (None, f"at or before its branch point (step {from_step})")
+    earlier = [c for c in earlier if c.step > from_step]
+    if earlier:
+        return earlier[-1].path, ""
+    if not has_weights(point):
+        return None, f"its branch point '{point}' has no checkpoint"
+    return point, ""
 
 
 def _stale(directory: Path) -> list[Path]:

@@ -266,7 +266,7 @@ QAT_FIELDS = _table("""
     a_bits  int  Activation bits of the deployed QAT model (0: full-precision activations).
 """)
 ANALYSIS_FIELDS = _table("""
-    analysis                     str           Which analysis: hessian, outliers or propagation.
+    analysis                     str           Which analysis: hessian, outliers, propagation or curvature.
     hessian_trace                float         Hutchinson estimate of the trace of the Hessian of the held-out loss.
     hessian_trace_se             float         SE of hessian_trace over the Hutchinson probes.
     hessian_trace_probes         int           Probes used.
@@ -282,6 +282,18 @@ ANALYSIS_FIELDS = _table("""
                                                block.
     prop_gain_mean__<quantizer>  float | None  Mean per-block gain of the propagated error.
     prop_B_sum__<quantizer>      float         New error introduced per block, summed over blocks.
+    curvature_along_update       float | None  The early warning: curvature u^T H u of the held-out loss along the
+                                               update u from the checkpoint's predecessor (None: it has none).
+    curvature_from               str | None    The predecessor checkpoint (the run's previous one, a branch's
+                                               branch point).
+    curvature_from_step          int | None    Its step.
+    curvature_from_hash          str           Its weights' hash (part of the row's key).
+    update_norm                  float | None  |w - w_prev|, the norm of that update.
+    curvature_slope              float | None  The loss's first derivative along the update's direction.
+    curvature_h                  float | None  The finite-difference step (1e-2 x |w|).
+    curvature_windows            int           Held-out windows the three losses are evaluated on.
+    curvature_seconds            float | None  Seconds the curvature took (both loads included).
+    curvature_note               str | None    Why curvature_along_update is None (no predecessor, no update).
 """)
 ACCURACY_FIELDS = _table("""
     task             str               lm-eval task (or a built-in generated task).
@@ -444,9 +456,9 @@ QAT = ROW_KINDS.add("qat", RowKind(
     "sweep/sweep.py", "row_key(checkpoint, 'qat:<config hash>', eval_hash)",
     _names(*_MEASURED, QUANTIZER_FIELDS, ERRORS_FIELDS, QAT_FIELDS)))
 ANALYSIS = ROW_KINDS.add("analysis", RowKind(
-    "analysis", "One analysis of one checkpoint: Hessian, outlier or propagation metrics.",
+    "analysis", "One analysis of one checkpoint: Hessian, outlier, propagation or curvature-along-the-update metrics.",
     "sweep/sweep.py (sweep/analysis_rows.py)",
-    "row_key(checkpoint, 'analysis:<name>:<budget hash>[:<quantizers hash>]', eval_hash)",
+    "row_key(checkpoint, 'analysis:<name>:<budget hash>[:<quantizers hash>][:<predecessor hash>]', eval_hash)",
     _names(*_MEASURED, ANALYSIS_FIELDS)))
 ACCURACY = ROW_KINDS.add("accuracy", RowKind(
     "accuracy", "Downstream accuracy of one task, FP and (optionally) one quantizer, paired over examples.",

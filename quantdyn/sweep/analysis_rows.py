@@ -1,5 +1,5 @@
 """Per-checkpoint analysis metrics as result rows, for `quantdyn analyze` and
-sweeps with ``analysis: [hessian, outliers, propagation]``.
+sweeps with ``analysis: [hessian, outliers, propagation, curvature]``.
 
 Each analysis returns one flat dict of scalars (so rows query and correlate
 easily):
@@ -8,20 +8,29 @@ easily):
   outliers     weight_/act_ {mmr, mmr_token, kurtosis, max_abs} _mean/_max over linear layers
   propagation  per quantizer Q: prop_R_final__Q (R_L, paper B's predictor),
                prop_gain_mean__Q, prop_B_sum__Q (new error summed over blocks)
+  curvature    curvature_along_update: the early warning (issue 48.5), the held-out loss's curvature along the
+               update from the checkpoint's predecessor (runs.previous_checkpoint: the run's previous checkpoint,
+               a branch's branch point) to it, analysis/hessian.curvature_along as PTQMonitor.warn measures it in
+               training (float32, eval mode, held-out windows); curvature_from / _step / _hash name the
+               predecessor, update_norm |w - w_prev|; None with curvature_note saying why where there is none
 """
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from quantdyn.analysis.hessian import HessianConfig, hessian_metrics
+from quantdyn.analysis.hessian import HessianConfig, curvature_along, hessian_metrics, next_token_loss
 from quantdyn.analysis.outliers import outlier_metrics
 from quantdyn.engine.measure import MeasureConfig, measure
-from quantdyn.errors import unknown_name
+from quantdyn.errors import QuantdynError, unknown_name
 from quantdyn.models.hf_io import load_causal_lm
+from quantdyn.runs import checkpoint_info, previous_checkpoint
 
-ANALYSES = ("hessian", "outliers", "propagation")
+ANALYSES = ("hessian", "outliers", "propagation", "curvature")
 
 
 @dataclass(frozen=True)
@@ -29,7 +38,7 @@ class AnalysisConfig:
     """Budgets of the per-checkpoint analyses."""
 
     windows: int = 8
-    """Held-out windows for the Hessian (and calibration windows for the others)."""
+    """Held-out windows for the Hessian and the curvature along the update (calibration windows for the others)."""
     hessian_probes: int = 50
     """Hutchinson probe budget (paper A: up to 200)."""
     hessian_eig_iters: int = 100
@@ -75,6 +84,49 @@ def propagation_row(weights, calib_ids: torch.Tensor, quantizers: dict, cfg: Ana
     return out
 
 
+def predecessor_of(ref) -> tuple[Path | None, str]:
+    """The checkpoint ``ref`` (a directory, or hub-id@revision) was trained from, or None and why not
+    (runs.previous_checkpoint; a checkpoint that is not a local directory has none)."""
+    path = Path(str(ref))
+    return previous_checkpoint(path) if path.is_dir() else (None, "not a local checkpoint of a quantdyn run")
+
+
+def curvature_row(ckpt, eval_ids: torch.Tensor, cfg: AnalysisConfig, device="cpu", previous=None) -> dict:
+    """The curvature of the held-out loss along the update from ``ckpt``'s predecessor to ``ckpt`` (``previous``:
+    (path | None, why) as :func:`predecessor_of` gives it; found from the run directory when not given), on the
+    first ``cfg.windows`` evaluation windows, the model in float32 and eval mode: k = u^T H u, u = (w - w_prev) /
+    |w - w_prev| (analysis/hessian.curvature_along, three forward passes). No predecessor, or the same weights as
+    it: curvature_along_update None and curvature_note saying why."""
+    prev, why = previous if previous is not None else predecessor_of(ckpt)
+    ids = eval_ids[: cfg.windows]
+    out = {"curvature_along_update": None, "curvature_from": str(prev) if prev is not None else None,
+           "curvature_from_step": checkpoint_info(prev).step if prev is not None else None, "update_norm": None,
+           "curvature_slope": None, "curvature_h": None, "curvature_windows": len(ids), "curvature_seconds": None,
+           "curvature_note": why or None}
+    if prev is None:
+        return out
+    t0 = time.perf_counter()
+    model = load_causal_lm(ckpt, device=device).float().eval()
+    named = list(model.named_parameters())
+    before = dict(load_causal_lm(prev, device=device).float().named_parameters())
+    if [n for n, _ in named] != list(before) or any(p.shape != before[n].shape for n, p in named):
+        raise QuantdynError(f"'{ckpt}' and its predecessor '{prev}' have different parameters; the curvature along "
+                            "the update needs two checkpoints of one model")
+    direction = [p.detach() - before[n].detach() for n, p in named]
+    del before
+    norm = math.sqrt(sum(float(d.double().pow(2).sum()) for d in direction))
+    out["update_norm"] = norm
+    if not norm > 0:
+        out["curvature_note"] = f"the same weights as its predecessor '{prev}' (no update)"
+        return out
+    ids = ids.to(device)
+    with torch.no_grad():
+        r = curvature_along(lambda: next_token_loss(model, ids), [p for _, p in named], direction)
+    out.update(curvature_along_update=r["curvature"], curvature_slope=r["slope"], curvature_h=r["h"],
+               curvature_seconds=time.perf_counter() - t0)
+    return out
+
+
 def analysis_rows(name: str, weights, data, calib_ids, eval_ids, quantizers: dict, cfg: AnalysisConfig,
                   device="cpu", mcfg=None) -> dict:
     """One analysis of a checkpoint (``weights``: a reference or CheckpointWeights). The Hessian and outlier
@@ -82,6 +134,8 @@ def analysis_rows(name: str, weights, data, calib_ids, eval_ids, quantizers: dic
     check_analysis_names([name])
     if name == "propagation":
         return propagation_row(weights, calib_ids, quantizers, cfg, device, mcfg)
+    if name == "curvature":
+        return curvature_row(getattr(weights, "path", weights), eval_ids, cfg, device)
 
     model = load_causal_lm(getattr(weights, "path", weights), device=device)
     if name == "hessian":

@@ -59,7 +59,7 @@ from quantdyn.sources.trajectory import (
     require_available,
 )
 from quantdyn.sweep.accuracy import accuracy_rows_for_point, quantized_twin
-from quantdyn.sweep.analysis_rows import AnalysisConfig, analysis_rows, check_analysis_names
+from quantdyn.sweep.analysis_rows import AnalysisConfig, analysis_rows, check_analysis_names, predecessor_of
 from quantdyn.sweep.allocate_one import sensitivity_rows
 from quantdyn.train.config import load_run_config
 from quantdyn.train.qat import QATConfig, QATDeployed
@@ -114,7 +114,7 @@ class SweepConfig:
     """How the engine batches, threads, types and budgets the measurement (engine/measure.py MeasureConfig: the
     same fields, passed down unchanged). Sweep files may still give them at the top level (``MOVED``)."""
     analysis: tuple[str, ...] = ()
-    """Extra per-checkpoint metrics: hessian, outliers, propagation."""
+    """Extra per-checkpoint metrics: hessian, outliers, propagation, curvature (sweep/analysis_rows.py)."""
     analysis_budget: AnalysisConfig = field(default_factory=AnalysisConfig)
     """Budgets of those metrics."""
     propagation_quantizers: tuple[str, ...] = ()
@@ -453,7 +453,8 @@ def _point_keys(ctx: _SweepContext, p: Point):
         qat_cfg = None
     qat_key = key(f"qat:{config_hash(qat_cfg)}") if qat_cfg else None
     prop_hash = config_hash({k: to_dict(v) for k, v in sorted(ctx.prop_q.items())})
-    a_keys = {a: key(f"analysis:{a}:{config_hash(cfg.analysis_budget)}" + (f":{prop_hash}" if a == "propagation" else ""))
+    a_keys = {a: key(f"analysis:{a}:{config_hash(cfg.analysis_budget)}" + (f":{prop_hash}" if a == "propagation" else "")
+                     + (f":{_predecessor_hash(ctx, p)}" if a == "curvature" else ""))
               for a in cfg.analysis}
     # accuracy rows of one (point, quantizer) are appended together and carry this key, so a sweep that
     # died between a PTQ row and its accuracy rows re-quantizes that point on rerun and adds only them
@@ -465,6 +466,15 @@ def _point_keys(ctx: _SweepContext, p: Point):
     todo = [fp_key, *q_keys.values(), *a_keys.values(), *([qat_key] if qat_key else []), *([sens_key] if sens_key else [])]
     done = all(k in ctx.done for k in todo) and all(k in ctx.acc_done for k in acc_keys.values())
     return h, base, fp_key, q_keys, qat_cfg, qat_key, a_keys, acc_keys, sens_key, todo, mids, done
+
+
+def _predecessor_hash(ctx: _SweepContext, p: Point) -> str:
+    """The weights' hash of the checkpoint ``p`` was trained from ('none' without one): the curvature along the
+    update is a measurement of the pair, so identical weights reached from other weights are measured again."""
+    prev, _ = predecessor_of(p.ref) if p.is_local else (None, "")
+    if prev is None:
+        return "none"
+    return ctx.hashes.get(str(prev)) or ctx.hashes.setdefault(str(prev), checkpoint_hash(str(prev)))
 
 
 def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
@@ -559,6 +569,8 @@ def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
             continue
         vals = analysis_rows(name, weights, ctx.data, ctx.calib_draws[0], ctx.eval_ids, ctx.prop_q, cfg.analysis_budget,
                              device=ctx.device, mcfg=ctx.mcfg)
+        if name == "curvature" and vals["curvature_from"] is not None:
+            vals["curvature_from_hash"] = _predecessor_hash(ctx, p)
         rows = [{"key": key, "kind": ANALYSIS.name, "analysis": name, **base, "measurement": mids[key], **vals,
                  **provenance()}]
         written += len(ctx.store.append_new(rows))
