@@ -96,3 +96,78 @@ def test_an_unknown_metric_is_one_line(tmp_path, cli):
     r = cli("analyze", tmp_path, "--metrics", "curvatur", "--store", tmp_path / "st")
     assert r.returncode == 2 and "did you mean 'curvature'" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------ the early_warning finding family
+def _rows():
+    """One run: main checkpoints at steps 100..500 (Δ CE rising), a cooldown from 300 to 500 and its control.
+    The curvature rises with Δ CE everywhere (ρ = +1), the Hessian trace falls (ρ = −1), R_L exists at 4 of them.
+    The control's step 400 has the main run's step-400 weights reached from the same predecessor: one point."""
+    run, q = "r", "rtn4"
+    cool, ctrl = "cooldown-s300-d200-linear", "control-s300-d200"
+    #          branch, step, Δ CE, curvature, trace, R_L, weights
+    pts = [("main", 100, 0.10, 1.0, 9.0, 0.5, "h1"), ("main", 200, 0.12, 2.0, 8.0, 0.7, "h2"),
+           ("main", 300, 0.15, 3.0, 7.0, None, "h3"), ("main", 400, 0.16, 4.0, 6.0, 0.6, "h4"),
+           ("main", 500, 0.18, 5.0, 5.0, 0.9, "h5"), (ctrl, 400, 0.16, 4.0, 6.0, None, "h4"),
+           (ctrl, 500, 0.17, 4.5, 5.5, None, "h6"), (cool, 400, 0.20, 6.0, 4.0, None, "h7"),
+           (cool, 500, 0.25, 7.0, 3.0, None, "h8")]
+    prev = {"h1": None, "h2": "h1", "h3": "h2", "h4": "h3", "h5": "h4", "h6": "h4", "h7": "h3", "h8": "h7"}
+    kinds = {"main": "checkpoint", ctrl: "control", cool: "cooldown"}
+    rows = []
+    for b, step, dce, k, tr, rl, h in pts:
+        where = {"run": run, "branch": b, "step": step, "tokens": step * 1000, "checkpoint": f"{b}/{step}",
+                 "checkpoint_hash": h, "ckpt_kind": kinds[b]}
+        rows.append({"kind": "ptq", "key": f"p{b}{step}", **where, "quantizer": q, "bits": 4, "delta_ce": dce,
+                     "delta_ce_se": 0.001, "ce_fp": 4.0, "ce_q": 4.0 + dce})
+        rows.append({"kind": "analysis", "key": f"c{b}{step}", "analysis": "curvature", **where,
+                     "curvature_along_update": None if prev[h] is None else k, "curvature_from_hash": prev[h]})
+        rows.append({"kind": "analysis", "key": f"h{b}{step}", "analysis": "hessian", **where, "hessian_trace": tr})
+        if rl is not None:
+            rows.append({"kind": "analysis", "key": f"r{b}{step}", "analysis": "propagation", **where,
+                         f"prop_R_final__{q}": rl})
+    return rows
+
+
+def test_the_family_correlates_the_curvature_with_delta_ce_beside_the_trace_and_r_l():
+    from quantdyn.studies.families import FINDING_FAMILIES, FindingInputs, families_in
+    from quantdyn.studies.spec import FindingsSpec
+
+    rows = _rows()
+    assert "early_warning" in families_in(rows)
+    assert "early_warning" not in families_in([r for r in rows if r.get("analysis") != "curvature"])
+    found, detail = FINDING_FAMILIES.get("early_warning").compute(FindingInputs(rows, ["r"], FindingsSpec(n_boot=200)))
+    corr = {f["predictor"]: f for f in found if f["metric"] == "Spearman ρ"}
+    assert set(corr) == {"curvature_along_update", "hessian_trace", "prop_R_final"}
+    k, tr, rl = corr["curvature_along_update"], corr["hessian_trace"], corr["prop_R_final"]
+    # main 200..500, control 500, cooldown 400 and 500: 7 checkpoints (main 100 has no predecessor, the control's
+    # 400 is main 400 counted once)
+    assert (k["n"], tr["n"], rl["n"]) == (7, 7, 3)
+    assert k["effect"] == pytest.approx(1.0, abs=1e-12) and k["verdict"] == "reproduced" and not k["beside"]
+    assert tr["effect"] == pytest.approx(-1.0, abs=1e-12) and tr["verdict"] == "opposite" and tr["beside"]
+    # R_L at main 200, 400, 500: Δ CE 0.12 < 0.16 < 0.18 against R_L 0.7, 0.6, 0.9: ranks (2, 1, 3) vs (1, 2, 3)
+    assert rl["effect"] == pytest.approx(0.5, abs=1e-12)
+    assert all(f["family"] == "early_warning" and f["quantizer"] == "rtn4" for f in corr.values())
+    assert sorted((d["branch"], d["step"]) for d in detail["early_warning"]) == [
+        ("control-s300-d200", 500), ("cooldown-s300-d200-linear", 400), ("cooldown-s300-d200-linear", 500),
+        ("main", 200), ("main", 300), ("main", 400), ("main", 500)]
+    # along the trajectory: the cooldown's curvature and its control's, step by step; endpoint minus control
+    traj = [(d["role"], d["step"], d["curvature_along_update"]) for d in detail["early_warning_trajectory"]]
+    assert traj == [("cooldown", 400, 6.0), ("cooldown", 500, 7.0), ("control", 400, 4.0), ("control", 500, 4.5)]
+    (end,) = [f for f in found if f["metric"] == "curvature along the update"]
+    assert end["effect"] == pytest.approx(2.5, abs=1e-12) and end["branch"] == "cooldown-s300-d200-linear"
+    assert end["verdict"] == "not resolved at this scale"  # one seed, and a finite difference has no SE
+
+
+def test_a_study_with_the_curvature_analysis_has_the_family():
+    from quantdyn.config import from_dict
+    from quantdyn.studies.families import FINDING_FAMILIES
+    from quantdyn.sweep.sweep import SweepConfig
+
+    fam = FINDING_FAMILIES.get("early_warning")
+
+    class Spec:  # the one field in_spec reads (a StudySpec's sweep)
+        sweep = from_dict(SweepConfig, {"analysis": ["hessian", "curvature"]})
+
+    assert fam.in_spec(Spec)
+    Spec.sweep = from_dict(SweepConfig, {"analysis": ["hessian"]})
+    assert not fam.in_spec(Spec)

@@ -13,9 +13,10 @@ from quantdyn.cli.app import command, echo_json
 @command()
 def analyze(
     checkpoints: List[str] = typer.Argument(..., help="Checkpoint directories or run directories."),
-    metrics: str = typer.Option("hessian,outliers,propagation", "--metrics", help="Comma-separated analyses: hessian, outliers, "
-                                 "propagation, curvature (the early warning: the loss's curvature along the update "
-                                 "from each checkpoint's predecessor)."),
+    metrics: str = typer.Option("hessian,outliers,propagation", "--metrics",
+                                help="Comma-separated analyses: hessian, outliers, propagation, curvature (the early "
+                                     "warning: the loss's curvature along the update from each checkpoint's "
+                                     "predecessor, the run's previous checkpoint or the branch point)."),
     quantizers: str = opt.quantizers("gptq3,rtn4", "Used by the propagation analysis."),
     store: str = opt.store("results"),
     windows: int = typer.Option(8, "--windows", help="Windows per analysis (held-out / calibration)."),

@@ -237,6 +237,16 @@ register_family(FindingFamily(
         draw=lambda found, detail, out: _figures().predictors(found, out))))
 
 register_family(FindingFamily(
+    name="early_warning", about="issue 48.5, Spearman of the curvature along the update (the cheap early warning) "
+                                "with Δ CE over the checkpoints, the Hessian trace and R_L beside it; the curvature "
+                                "through each cooldown against its constant-LR control",
+    needs="sweep.analysis with curvature",
+    in_spec=lambda spec: "curvature" in spec.sweep.analysis,
+    in_rows=lambda rows: any(r.get("analysis") == "curvature" and number(r.get(fd.EARLY_WARNING_METRIC)) is not None
+                             for r in ANALYSIS.select(rows)),
+    compute=lambda i: fd.early_warning_findings(i.rows, i.runs, i.spec.quantizers, i.spec.z, i.correlate)))
+
+register_family(FindingFamily(
     name="rotations", about="issue 37, the LR-decay effect with a rotation before quantizing minus without it",
     needs="cooldowns with control: true and sweep.quantizers with a rotated quantizer beside its plain twin "
           "(rtn4 and rtn4+had)",

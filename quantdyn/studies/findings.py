@@ -24,8 +24,8 @@ scale", whatever its sign; beyond it, "reproduced" when its sign is the one the 
 when the interval excludes 0.
 
 Families (studies/families.py FINDING_FAMILIES registers each with its inputs, figure and words): decay (paper
-A a), peak_lr (b), averaging (c), sharpness (d), predictors (paper B).  Each function returns (finding rows,
-detail tables for figures and docs).
+A a), peak_lr (b), averaging (c), sharpness (d), predictors (paper B), early_warning (issue 48.5).  Each function
+returns (finding rows, detail tables for figures and docs).
 """
 from __future__ import annotations
 
@@ -671,6 +671,109 @@ def predictor_findings(rows: list[dict], runs: Sequence[str], quantizers: Sequen
                     f"ρ(R_L) − ρ({names[m]}) over {len(both)} final checkpoints (paired bootstrap)", "Δ Spearman ρ",
                     d, lo, hi, len(both), +1, "findings_predictors.png"))
     return out, {"predictors": detail}
+
+
+# ------------------------------------------------------------------ issue 48.5: the cheap early warning
+EARLY_WARNING_CLAIM = "48.5 the curvature along the update warns of the quantization error"
+EARLY_WARNING_METRIC = "curvature_along_update"
+EARLY_WARNING_BESIDE = ("hessian_trace", PROPAGATION_METRIC)
+"""Computed beside the early warning over the same checkpoints, where their analysis rows exist."""
+
+
+def early_warning_points(rows: list[dict], runs: Sequence[str], quantizer: str) -> list[dict]:
+    """One row per checkpoint of ``runs`` that has a curvature_along_update (the analysis ``curvature``) and a
+    ``quantizer`` PTQ row: its Δ CE, the curvature and, where their rows exist, the Hessian trace and R_L of that
+    quantizer. Identical weights reached by the same update count once (a control's checkpoint that equals the main
+    run's, the branch point as a branch's step 0: one checkpoint_hash and curvature_from_hash), the main run's
+    place first."""
+    curv, hs, props = _analysis(rows, "curvature"), _analysis(rows, "hessian"), _analysis(rows, "propagation")
+    out, seen = [], set()
+    for run in runs:
+        ptq = sorted(_ptq(rows, run=run, quantizer=quantizer),
+                     key=lambda r: (r.get("branch") != "main", str(r.get("branch")), r.get("step") or 0))
+        for r in ptq:
+            where = (run, r.get("branch"), r.get("step"))
+            c = curv.get(where)
+            k = number(c.get(EARLY_WARNING_METRIC)) if c is not None else None
+            if k is None:
+                continue
+            same = (run, r.get("checkpoint_hash"), c.get("curvature_from_hash")) if r.get("checkpoint_hash") else where
+            if same in seen:
+                continue
+            seen.add(same)
+            h, prop = hs.get(where) or {}, props.get(where) or {}
+            out.append({"quantizer": quantizer, "run": run, "branch": r.get("branch"), "step": r.get("step"),
+                        "tokens": r.get("tokens"), "lr": r.get("lr"), "delta_ce": r["delta_ce"],
+                        "delta_ce_se": total_se(r), EARLY_WARNING_METRIC: k,
+                        "update_norm": number(c.get("update_norm")),
+                        "curvature_from_step": c.get("curvature_from_step"), "hessian_trace": number(h.get("hessian_trace")),
+                        PROPAGATION_METRIC: number(prop.get(f"{PROPAGATION_METRIC}__{quantizer}"))})
+    return out
+
+
+def early_warning_findings(rows: list[dict], runs: Sequence[str], quantizers: Sequence[str] = (), z: float = Z,
+                           cfg: CorrelateConfig = CorrelateConfig()):
+    """Issue 48.5: does the curvature along the update (three forward passes per checkpoint) predict Δ CE?
+
+    Per quantizer, over the checkpoints of ``runs`` that have it (:func:`early_warning_points`): Spearman ρ of the
+    curvature with Δ CE with its percentile-bootstrap interval, and beside it, over the same checkpoints where their
+    rows exist, the same for the Hessian trace and R_L (what quantdyn computes already; checkpoints of one run are
+    not independent draws: read the intervals as optimistic). Along the trajectory, per cooldown branch and its
+    constant-LR control: the curvature at each of their checkpoints (detail ``early_warning_trajectory``), and the
+    decayed endpoint's minus the control's at equal tokens, combined over seeds (a finite difference has no SE of
+    its own: with one seed not resolved, as the top eigenvalue)."""
+    out: list[dict] = []
+    detail: list[dict] = []
+    names = {EARLY_WARNING_METRIC: "curvature along the update", "hessian_trace": "Hessian trace",
+             PROPAGATION_METRIC: "R_L (propagated error)"}
+    for q in quantizers_of(rows, quantizers):
+        pts = early_warning_points(rows, runs, q)
+        detail += pts
+        if len(pts) < cfg.min_rows:
+            continue
+        metrics = [m for m in (EARLY_WARNING_METRIC, *EARLY_WARNING_BESIDE)
+                   if sum(p.get(m) is not None for p in pts) >= cfg.min_rows]
+        cs = {c["metric"]: c for c in correlate(pts, "delta_ce", metrics, cfg)}
+        for m in metrics:
+            c = cs[m]
+            out.append(correlation_row(
+                EARLY_WARNING_CLAIM, "early_warning", q,
+                f"Spearman({names[m]}, Δ CE) over {c['n']} checkpoints with the curvature (main, branches)",
+                "Spearman ρ", c["spearman"], c["spearman_lo"], c["spearman_hi"], c["n"], +1, "",
+                predictor=m, beside=m != EARLY_WARNING_METRIC))
+    curv = _analysis(rows, "curvature")
+    trajectory: list[dict] = []
+    per: dict[tuple, list] = {}
+    for run in runs:
+        for b in sorted({k[1] for k in curv if k[0] == run and is_cooldown(k[1])}):
+            ctrl = control_of(b)
+            for role, branch in (("cooldown", b), ("control", ctrl)):
+                for (_, _, step), c in sorted(((k, v) for k, v in curv.items() if k[0] == run and k[1] == branch),
+                                              key=lambda kv: kv[0][2] or 0):
+                    trajectory.append({"run": run, "cooldown": b, "role": role, "branch": branch, "step": step,
+                                       "tokens": c.get("tokens"), "lr": c.get("lr"),
+                                       EARLY_WARNING_METRIC: number(c.get(EARLY_WARNING_METRIC)),
+                                       "update_norm": number(c.get("update_norm")),
+                                       "curvature_from_step": c.get("curvature_from_step")})
+            ends = [v for k, v in curv.items() if k[0] == run and k[1] == b and number(v.get(EARLY_WARNING_METRIC))
+                    is not None]
+            ctrls = [v for k, v in curv.items() if k[0] == run and k[1] == ctrl
+                     and number(v.get(EARLY_WARNING_METRIC)) is not None]
+            end, last = _last(ends), _last(ctrls)
+            if end is None or last is None or end.get("tokens") != last.get("tokens"):
+                continue
+            per.setdefault((family_of(run), b), []).append(
+                Difference(number(end[EARLY_WARNING_METRIC]) - number(last[EARLY_WARNING_METRIC]), 0.0))
+    for (fam, b), ps in sorted(per.items()):
+        eff = combine(ps)
+        row = finding_row(EARLY_WARNING_CLAIM, "early_warning", None,
+                          f"{fam}: decayed endpoint − constant-LR control, {b}", "curvature along the update", eff, +1,
+                          z, "", branch=b, control=control_of(b), seed_family=fam)
+        row["se_windows"] = None  # a finite difference of three losses gives no within-run SE: "n/a", not 0
+        if eff.se_seeds is None:
+            row["verdict"] = NOT_RESOLVED
+        out.append(row)
+    return out, {"early_warning": detail, "early_warning_trajectory": trajectory}
 
 
 # ------------------------------------------------------------------ formatting
