@@ -1,4 +1,4 @@
-"""`quantdyn analyze`: loss-landscape, outlier and error-propagation metrics
+"""`quantdyn analyze`: loss-landscape, outlier, error-propagation and early-warning metrics
 of checkpoints, written as result rows beside the PTQ error."""
 from __future__ import annotations
 
