@@ -171,3 +171,14 @@ def test_a_study_with_the_curvature_analysis_has_the_family():
     assert fam.in_spec(Spec)
     Spec.sweep = from_dict(SweepConfig, {"analysis": ["hessian"]})
     assert not fam.in_spec(Spec)
+
+
+def test_the_family_figure_draws_from_its_detail(tmp_path):
+    from quantdyn.studies.families import FINDING_FAMILIES, FindingInputs
+    from quantdyn.studies.spec import FindingsSpec
+
+    fam = FINDING_FAMILIES.get("early_warning")
+    found, detail = fam.compute(FindingInputs(_rows(), ["r"], FindingsSpec(n_boot=50)))
+    out = tmp_path / fam.figure.file
+    assert fam.figure.draw(found, detail["early_warning"], out) and out.stat().st_size > 0
+    assert not fam.figure.draw([], [], tmp_path / "none.png") and not (tmp_path / "none.png").exists()

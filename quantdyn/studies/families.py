@@ -244,7 +244,14 @@ register_family(FindingFamily(
     in_spec=lambda spec: "curvature" in spec.sweep.analysis,
     in_rows=lambda rows: any(r.get("analysis") == "curvature" and number(r.get(fd.EARLY_WARNING_METRIC)) is not None
                              for r in ANALYSIS.select(rows)),
-    compute=lambda i: fd.early_warning_findings(i.rows, i.runs, i.spec.quantizers, i.spec.z, i.correlate)))
+    compute=lambda i: fd.early_warning_findings(i.rows, i.runs, i.spec.quantizers, i.spec.z, i.correlate),
+    figure=FamilyFigure(
+        fd.EARLY_WARNING_FIGURE, "Issue 48.5: the curvature along the update as an early warning",
+        "Left: Δ CE of the first quantizer against the curvature of the held-out loss along the update from each "
+        "checkpoint's predecessor (identical weights once), with its Spearman ρ and 95 % bootstrap interval. Right: "
+        "the curvature against tokens: main run (black), cooldown branches (red), constant-LR controls (blue, "
+        "dashed).",
+        draw=lambda found, detail, out: _figures().early_warning(found, detail, out))))
 
 register_family(FindingFamily(
     name="rotations", about="issue 37, the LR-decay effect with a rotation before quantizing minus without it",

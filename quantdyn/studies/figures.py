@@ -141,6 +141,47 @@ def sharpness(detail: list[dict], out: Path) -> bool:
     return True
 
 
+def early_warning(findings: list[dict], detail: list[dict], out: Path) -> bool:
+    """The early warning (issue 48.5), first quantizer: Δ CE against the curvature along the update, one point per
+    checkpoint (Spearman ρ and its interval in the title); and the curvature against tokens: main run (black),
+    cooldown branches (red), constant-LR controls (blue, dashed)."""
+    qs = _quantizers(detail)
+    if not qs:
+        return False
+    q = qs[0]
+    mine = [d for d in detail if d["quantizer"] == q]
+    rho = next((f for f in findings if f.get("quantizer") == q and f.get("predictor") == "curvature_along_update"),
+               None)
+    fig, axes = subplots(1, 2, figsize=(PAGE_WIDTH, 3.2), squeeze=False)
+    left, right = axes[0]
+    for b in sorted({d["branch"] for d in mine}, key=lambda b: (b != MAIN, b)):
+        seq = sorted((d for d in mine if d["branch"] == b), key=lambda d: d["tokens"] or 0)
+        style = dict(color="k", ls="-") if b == MAIN else \
+            dict(color="C3", ls="-") if is_cooldown(b) else dict(color="C0", ls="--")
+        left.errorbar([d["curvature_along_update"] for d in seq], [d["delta_ce"] for d in seq],
+                      yerr=[d.get("delta_ce_se") or 0 for d in seq], fmt="o", ms=3, capsize=1.5,
+                      color=style["color"], label=b)
+        parsed = parse_branch(b)
+        start = next((d for d in mine if parsed is not None and d["branch"] == MAIN and d["run"] == seq[0]["run"]
+                      and d["step"] == parsed.from_step), None)  # the branch point, where the branch leaves main
+        line = ([start] if start else []) + seq
+        right.plot([d["tokens"] for d in line], [d["curvature_along_update"] for d in line], marker="o", ms=2.5,
+                   lw=1, **style)
+    if rho is not None and rho.get("effect") is not None:
+        rho_text = format_interval(rho["effect"], rho.get("interval_lo"), rho.get("interval_hi"))
+        left.set_title(f"{q}: Spearman ρ {rho_text} over {rho.get('n')} checkpoints", fontsize=8)
+    left.set_xlabel("curvature along the update", fontsize=8)
+    left.set_ylabel(f"Δ CE {q}", fontsize=8)
+    right.set_xlabel("tokens", fontsize=8)
+    right.set_ylabel("curvature along the update", fontsize=8)
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.tick_params(labelsize=7)
+    left.legend(fontsize=6)
+    save_figure(fig, out)
+    return True
+
+
 def predictors(findings: list[dict], out: Path) -> bool:
     """Spearman ρ of each metric with Δ CE (bootstrap interval), one row per metric, one colour per quantizer."""
     rows = [f for f in findings if f.get("family") == "predictors" and f.get("metric") == "Spearman ρ"

@@ -676,6 +676,7 @@ def predictor_findings(rows: list[dict], runs: Sequence[str], quantizers: Sequen
 # ------------------------------------------------------------------ issue 48.5: the cheap early warning
 EARLY_WARNING_CLAIM = "48.5 the curvature along the update warns of the quantization error"
 EARLY_WARNING_METRIC = "curvature_along_update"
+EARLY_WARNING_FIGURE = "findings_early_warning.png"
 EARLY_WARNING_BESIDE = ("hessian_trace", PROPAGATION_METRIC)
 """Computed beside the early warning over the same checkpoints, where their analysis rows exist."""
 
@@ -739,7 +740,7 @@ def early_warning_findings(rows: list[dict], runs: Sequence[str], quantizers: Se
             out.append(correlation_row(
                 EARLY_WARNING_CLAIM, "early_warning", q,
                 f"Spearman({names[m]}, Δ CE) over {c['n']} checkpoints with the curvature (main, branches)",
-                "Spearman ρ", c["spearman"], c["spearman_lo"], c["spearman_hi"], c["n"], +1, "",
+                "Spearman ρ", c["spearman"], c["spearman_lo"], c["spearman_hi"], c["n"], +1, EARLY_WARNING_FIGURE,
                 predictor=m, beside=m != EARLY_WARNING_METRIC))
     curv = _analysis(rows, "curvature")
     trajectory: list[dict] = []
@@ -768,7 +769,7 @@ def early_warning_findings(rows: list[dict], runs: Sequence[str], quantizers: Se
         eff = combine(ps)
         row = finding_row(EARLY_WARNING_CLAIM, "early_warning", None,
                           f"{fam}: decayed endpoint − constant-LR control, {b}", "curvature along the update", eff, +1,
-                          z, "", branch=b, control=control_of(b), seed_family=fam)
+                          z, EARLY_WARNING_FIGURE, branch=b, control=control_of(b), seed_family=fam)
         row["se_windows"] = None  # a finite difference of three losses gives no within-run SE: "n/a", not 0
         if eff.se_seeds is None:
             row["verdict"] = NOT_RESOLVED
