@@ -55,6 +55,38 @@ def test_predecessors_from_the_run_layout(run_with_branch):
     assert prev is None and "average or a loose directory" in why
 
 
+def _layout(root, steps, parent=None):
+    """A run directory with empty weight files at ``steps`` (what previous_checkpoint reads: names, run.json)."""
+    (root / "config.yaml").parent.mkdir(parents=True, exist_ok=True)
+    (root / "config.yaml").write_text("name: x\n")
+    (root / "run.json").write_text(json.dumps({"name": root.name, **({"parent": parent} if parent else {})}))
+    for s in steps:
+        c = RunDir(root).checkpoint(s)
+        c.mkdir(parents=True)
+        (c / "model.safetensors").write_bytes(b"")
+    return RunDir(root)
+
+
+def test_a_branch_copy_of_its_branch_point_and_a_missing_branch_point(tmp_path):
+    """`quantdyn cooldown MODEL`'s layout: the experiment's step 0 is the branch point and each branch holds the same
+    weights as its own step 0, whose update is the branch point's (none: the first checkpoint); a branch whose
+    branch point is gone says so; an average has no predecessor."""
+    exp = _layout(tmp_path / "exp", [0])
+    link = {"run_dir": "../..", "from_step": 0, "kind": "cooldown"}
+    br = _layout(exp.branches / "cooldown-s0-d8-linear", [0, 4, 8], link)
+    assert previous_checkpoint(br.checkpoint(8)) == (br.checkpoint(4), "")
+    assert previous_checkpoint(br.checkpoint(4)) == (exp.checkpoint(0), "")
+    prev, why = previous_checkpoint(br.checkpoint(0))
+    assert prev is None and "first checkpoint" in why
+    gone = _layout(exp.branches / "control-s4-d4", [8], {**link, "from_step": 4})
+    prev, why = previous_checkpoint(gone.checkpoint(8))
+    assert prev is None and "branch point" in why and "step-0000004" in why
+    avg = exp.average("ema-0.9", 0)
+    avg.mkdir(parents=True)
+    (avg / "model.safetensors").write_bytes(b"")
+    assert previous_checkpoint(avg)[0] is None
+
+
 def test_analyze_curvature_equals_curvature_along_the_update(run_with_branch, kjv_small, cli, tmp_path):
     """`quantdyn analyze RUN --metrics curvature`: main step 8 along w_8 - w_4, the cooldown's step 8 along
     w_cool8 - w_4 (its branch point), main step 4 (the run's first checkpoint) None with the reason; each equals
