@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -214,3 +215,16 @@ def test_the_family_figure_draws_from_its_detail(tmp_path):
     out = tmp_path / fam.figure.file
     assert fam.figure.draw(found, detail["early_warning"], out) and out.stat().st_size > 0
     assert not fam.figure.draw([], [], tmp_path / "none.png") and not (tmp_path / "none.png").exists()
+
+
+def test_the_documented_study_override_asks_for_the_family():
+    """docs/studies.md's command: the sharpness study with the curvature analysis computes early_warning; naming
+    the family without the analysis is one line saying what it needs."""
+    from quantdyn.errors import QuantdynError
+    from quantdyn.studies.spec import load_study_spec
+
+    spec = Path(__file__).parents[1] / "configs" / "studies" / "sharpness.yaml"
+    s = load_study_spec(spec, ["sweep.analysis=[hessian,curvature]", "findings.compute=[decay,sharpness,early_warning]"])
+    assert s.sweep.analysis == ("hessian", "curvature") and "early_warning" in s.finding_families
+    with pytest.raises(QuantdynError, match="early_warning needs sweep.analysis with curvature"):
+        load_study_spec(spec, ["findings.compute=[decay,sharpness,early_warning]"])
