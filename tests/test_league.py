@@ -65,6 +65,9 @@ def test_league_by_hand():
     assert x["se"] == pytest.approx(max(within, between), rel=1e-9)
     assert x["verdict"] == "reproduced" and x["deployed_format"] is True and x["fake_quant"] == "rtn4"
     assert x["d_ce_fp"] == pytest.approx(0.004, abs=1e-12) and x["forward_backward_per_step"] == 1
+    # the quantization error alone: the CE(q) shift without the FP's, paired window by window (no noise in it)
+    assert x["d_delta_ce"] == pytest.approx(-0.05 + 0.0005, abs=1e-12)
+    assert x["d_delta_ce"] + x["d_ce_fp"] == pytest.approx(x["effect"], abs=1e-12)
     assert f[("gptq3", QAT)]["deployed_format"] is False
     # the no-decay branch is worse by 0.03 (+ its FP shift -0.01): resolved against the claim
     assert f[("rtn4", NOD)]["effect"] == pytest.approx(0.03 + 0.0005 - 0.01, abs=1e-12)
@@ -86,7 +89,8 @@ def test_the_findings_table_shows_fp_and_cost_beside_the_effect(tmp_path):
     rows, fpw = _rows(shift, {QAT: 0.004, NOD: -0.01}, noise=0.001)
     found, detail = league_findings(rows, ["lg-s0", "lg-s1"], fp_windows=fpw)
     by = {(r["quantizer"], f["branch"]): r["beside"] for r, f in zip(table_rows(found), found)}
-    assert by[("rtn4", QAT)] == "FP +0.0040 ± 0.0000 nats; cost 1 forward/backward per step, rtn4 fake-quantized 1x per step"
+    assert by[("rtn4", QAT)] == ("FP +0.0040 ± 0.0000 nats; Δ CE -0.00950 ± 0.00050; cost 1 forward/backward per step, "
+                                 "rtn4 fake-quantized 1x per step")
     assert by[("gptq3", SAM)].startswith("FP +0.0000") and by[("gptq3", SAM)].endswith("cost 2 forward/backward per step")
     assert by[("rtn4", NOD)].startswith("FP -0.0100")
     md = markdown_table(found)

@@ -231,11 +231,15 @@ def summary_lines(a: Answer) -> list[str]:
 # ------------------------------------------------------------------ on the page
 def beside_text(f: Mapping) -> str:
     """What a comparison of trained weights carries beside its effect (the league, the warmdown grid): the same
-    pair's FP CE difference and what one step of the intervention costs beside the baseline's ('' for others)."""
+    pair's FP CE difference, the quantization error's own (Δ CE) difference where the family gives it, and what one
+    step of the intervention costs beside the baseline's ('' for others)."""
     parts = []
     if f.get("d_ce_fp") is not None:
         se = f.get("d_ce_fp_se")
         parts.append(f"FP {f['d_ce_fp']:+.4f}" + (f" ± {se:.4f}" if se is not None else "") + " nats")
+    if f.get("d_delta_ce") is not None:  # what is left is the quantization error's own difference
+        se = f.get("d_delta_ce_se")
+        parts.append(f"Δ CE {f['d_delta_ce']:+.5f}" + (f" ± {se:.5f}" if se is not None else ""))
     fb, fq = f.get("forward_backward_per_step"), f.get("fake_quant")
     if fb is not None:
         cost = f"{fb} forward/backward per step"
