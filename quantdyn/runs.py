@@ -325,6 +325,31 @@ def in_checkpoints(ckpt: Path) -> Path | None:
     return run if ckpt.parent.name == CHECKPOINTS and RunDir(run).is_run else None
 
 
+def previous_checkpoint(ckpt: Path) -> Path | None:
+    """The checkpoint the training reached ``ckpt`` from: the run's own checkpoint just before it (a step below
+    its own), else, for a branch's first checkpoint, the branch point (the parent run's checkpoint at the branch's
+    ``parent.from_step``). An averaged checkpoint (``RUN/averages/NAME/step-N``) counts as the run's at step N.
+    None for a run's first checkpoint and for a checkpoint outside any run directory (the early warning's
+    predecessor, analysis ``curvature``)."""
+    ckpt = Path(ckpt)
+    run = in_checkpoints(ckpt)
+    if run is None and ckpt.parent.parent.name == AVERAGES and RunDir(ckpt.parent.parent.parent).is_run:
+        run = ckpt.parent.parent.parent
+    if run is None:
+        return None
+    step = checkpoint_info(ckpt).step
+    before = [c for c in list_checkpoints(run) if c.step < step]
+    if before:
+        return before[-1].path
+    if run.parent.name != BRANCHES:
+        return None
+    parent = (RunDir(run).read_info().get("parent") or {})
+    if parent.get("from_step") is None:
+        return None
+    start = RunDir(run.parent.parent).checkpoint(int(parent["from_step"]))
+    return start if has_weights(start) else None
+
+
 def _stale(directory: Path) -> list[Path]:
     if not directory.is_dir():
         return []

@@ -12,7 +12,8 @@ from quantdyn.cli.app import command, echo_json
 @command()
 def analyze(
     checkpoints: List[str] = typer.Argument(..., help="Checkpoint directories or run directories."),
-    metrics: str = typer.Option("hessian,outliers,propagation", "--metrics", help="Comma-separated analyses."),
+    metrics: str = typer.Option("hessian,outliers,propagation", "--metrics",
+                                help="Comma-separated analyses: hessian, outliers, propagation, curvature (the early warning)."),
     quantizers: str = opt.quantizers("gptq3,rtn4", "Used by the propagation analysis."),
     store: str = opt.store("results"),
     windows: int = typer.Option(8, "--windows", help="Windows per analysis (held-out / calibration)."),
@@ -36,7 +37,8 @@ def analyze(
         echo_json(rows)
         return
     for r in rows:
-        vals = {k: v for k, v in r.items() if k.startswith(("hessian_", "weight_", "act_", "prop_")) and v is not None
+        vals = {k: v for k, v in r.items() if v is not None
+                and k.startswith(("hessian_", "weight_", "act_", "prop_", "curvature_", "update_"))
                 and k != "weight_decay"}
         shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in list(vals.items())[:8])
         typer.echo(f"{r['checkpoint']} [{r['analysis']}] {shown}")

@@ -237,6 +237,15 @@ register_family(FindingFamily(
         draw=lambda found, detail, out: _figures().predictors(found, out))))
 
 register_family(FindingFamily(
+    name="early_warning", about="issue 48.5, the curvature along the update (the monitor's early warning) against "
+                                "Δ CE, beside the Hessian trace and R_L",
+    needs="sweep.analysis with curvature",
+    in_spec=lambda spec: "curvature" in spec.sweep.analysis,
+    in_rows=lambda rows: any(r.get("analysis") == "curvature" and r.get(fd.WARNING_METRIC) is not None
+                             for r in ANALYSIS.select(rows)),
+    compute=lambda i: fd.early_warning_findings(i.rows, i.runs, i.spec.quantizers, i.correlate)))
+
+register_family(FindingFamily(
     name="rotations", about="issue 37, the LR-decay effect with a rotation before quantizing minus without it",
     needs="cooldowns with control: true and sweep.quantizers with a rotated quantizer beside its plain twin "
           "(rtn4 and rtn4+had)",

@@ -673,6 +673,52 @@ def predictor_findings(rows: list[dict], runs: Sequence[str], quantizers: Sequen
     return out, {"predictors": detail}
 
 
+# ------------------------------------------------------------------ issue 48.5: the early warning as a predictor
+EARLY_WARNING_CLAIM = "Early warning: the curvature along the update predicts the PTQ error"
+WARNING_METRIC = "curvature_along_update"
+
+
+def early_warning_findings(rows: list[dict], runs: Sequence[str], quantizers: Sequence[str] = (),
+                           cfg: CorrelateConfig = CorrelateConfig()):
+    """The early warning (analysis ``curvature``: what ``monitor.warning_every`` logs, after the fact on stored
+    checkpoints) against Δ CE over every checkpoint of the runs that has it (main and branches; identical weights
+    once, by checkpoint hash), per quantizer: Spearman ρ with its bootstrap interval (claim: positive) and, beside
+    it over the same checkpoints where the study computed them, the Hessian trace and R_L (paper B's propagated
+    error, for this quantizer) — the predictors quantdyn already had. Checkpoints of one run are not independent
+    draws: read the intervals as optimistic."""
+    cv, hs, pr = _analysis(rows, "curvature"), _analysis(rows, "hessian"), _analysis(rows, "propagation")
+    labels = {WARNING_METRIC: "curvature along the update", "hessian_trace": "Hessian trace",
+              PROPAGATION_METRIC: "R_L (propagated error)"}
+    out: list[dict] = []
+    detail: list[dict] = []
+    for q in quantizers_of(rows, quantizers):
+        pts, seen = [], set()
+        for run in runs:
+            for r in _ptq(rows, run=run, quantizer=q):
+                k = (run, r.get("branch"), r.get("step"))
+                c = number((cv.get(k) or {}).get(WARNING_METRIC))
+                h = r.get("checkpoint_hash")
+                if c is None or (h is not None and h in seen):
+                    continue
+                seen.add(h)
+                pts.append({"quantizer": q, "run": run, "branch": r.get("branch"), "step": r.get("step"),
+                            "delta_ce": r["delta_ce"], "delta_ce_se": total_se(r), WARNING_METRIC: c,
+                            "hessian_trace": number((hs.get(k) or {}).get("hessian_trace")),
+                            PROPAGATION_METRIC: number((pr.get(k) or {}).get(f"{PROPAGATION_METRIC}__{q}"))})
+        detail += pts
+        for m in (WARNING_METRIC, "hessian_trace", PROPAGATION_METRIC):
+            table = [{"delta_ce": p["delta_ce"], m: p[m]} for p in pts if p[m] is not None]
+            if len(table) < cfg.min_rows:
+                continue
+            c = correlate(table, "delta_ce", [m], cfg)[0]
+            beside = "" if m == WARNING_METRIC else "beside it: "
+            out.append(correlation_row(
+                EARLY_WARNING_CLAIM, "early_warning", q,
+                f"{beside}Spearman({labels[m]}, Δ CE) over {c['n']} checkpoints with the warning", "Spearman ρ",
+                c["spearman"], c["spearman_lo"], c["spearman_hi"], c["n"], +1, "findings.png", predictor=m))
+    return out, {"early_warning": detail}
+
+
 # ------------------------------------------------------------------ formatting
 def _g(v: float, signed: bool = False) -> str:
     """A number with 4 decimals, or 2 significant digits in scientific notation when it is small."""
