@@ -266,7 +266,7 @@ QAT_FIELDS = _table("""
     a_bits  int  Activation bits of the deployed QAT model (0: full-precision activations).
 """)
 ANALYSIS_FIELDS = _table("""
-    analysis                     str           Which analysis: hessian, outliers or propagation.
+    analysis                     str           Which analysis: hessian, outliers, propagation or curvature.
     hessian_trace                float         Hutchinson estimate of the trace of the Hessian of the held-out loss.
     hessian_trace_se             float         SE of hessian_trace over the Hutchinson probes.
     hessian_trace_probes         int           Probes used.
@@ -282,6 +282,12 @@ ANALYSIS_FIELDS = _table("""
                                                block.
     prop_gain_mean__<quantizer>  float | None  Mean per-block gain of the propagated error.
     prop_B_sum__<quantizer>      float         New error introduced per block, summed over blocks.
+    curvature_along_update       float | None  The early warning: curvature u^T H u of the held-out loss along the
+                                               update from the checkpoint's predecessor, u its unit direction
+                                               (None: it has none).
+    curvature_from               str           The predecessor checkpoint (the run's previous one, a branch's branch
+                                               point), or why there is none.
+    update_norm                  float | None  |w - w_prev|, the norm of that update.
 """)
 ACCURACY_FIELDS = _table("""
     task             str               lm-eval task (or a built-in generated task).
@@ -444,7 +450,7 @@ QAT = ROW_KINDS.add("qat", RowKind(
     "sweep/sweep.py", "row_key(checkpoint, 'qat:<config hash>', eval_hash)",
     _names(*_MEASURED, QUANTIZER_FIELDS, ERRORS_FIELDS, QAT_FIELDS)))
 ANALYSIS = ROW_KINDS.add("analysis", RowKind(
-    "analysis", "One analysis of one checkpoint: Hessian, outlier or propagation metrics.",
+    "analysis", "One analysis of one checkpoint: Hessian, outlier, propagation or curvature-along-the-update metrics.",
     "sweep/sweep.py (sweep/analysis_rows.py)",
     "row_key(checkpoint, 'analysis:<name>:<budget hash>[:<quantizers hash>]', eval_hash)",
     _names(*_MEASURED, ANALYSIS_FIELDS)))
