@@ -326,26 +326,29 @@ def in_checkpoints(ckpt: Path) -> Path | None:
     return run if ckpt.parent.name == CHECKPOINTS and RunDir(run).is_run else None
 
 
-def previous_checkpoint(ckpt: Path) -> tuple[Path | None, str]:
-    """The checkpoint ``ckpt`` was trained from, as (its directory, '') or (None, why there is none): the run's
-    previous checkpoint; for a branch's first checkpoint after its branch point, the branch point (the parent run's
-    checkpoint at the branch's ``from_step``); for a branch's own copy of its branch point (a checkpoint at
-    ``from_step``), the branch point's own predecessor (the same weights, the same update). None for the first
-    checkpoint of a run, and for a checkpoint outside a run's ``checkpoints/`` (an average, a loose directory)."""
+def predecessor(ckpt: Path) -> tuple[Path | None, str]:
+    """The checkpoint the training reached ``ckpt`` from, as (its directory, '') or (None, why there is none): the
+    run's own checkpoint just before it (a step below its own); for a branch's first checkpoint after its branch
+    point, the branch point (the parent run's checkpoint at the branch's ``parent.from_step``); for a branch's own
+    copy of its branch point (a checkpoint at ``from_step``), the branch point's own predecessor (the same weights,
+    the same update). An averaged checkpoint (``RUN/averages/NAME/step-N``) counts as the run's at step N. None for
+    a run's first checkpoint and for a checkpoint outside any run directory (the early warning's predecessor,
+    analysis ``curvature``)."""
     ckpt = Path(ckpt)
     run = in_checkpoints(ckpt)
+    if run is None and ckpt.parent.parent.name == AVERAGES and RunDir(ckpt.parent.parent.parent).is_run:
+        run = ckpt.parent.parent.parent
     if run is None:
-        return None, "not a checkpoint in a run's checkpoints/ (an average or a loose directory)"
+        return None, "a checkpoint outside any run directory"
     step = checkpoint_info(ckpt).step
-    rd = RunDir(run)
     earlier = [c for c in list_checkpoints(run) if c.step < step]
-    link = rd.read_info().get("parent") or {}
-    if not link:
+    link = RunDir(run).read_info().get("parent") or {}
+    if run.parent.name != BRANCHES or link.get("from_step") is None:
         return (earlier[-1].path, "") if earlier else (None, "the first checkpoint of its run")
-    from_step = int(link.get("from_step", 0))
+    from_step = int(link["from_step"])
     point = RunDir(os.path.normpath(run / link.get("run_dir", BRANCH_PARENT))).checkpoint(from_step)
     if step <= from_step:
-        return previous_checkpoint(point) if step == from_step and has_weights(point) else \
+        return predecessor(point) if step == from_step and has_weights(point) else \
             (None, f"at or before its branch point (step {from_step})")
     earlier = [c for c in earlier if c.step > from_step]
     if earlier:
@@ -353,6 +356,11 @@ def previous_checkpoint(ckpt: Path) -> tuple[Path | None, str]:
     if not has_weights(point):
         return None, f"its branch point '{point}' has no checkpoint"
     return point, ""
+
+
+def previous_checkpoint(ckpt: Path) -> Path | None:
+    """The checkpoint the training reached ``ckpt`` from, or None (:func:`predecessor` says why)."""
+    return predecessor(ckpt)[0]
 
 
 def _stale(directory: Path) -> list[Path]:

@@ -19,15 +19,17 @@ def test_sweep_with_analysis_and_predictor_report(tmp_path, kjv_small):
     store = tmp_path / "store"
     cfg = from_dict(SweepConfig, {
         "trajectory": {"run": str(run)}, "quantizers": ["rtn2"], "store": str(store),
-        "analysis": ["hessian", "outliers", "propagation"],
+        "analysis": ["hessian", "outliers", "propagation", "curvature"],
         "analysis_budget": {"windows": 4, "hessian_probes": 6, "hessian_eig_iters": 10},
         "data": {"calib_samples": 4, "calib_seq_len": 32, "eval_windows": 8, "eval_seq_len": 32},
     })
     out = run_sweep(cfg, progress=False)
-    assert out["written"] == 4 * (2 + 3)
+    assert out["written"] == 4 * (2 + 4)
     rows = ResultStore(store).rows()
     an = {(r["step"], r["analysis"]): r for r in rows if r["kind"] == "analysis"}
-    assert len(an) == 12
+    assert len(an) == 16
+    assert an[(4, "curvature")]["curvature_along_update"] is None  # the run's first checkpoint
+    assert an[(16, "curvature")]["curvature_from"].endswith("step-0000012") and an[(16, "curvature")]["update_norm"] > 0
     h = an[(16, "hessian")]
     assert h["hessian_trace"] > 0 and h["hessian_trace_se"] > 0 and h["hessian_top_eig"] > 0
     assert an[(16, "outliers")]["weight_mmr_max"] >= an[(16, "outliers")]["weight_mmr_mean"] >= 1
@@ -42,7 +44,8 @@ def test_sweep_with_analysis_and_predictor_report(tmp_path, kjv_small):
 
     corr = predictor_rows(rows, n_boot=50)
     metrics = {c["metric"] for c in corr}
-    assert {"hessian_trace", "prop_R_final", "weight_mmr_mean"} <= metrics
+    assert {"hessian_trace", "prop_R_final", "weight_mmr_mean", "curvature_along_update"} <= metrics
+    assert not {"curvature_from", "update_norm"} & metrics
     page = write_page(store, tmp_path / "rep")
     assert (tmp_path / "rep" / "predictors.png").is_file() and "predict" in page.read_text()
 

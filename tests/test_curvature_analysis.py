@@ -14,7 +14,7 @@ from conftest import tiny_run_dict
 from quantdyn.analysis.hessian import curvature_along, next_token_loss
 from quantdyn.config import from_dict
 from quantdyn.models.hf_io import load_causal_lm
-from quantdyn.runs import RunDir, previous_checkpoint
+from quantdyn.runs import RunDir, predecessor, previous_checkpoint
 from quantdyn.train.branches import cooldown
 from quantdyn.train.config import RunConfig
 from quantdyn.train.trainer import train
@@ -48,12 +48,12 @@ def test_predecessors_from_the_run_layout(run_with_branch):
     run = run_with_branch
     main4, main8 = RunDir(run).checkpoint(4), RunDir(run).checkpoint(8)
     cool8 = RunDir(run).branch("cooldown-s4-d4-linear").checkpoint(8)
-    assert previous_checkpoint(main8) == (main8.parent / "step-0000004", "")
-    assert previous_checkpoint(cool8) == (run / "checkpoints" / "step-0000004", "")  # the branch point
-    prev, why = previous_checkpoint(main4)
+    assert predecessor(main8) == (main8.parent / "step-0000004", "")
+    assert previous_checkpoint(cool8) == run / "checkpoints" / "step-0000004"  # the branch point
+    prev, why = predecessor(main4)
     assert prev is None and "first checkpoint" in why
-    prev, why = previous_checkpoint(run)  # not a checkpoint in a run's checkpoints/
-    assert prev is None and "average or a loose directory" in why
+    prev, why = predecessor(run)  # not a checkpoint of a run
+    assert prev is None and "outside any run directory" in why
 
 
 def _layout(root, steps, parent=None):
@@ -75,17 +75,17 @@ def test_a_branch_copy_of_its_branch_point_and_a_missing_branch_point(tmp_path):
     exp = _layout(tmp_path / "exp", [0])
     link = {"run_dir": "../..", "from_step": 0, "kind": "cooldown"}
     br = _layout(exp.branches / "cooldown-s0-d8-linear", [0, 4, 8], link)
-    assert previous_checkpoint(br.checkpoint(8)) == (br.checkpoint(4), "")
-    assert previous_checkpoint(br.checkpoint(4)) == (exp.checkpoint(0), "")
-    prev, why = previous_checkpoint(br.checkpoint(0))
+    assert predecessor(br.checkpoint(8)) == (br.checkpoint(4), "")
+    assert predecessor(br.checkpoint(4)) == (exp.checkpoint(0), "")
+    prev, why = predecessor(br.checkpoint(0))
     assert prev is None and "first checkpoint" in why
     gone = _layout(exp.branches / "control-s4-d4", [8], {**link, "from_step": 4})
-    prev, why = previous_checkpoint(gone.checkpoint(8))
+    prev, why = predecessor(gone.checkpoint(8))
     assert prev is None and "branch point" in why and "step-0000004" in why
-    avg = exp.average("ema-0.9", 0)
+    avg = exp.average("ema-0.9", 0)  # an average counts as the run's checkpoint at its step: here the first
     avg.mkdir(parents=True)
     (avg / "model.safetensors").write_bytes(b"")
-    assert previous_checkpoint(avg)[0] is None
+    assert previous_checkpoint(avg) is None
 
 
 def test_analyze_curvature_equals_curvature_along_the_update(run_with_branch, kjv_small, cli, tmp_path):
@@ -102,8 +102,8 @@ def test_analyze_curvature_equals_curvature_along_the_update(run_with_branch, kj
     assert all(x["analysis"] == "curvature" and x["git_sha"] is not None and x["checkpoint_hash"]
                for x in rows.values())
     first = rows[("main", 4)]
-    assert first["curvature_along_update"] is None and first["curvature_from"] is None
-    assert "first checkpoint" in first["curvature_note"]
+    assert first["curvature_along_update"] is None and first["curvature_from_step"] is None
+    assert first["curvature_from"] == "no predecessor (the first checkpoint of its run)"
     ids = kjv_small[1].eval_windows(32, 8)[:2]
     main4 = RunDir(run).checkpoint(4)
     for key, ckpt in ((("main", 8), RunDir(run).checkpoint(8)),
@@ -111,7 +111,7 @@ def test_analyze_curvature_equals_curvature_along_the_update(run_with_branch, kj
         row = rows[key]
         k, norm, bound = _direct(ckpt, main4, ids)
         assert row["curvature_from"] == str(main4) and row["curvature_from_step"] == 4, key
-        assert row["curvature_windows"] == 2 and row["curvature_note"] is None
+        assert row["curvature_windows"] == 2 and row["curvature_from_hash"]
         assert abs(row["curvature_along_update"] - k) <= bound, (key, row["curvature_along_update"], k, bound)
         assert row["update_norm"] == pytest.approx(norm, rel=1e-9)
     # the two updates differ (the cooldown's LR decays): a predecessor mix-up would show here
@@ -175,8 +175,9 @@ def test_the_family_correlates_the_curvature_with_delta_ce_beside_the_trace_and_
     # main 200..500, control 500, cooldown 400 and 500: 7 checkpoints (main 100 has no predecessor, the control's
     # 400 is main 400 counted once)
     assert (k["n"], tr["n"], rl["n"]) == (7, 7, 3)
-    assert k["effect"] == pytest.approx(1.0, abs=1e-12) and k["verdict"] == "reproduced" and not k["beside"]
-    assert tr["effect"] == pytest.approx(-1.0, abs=1e-12) and tr["verdict"] == "opposite" and tr["beside"]
+    assert k["effect"] == pytest.approx(1.0, abs=1e-12) and k["verdict"] == "reproduced"
+    assert tr["effect"] == pytest.approx(-1.0, abs=1e-12) and tr["verdict"] == "opposite"
+    assert not k["comparison"].startswith("beside") and tr["comparison"].startswith("beside it: ")
     # R_L at main 200, 400, 500: Δ CE 0.12 < 0.16 < 0.18 against R_L 0.7, 0.6, 0.9: ranks (2, 1, 3) vs (1, 2, 3)
     assert rl["effect"] == pytest.approx(0.5, abs=1e-12)
     assert all(f["family"] == "early_warning" and f["quantizer"] == "rtn4" for f in corr.values())

@@ -165,3 +165,77 @@ def test_one_monitor_over_two_branches_never_spans_them():
             if out:
                 logged[(branch, step)] = out[WARN_CURVATURE]
     assert sorted(logged) == [("a", 14), ("a", 16), ("b", 14), ("b", 16)]
+
+
+def test_the_curvature_analysis_measures_the_update_from_each_checkpoints_predecessor(tmp_path, kjv_small):
+    """analysis `curvature` (quantdyn analyze --metrics curvature, sweep.analysis): a main checkpoint's update is
+    from the run's previous checkpoint, a branch's first checkpoint's from its branch point, an average's from
+    the run's checkpoint before its step; the value is curvature_along on that difference; a run's first
+    checkpoint has none and says so."""
+    from conftest import tiny_run_dict
+    from quantdyn.config import from_dict
+    from quantdyn.models.hf_io import load_causal_lm
+    from quantdyn.runs import RunDir, previous_checkpoint
+    from quantdyn.sweep.analysis_rows import AnalysisConfig, analysis_rows
+    from quantdyn.train.branches import cooldown
+    from quantdyn.train.config import RunConfig
+    from quantdyn.train.trainer import train
+
+    d = tiny_run_dict(tmp_path, kjv_small[0], steps=8, checkpoint_every=4)
+    d["schedule"] = {"name": "constant", "warmup": 1}
+    run = train(from_dict(RunConfig, d), progress=False)
+    cooldown(run, 4, [4], "linear", progress=False)
+    rd = RunDir(run)
+    branch = rd.branch("cooldown-s4-d4-linear")
+    main4, main8, end = rd.checkpoint(4), rd.checkpoint(8), branch.checkpoint(8)
+    assert previous_checkpoint(main4) is None and previous_checkpoint(main8) == main4
+    assert previous_checkpoint(end) == main4  # the branch point
+    avg = rd.average("lawa-k2-p4", 8)
+    avg.mkdir(parents=True)
+    assert previous_checkpoint(avg) == main4 and previous_checkpoint(tmp_path) is None
+
+    ev = torch.as_tensor(windows(8, 33, 7)).long()
+    cfg = AnalysisConfig(windows=6)
+    for ckpt, prev in ((main8, main4), (end, main4)):
+        row = analysis_rows("curvature", ckpt, None, None, ev, {}, cfg)
+        model, before = load_causal_lm(ckpt).eval(), load_causal_lm(prev)
+        params = list(model.parameters())
+        diff = [p.detach() - q.detach() for p, q in zip(params, before.parameters())]
+        with torch.no_grad():
+            ref = curvature_along(lambda: next_token_loss(model, ev[:6]), params, diff)["curvature"]
+        assert row["curvature_along_update"] == pytest.approx(ref, rel=1e-6), ckpt
+        assert row["curvature_from"] == str(prev) and row["update_norm"] > 0
+    first = analysis_rows("curvature", main4, None, None, ev, {}, cfg)
+    assert first["curvature_along_update"] is None and "no predecessor" in first["curvature_from"]
+
+
+def test_the_early_warning_family_ranks_checkpoints_beside_trace_and_rl():
+    """findings.early_warning_findings on hand-made rows: the curvature rises with Δ CE (ρ = +1, resolved), the
+    Hessian trace runs against it (ρ = −1) and R_L is beside it for this quantizer only; identical weights (one
+    checkpoint hash under two names) count once; checkpoints without the warning are left out."""
+    from quantdyn.studies.families import FINDING_FAMILIES, families_in
+    from quantdyn.studies.findings import early_warning_findings
+
+    rows = []
+    for i, (branch, step) in enumerate([("main", 2), ("main", 4), ("main", 6), ("cooldown-s4-d2-linear", 6),
+                                        ("control-s4-d2", 6)]):
+        h = "same" if branch == "control-s4-d2" else f"h{i}"  # the control equals main@6 here
+        dce = 0.01 * (i + 1)
+        rows.append({"kind": "ptq", "run": "r", "branch": branch, "step": step, "quantizer": "rtn4",
+                     "checkpoint_hash": h if branch != "main" or step != 6 else "same", "delta_ce": dce,
+                     "delta_ce_se": 0.001, "ce_fp": 3.0})
+        rows.append({"kind": "analysis", "analysis": "curvature", "run": "r", "branch": branch, "step": step,
+                     "curvature_along_update": None if step == 2 else 0.1 * (i + 1)})
+        rows.append({"kind": "analysis", "analysis": "hessian", "run": "r", "branch": branch, "step": step,
+                     "hessian_trace": 10.0 - i})
+        rows.append({"kind": "analysis", "analysis": "propagation", "run": "r", "branch": branch, "step": step,
+                     "prop_R_final__rtn4": 0.5 + 0.1 * i, "prop_R_final__gptq3": 0.0})
+    assert "early_warning" in families_in(rows)
+    found, detail = early_warning_findings(rows, ["r"])
+    assert [p["step"] for p in detail["early_warning"]] == [4, 6, 6]  # step 2 has no warning, the control is main@6
+    by = {f["predictor"]: f for f in found}
+    assert by["curvature_along_update"]["effect"] == pytest.approx(1.0)
+    assert by["curvature_along_update"]["verdict"] == "reproduced" and by["curvature_along_update"]["n"] == 3
+    assert by["hessian_trace"]["effect"] == pytest.approx(-1.0)
+    assert by["prop_R_final"]["effect"] == pytest.approx(1.0)
+    assert FINDING_FAMILIES.get("early_warning").compute is not None

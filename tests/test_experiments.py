@@ -120,7 +120,8 @@ def test_every_shipped_study_config_is_valid_at_every_scale():
 def test_scale_keeps_the_study_shape():
     spec = {"run": {"model": {"n_layer": 4, "d_model": 128, "tie_embeddings": True},
                     "schedule": {"name": "wsd", "warmup": 40, "decay": 0.2},
-                    "train": {"steps": 800, "checkpoint_every": 80, "eval_every": 80}},
+                    "train": {"steps": 800, "checkpoint_every": 80, "eval_every": 80},
+                    "monitor": {"every": 40, "warning_every": 20}},
             "cooldowns": {"from_steps": [400, 800], "decay_steps": 200},
             "averaging": {"lawa": [{"window": 4, "every": 160}], "at_step": 800}}
     out = apply_scale(spec, "pythia-160m")
@@ -128,6 +129,7 @@ def test_scale_keeps_the_study_shape():
     assert out["run"]["model"] == {"tie_embeddings": True, "preset": "pythia-160m", "max_seq_len": 2048}
     assert out["run"]["train"]["steps"] == 8000 and out["run"]["train"]["checkpoint_every"] == 800
     assert out["run"]["schedule"] == {"name": "wsd", "warmup": 400, "decay": 0.2}  # a fraction stays
+    assert out["run"]["monitor"] == {"every": 400, "warning_every": 200}  # the early warning scales with the run
     assert out["cooldowns"] == {"from_steps": [4000, 8000], "decay_steps": 2000}
     assert out["averaging"]["lawa"] == [{"window": 4, "every": 1600}] and out["averaging"]["at_step"] == 8000
     assert out["sweep"]["data"]["calib_samples"] == 1024 and out["run"]["data"]["tokenizer"].startswith("Eleuther")

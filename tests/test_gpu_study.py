@@ -33,6 +33,22 @@ def test_gpu_study_file_is_the_sized_recipe():
     assert steps_per_seed * t.batch_size * t.seq_len == 3600 * 32768  # 118 M tokens per seed
 
 
+def test_the_gpu_league_file_is_the_sized_recipe():
+    """configs/studies/interventions_gpu.yaml: the numbers its sizing comment is computed from, and the league's
+    own checks (one branch point per seed, formats with a training path) pass before any work."""
+    s = load_study_spec(ROOT / "configs" / "studies" / "interventions_gpu.yaml")
+    t, cd = s.run.train, s.cooldowns
+    assert s.run.model.preset == "pythia-70m" and s.run.data.tokenizer == "gpt2"
+    assert s.run.data.source == load_study_spec(STUDY).run.data.source  # the corpus of the first GPU study
+    assert (t.steps, t.batch_size, t.seq_len, t.checkpoint_every) == (1200, 32, 1024, 400)
+    assert cd.from_steps == (1200,) and cd.decay_steps == 300 and cd.control
+    assert set(cd.interventions) == {"qat.format=rtn4", "qat.format=nvfp4", "optim.sam_rho=0.05"}
+    assert cd.nodecay == ("ema-0.99",) and list(s.seeds) == [0, 1]
+    assert s.finding_families == ("decay", "interventions") and s.run.monitor.warning_every == 50
+    step_equivalents = t.steps + cd.decay_steps * (1 + 1 + 1.07 + 1.13 + 2 + 1)
+    assert round(step_equivalents) == 3360  # the comment's figure; ~67 ms per step on the H100 of 2026-11-24
+
+
 @pytest.mark.e2e
 def test_gpu_study_stops_on_sigterm_and_the_same_command_resumes_it(tmp_path):
     # the file at cpu-tiny, shortened further: 16 main steps (a checkpoint every 8), 4-step branches, and a BPE of

@@ -65,6 +65,9 @@ def test_league_by_hand():
     assert x["se"] == pytest.approx(max(within, between), rel=1e-9)
     assert x["verdict"] == "reproduced" and x["deployed_format"] is True and x["fake_quant"] == "rtn4"
     assert x["d_ce_fp"] == pytest.approx(0.004, abs=1e-12) and x["forward_backward_per_step"] == 1
+    # the quantization error alone: the CE(q) shift without the FP's, paired window by window (no noise in it)
+    assert x["d_delta_ce"] == pytest.approx(-0.05 + 0.0005, abs=1e-12)
+    assert x["d_delta_ce"] + x["d_ce_fp"] == pytest.approx(x["effect"], abs=1e-12)
     assert f[("gptq3", QAT)]["deployed_format"] is False
     # the no-decay branch is worse by 0.03 (+ its FP shift -0.01): resolved against the claim
     assert f[("rtn4", NOD)]["effect"] == pytest.approx(0.03 + 0.0005 - 0.01, abs=1e-12)
@@ -75,6 +78,26 @@ def test_league_by_hand():
     # sorted by the deployed quantity within each quantizer (quantizers most bits first)
     assert [x["branch"] for x in found if x["quantizer"] == "rtn4"] == [QAT, SAM, NOD]
     assert [x["quantizer"] for x in found] == ["rtn4"] * 3 + ["gptq3"] * 3
+
+
+def test_the_findings_table_shows_fp_and_cost_beside_the_effect(tmp_path):
+    """The league's lines in findings.html / findings.csv / the Markdown table carry the pair's FP difference and
+    the step's cost beside the quantized effect (the issue's 'FP CE beside it; cost beside that')."""
+    from quantdyn.studies.section import Answer, lead_sections, markdown_table, table_rows
+
+    shift = {(b, q): -0.01 for b in (QAT, SAM, NOD) for q in ("rtn4", "gptq3")}
+    rows, fpw = _rows(shift, {QAT: 0.004, NOD: -0.01}, noise=0.001)
+    found, detail = league_findings(rows, ["lg-s0", "lg-s1"], fp_windows=fpw)
+    by = {(r["quantizer"], f["branch"]): r["beside"] for r, f in zip(table_rows(found), found)}
+    assert by[("rtn4", QAT)] == ("FP +0.0040 ± 0.0000 nats; Δ CE -0.00950 ± 0.00050; cost 1 forward/backward per step, "
+                                 "rtn4 fake-quantized 1x per step")
+    assert by[("gptq3", SAM)].startswith("FP +0.0000") and by[("gptq3", SAM)].endswith("cost 2 forward/backward per step")
+    assert by[("rtn4", NOD)].startswith("FP -0.0100")
+    md = markdown_table(found)
+    assert md.splitlines()[0].split(" | ")[6] == "beside" and "cost 2 forward/backward per step" in md
+    lead_sections(Answer(found=found, details=detail, decay=[], across=[], z=2.0, repeats={1: len(rows)}), tmp_path)
+    page = (tmp_path / "findings.html").read_text()
+    assert "<th>beside</th>" in page and "rtn4 fake-quantized 1x per step" in page
 
 
 def test_branches_from_two_checkpoints_of_one_run_are_one_line():

@@ -235,6 +235,13 @@ def test_ship_end_to_end_kill_resume_and_nothing_measured_twice(tmp_path, kjv_sm
     second = json.loads(again.stdout)
     assert (second["artifact"]["name"], second["quantizer"], second["ce_q"]) == (
         shipped["artifact"]["name"], shipped["quantizer"], shipped["ce_q"])
+    # into a fresh --out: the export is written again, and identical weights give the same digest (the export's
+    # provenance file, with its time of writing, is not part of it)
+    third = subprocess.run(_ship_cmd(run, tmp_path / "ship2", store), capture_output=True, text=True, env=env,
+                           timeout=900)
+    assert third.returncode == 0, third.stderr[-3000:]
+    again_export = json.loads(third.stdout)["export"]
+    assert again_export["path"] != shipped["export"]["path"] and again_export["sha256"] == shipped["export"]["sha256"]
 
 
 # ------------------------------------------------------------------ the demo ends with the decision (issue 46.6)

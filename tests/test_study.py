@@ -151,3 +151,28 @@ def test_demo_and_study_commands_run_the_pipeline(tmp_path, monkeypatch):
     r = runner.invoke(app, ["study", str(p), "data.source=other.txt", "sweep.quant_repeats=3", "seeds=[4]", "--quiet"])
     assert r.exit_code == 0, r.output
     assert seen[-1].run.data.source == "other.txt" and seen[-1].sweep.quant_repeats == 3 and seen[-1].seeds == (4,)
+
+
+def test_a_studys_monitor_section_reaches_the_run_and_every_branch(tmp_path, kjv_small):
+    """A study's run with monitor.warning_every: the main run and each cooldown branch and control log the early
+    warning (the study once trained without hooks: the section was silently ignored); each branch's first
+    warning step only keeps its weights, so no update spans two branches."""
+    from quantdyn.config import from_dict
+    from quantdyn.studies import pipeline
+    from quantdyn.studies.spec import spec_from_dict
+    from quantdyn.train.checkpoint import read_metrics
+    from quantdyn.train.config import RunConfig
+
+    d = _spec(tmp_path, kjv_small[0])
+    d["run"]["monitor"] = {"warning_every": 2}
+    spec = spec_from_dict(d)
+    run_dir = tmp_path / "runs" / "st"
+    cfg = from_dict(RunConfig, {**d["run"], "name": "st"})
+    assert pipeline._train(cfg, run_dir, False, lambda s: None) is None
+    pipeline._cooldowns(spec, run_dir, "st", False, lambda s: None)
+    key = "warn/curvature_along_update"
+    assert [r["step"] for r in read_metrics(run_dir) if key in r] == [4, 6, 8]
+    branches = sorted(p for p in (run_dir / "branches").iterdir())
+    assert len(branches) == 2
+    for b in branches:  # from step 4 to 8: step 6 keeps the weights, step 8 measures the update 6 -> 8
+        assert [r["step"] for r in read_metrics(b) if key in r] == [8], b.name

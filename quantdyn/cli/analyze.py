@@ -1,5 +1,4 @@
-"""``quantdyn analyze``: Hessian, outlier, error-propagation and curvature-along-the-update metrics of checkpoints
--> result rows."""
+"""``quantdyn analyze``: Hessian, outlier and error-propagation metrics of checkpoints -> result rows."""
 from __future__ import annotations
 
 from typing import List
@@ -14,9 +13,7 @@ from quantdyn.cli.app import command, echo_json
 def analyze(
     checkpoints: List[str] = typer.Argument(..., help="Checkpoint directories or run directories."),
     metrics: str = typer.Option("hessian,outliers,propagation", "--metrics",
-                                help="Comma-separated analyses: hessian, outliers, propagation, curvature (the early "
-                                     "warning: the loss's curvature along the update from each checkpoint's "
-                                     "predecessor, the run's previous checkpoint or the branch point)."),
+                                help="Comma-separated analyses: hessian, outliers, propagation, curvature (the early warning)."),
     quantizers: str = opt.quantizers("gptq3,rtn4", "Used by the propagation analysis."),
     store: str = opt.store("results"),
     windows: int = typer.Option(8, "--windows", help="Windows per analysis (held-out / calibration)."),
@@ -28,9 +25,8 @@ def analyze(
 ):
     """Measure sharpness, outliers and error propagation.
 
-    Hessian trace and top eigenvalue, weight and activation outlier metrics, paper B's error propagation, and
-    the early warning (curvature along the update from the run's previous checkpoint or the branch point); the
-    rows go to the store."""
+    Hessian trace and top eigenvalue, weight and activation outlier metrics, and paper B's error propagation;
+    the rows go to the store."""
     from quantdyn.sweep.analyze import analyze as run_analyze
 
     rows = run_analyze(checkpoints, opt.split_list(metrics), opt.split_quantizers(quantizers),
@@ -41,8 +37,9 @@ def analyze(
         echo_json(rows)
         return
     for r in rows:
-        vals = {k: v for k, v in r.items() if k.startswith(("hessian_", "weight_", "act_", "prop_", "curvature_"))
-                and v is not None and k not in ("weight_decay", "curvature_from", "curvature_from_hash")}
+        vals = {k: v for k, v in r.items() if v is not None
+                and k.startswith(("hessian_", "weight_", "act_", "prop_", "curvature_", "update_"))
+                and k not in ("weight_decay", "curvature_from_hash")}
         shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in list(vals.items())[:8])
         typer.echo(f"{r['checkpoint']} [{r['analysis']}] {shown}")
     typer.echo(f"{len(rows)} analysis rows in {store}")

@@ -18,8 +18,8 @@ from quantdyn.results.schema import ANALYSIS, PTQ
 
 META = {"key", "kind", "analysis", "time", "git_sha", "hardware", "checkpoint", "checkpoint_hash", "run", "branch",
         "ckpt_kind", "eval_hash", "calib_hash", "data_key", "step", "tokens", "lr", "decaying", "peak_lr", "seed",
-        "parent_step", "hessian_seconds", "hessian_trace_probes", "n_layers", "curvature_from_step", "curvature_slope",
-        "curvature_h", "curvature_windows", "curvature_seconds"}
+        "parent_step", "hessian_seconds", "hessian_trace_probes", "n_layers", "curvature_from", "update_norm",
+        "curvature_from_step", "curvature_slope", "curvature_h", "curvature_windows", "curvature_seconds"}
 
 
 def _point(r: dict) -> tuple:

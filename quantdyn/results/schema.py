@@ -283,17 +283,17 @@ ANALYSIS_FIELDS = _table("""
     prop_gain_mean__<quantizer>  float | None  Mean per-block gain of the propagated error.
     prop_B_sum__<quantizer>      float         New error introduced per block, summed over blocks.
     curvature_along_update       float | None  The early warning: curvature u^T H u of the held-out loss along the
-                                               update u from the checkpoint's predecessor (None: it has none).
-    curvature_from               str | None    The predecessor checkpoint (the run's previous one, a branch's
-                                               branch point).
-    curvature_from_step          int | None    Its step.
-    curvature_from_hash          str           Its weights' hash (part of the row's key).
+                                               update from the checkpoint's predecessor, u its unit direction
+                                               (None: it has none).
+    curvature_from               str           The predecessor checkpoint (the run's previous one, a branch's branch
+                                               point), or why there is none.
     update_norm                  float | None  |w - w_prev|, the norm of that update.
+    curvature_from_step          int | None    The predecessor's step.
+    curvature_from_hash          str           The predecessor's weights' hash (part of the row's key).
     curvature_slope              float | None  The loss's first derivative along the update's direction.
     curvature_h                  float | None  The finite-difference step (1e-2 x |w|).
     curvature_windows            int           Held-out windows the three losses are evaluated on.
     curvature_seconds            float | None  Seconds the curvature took (both loads included).
-    curvature_note               str | None    Why curvature_along_update is None (no predecessor, no update).
 """)
 ACCURACY_FIELDS = _table("""
     task             str               lm-eval task (or a built-in generated task).

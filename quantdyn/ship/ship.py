@@ -46,6 +46,7 @@ from quantdyn.engine.rows import calibration_draws, ptq_fields, ptq_what, repeat
 from quantdyn.engine.sensitivity import model_tensors
 from quantdyn.engine.sinks import ExportSink
 from quantdyn.errors import QuantdynError
+from quantdyn.export.writer import PROVENANCE_FILE
 from quantdyn.files import ensure_writable, read_json, write_json_atomic
 from quantdyn.models.adapters import model_type_of
 from quantdyn.progress import progress as counted
@@ -401,8 +402,11 @@ def ship(cfg: ShipConfig | str | Sequence[str], budget: float | None = None, out
 
 
 def _sha256(path: Path) -> str:
+    """The sha256 of what a server reads: the file, or every file of the directory by relative path, but the
+    export's provenance (quantdyn_export.json: when it was written, in how many seconds, at which git commit), so
+    identical weights quantized the same way give the same digest in every run."""
     h = hashlib.sha256()
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file() and p.name != PROVENANCE_FILE)
     for f in files:
         if path.is_dir():
             h.update(str(f.relative_to(path)).encode() + b"\0")

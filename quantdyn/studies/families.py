@@ -242,9 +242,9 @@ register_family(FindingFamily(
                                 "through each cooldown against its constant-LR control",
     needs="sweep.analysis with curvature",
     in_spec=lambda spec: "curvature" in spec.sweep.analysis,
-    in_rows=lambda rows: any(r.get("analysis") == "curvature" and number(r.get(fd.EARLY_WARNING_METRIC)) is not None
+    in_rows=lambda rows: any(r.get("analysis") == "curvature" and number(r.get(fd.WARNING_METRIC)) is not None
                              for r in ANALYSIS.select(rows)),
-    compute=lambda i: fd.early_warning_findings(i.rows, i.runs, i.spec.quantizers, i.spec.z, i.correlate),
+    compute=lambda i: fd.early_warning_findings(i.rows, i.runs, i.spec.quantizers, i.correlate, i.spec.z),
     figure=FamilyFigure(
         fd.EARLY_WARNING_FIGURE, "Issue 48.5: the curvature along the update as an early warning",
         "Left: Δ CE of the first quantizer against the curvature of the held-out loss along the update from each "

@@ -674,8 +674,8 @@ def predictor_findings(rows: list[dict], runs: Sequence[str], quantizers: Sequen
 
 
 # ------------------------------------------------------------------ issue 48.5: the cheap early warning
-EARLY_WARNING_CLAIM = "48.5 the curvature along the update warns of the quantization error"
-EARLY_WARNING_METRIC = "curvature_along_update"
+EARLY_WARNING_CLAIM = "Early warning: the curvature along the update predicts the PTQ error"
+WARNING_METRIC = "curvature_along_update"
 EARLY_WARNING_FIGURE = "findings_early_warning.png"
 EARLY_WARNING_BESIDE = ("hessian_trace", PROPAGATION_METRIC)
 """Computed beside the early warning over the same checkpoints, where their analysis rows exist."""
@@ -695,7 +695,7 @@ def early_warning_points(rows: list[dict], runs: Sequence[str], quantizer: str) 
         for r in ptq:
             where = (run, r.get("branch"), r.get("step"))
             c = curv.get(where)
-            k = number(c.get(EARLY_WARNING_METRIC)) if c is not None else None
+            k = number(c.get(WARNING_METRIC)) if c is not None else None
             if k is None:
                 continue
             same = (run, r.get("checkpoint_hash"), c.get("curvature_from_hash")) if r.get("checkpoint_hash") else where
@@ -705,15 +705,15 @@ def early_warning_points(rows: list[dict], runs: Sequence[str], quantizer: str) 
             h, prop = hs.get(where) or {}, props.get(where) or {}
             out.append({"quantizer": quantizer, "run": run, "branch": r.get("branch"), "step": r.get("step"),
                         "tokens": r.get("tokens"), "lr": r.get("lr"), "delta_ce": r["delta_ce"],
-                        "delta_ce_se": total_se(r), EARLY_WARNING_METRIC: k,
+                        "delta_ce_se": total_se(r), WARNING_METRIC: k,
                         "update_norm": number(c.get("update_norm")),
                         "curvature_from_step": c.get("curvature_from_step"), "hessian_trace": number(h.get("hessian_trace")),
                         PROPAGATION_METRIC: number(prop.get(f"{PROPAGATION_METRIC}__{quantizer}"))})
     return out
 
 
-def early_warning_findings(rows: list[dict], runs: Sequence[str], quantizers: Sequence[str] = (), z: float = Z,
-                           cfg: CorrelateConfig = CorrelateConfig()):
+def early_warning_findings(rows: list[dict], runs: Sequence[str], quantizers: Sequence[str] = (),
+                           cfg: CorrelateConfig = CorrelateConfig(), z: float = Z):
     """Issue 48.5: does the curvature along the update (three forward passes per checkpoint) predict Δ CE?
 
     Per quantizer, over the checkpoints of ``runs`` that have it (:func:`early_warning_points`): Spearman ρ of the
@@ -725,23 +725,23 @@ def early_warning_findings(rows: list[dict], runs: Sequence[str], quantizers: Se
     its own: with one seed not resolved, as the top eigenvalue)."""
     out: list[dict] = []
     detail: list[dict] = []
-    names = {EARLY_WARNING_METRIC: "curvature along the update", "hessian_trace": "Hessian trace",
+    names = {WARNING_METRIC: "curvature along the update", "hessian_trace": "Hessian trace",
              PROPAGATION_METRIC: "R_L (propagated error)"}
     for q in quantizers_of(rows, quantizers):
         pts = early_warning_points(rows, runs, q)
         detail += pts
         if len(pts) < cfg.min_rows:
             continue
-        metrics = [m for m in (EARLY_WARNING_METRIC, *EARLY_WARNING_BESIDE)
+        metrics = [m for m in (WARNING_METRIC, *EARLY_WARNING_BESIDE)
                    if sum(p.get(m) is not None for p in pts) >= cfg.min_rows]
         cs = {c["metric"]: c for c in correlate(pts, "delta_ce", metrics, cfg)}
         for m in metrics:
             c = cs[m]
+            beside = "" if m == WARNING_METRIC else "beside it: "
             out.append(correlation_row(
                 EARLY_WARNING_CLAIM, "early_warning", q,
-                f"Spearman({names[m]}, Δ CE) over {c['n']} checkpoints with the curvature (main, branches)",
-                "Spearman ρ", c["spearman"], c["spearman_lo"], c["spearman_hi"], c["n"], +1, EARLY_WARNING_FIGURE,
-                predictor=m, beside=m != EARLY_WARNING_METRIC))
+                f"{beside}Spearman({names[m]}, Δ CE) over {c['n']} checkpoints with the warning", "Spearman ρ",
+                c["spearman"], c["spearman_lo"], c["spearman_hi"], c["n"], +1, EARLY_WARNING_FIGURE, predictor=m))
     curv = _analysis(rows, "curvature")
     trajectory: list[dict] = []
     per: dict[tuple, list] = {}
@@ -753,23 +753,24 @@ def early_warning_findings(rows: list[dict], runs: Sequence[str], quantizers: Se
                                               key=lambda kv: kv[0][2] or 0):
                     trajectory.append({"run": run, "cooldown": b, "role": role, "branch": branch, "step": step,
                                        "tokens": c.get("tokens"), "lr": c.get("lr"),
-                                       EARLY_WARNING_METRIC: number(c.get(EARLY_WARNING_METRIC)),
+                                       WARNING_METRIC: number(c.get(WARNING_METRIC)),
                                        "update_norm": number(c.get("update_norm")),
                                        "curvature_from_step": c.get("curvature_from_step")})
-            ends = [v for k, v in curv.items() if k[0] == run and k[1] == b and number(v.get(EARLY_WARNING_METRIC))
+            ends = [v for k, v in curv.items() if k[0] == run and k[1] == b and number(v.get(WARNING_METRIC))
                     is not None]
             ctrls = [v for k, v in curv.items() if k[0] == run and k[1] == ctrl
-                     and number(v.get(EARLY_WARNING_METRIC)) is not None]
+                     and number(v.get(WARNING_METRIC)) is not None]
             end, last = _last(ends), _last(ctrls)
             if end is None or last is None or end.get("tokens") != last.get("tokens"):
                 continue
             per.setdefault((family_of(run), b), []).append(
-                Difference(number(end[EARLY_WARNING_METRIC]) - number(last[EARLY_WARNING_METRIC]), 0.0))
+                Difference(number(end[WARNING_METRIC]) - number(last[WARNING_METRIC]), 0.0))
     for (fam, b), ps in sorted(per.items()):
         eff = combine(ps)
         row = finding_row(EARLY_WARNING_CLAIM, "early_warning", None,
                           f"{fam}: decayed endpoint − constant-LR control, {b}", "curvature along the update", eff, +1,
-                          z, EARLY_WARNING_FIGURE, branch=b, control=control_of(b), seed_family=fam)
+                          z, EARLY_WARNING_FIGURE, branch=b, control=control_of(b), seed_family=fam,
+                          predictor=None)
         row["se_windows"] = None  # a finite difference of three losses gives no within-run SE: "n/a", not 0
         if eff.se_seeds is None:
             row["verdict"] = NOT_RESOLVED

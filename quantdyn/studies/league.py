@@ -114,25 +114,29 @@ def league_findings(rows: list[dict], runs: Sequence[str], quantizers: Sequence[
             fe = fp_rows.get((run, b, end.get("step"))) or end
             fr = fp_rows.get((run, base, ref.get("step"))) or ref
             dfp = _fp_difference(fe, fr, fp_windows)
+            dd = paired_difference(end, ref, "delta_ce")  # the quantization error alone, paired over windows
             cost = step_cost(b)
             detail.append({"run": run, "quantizer": q, "branch": b, "baseline": base, "tokens": end.get("tokens"),
                            "ce_q": end["ce_q"], "ce_q_baseline": ref["ce_q"], "d_ce_q": dq.difference,
                            "d_ce_q_se": dq.se, "paired": dq.paired, "ce_fp": end.get("ce_fp"),
                            "ce_fp_baseline": ref.get("ce_fp"), "d_ce_fp": dfp.difference, "d_ce_fp_se": dfp.se,
-                           **cost})
-            g = groups.setdefault((family_of(run), q, b, base), {"q": [], "fp": [], "ref": [], "fpref": [], "cost": cost})
+                           "d_delta_ce": dd.difference, "d_delta_ce_se": dd.se, **cost})
+            g = groups.setdefault((family_of(run), q, b, base),
+                                  {"q": [], "fp": [], "dd": [], "ref": [], "fpref": [], "cost": cost})
             g["q"].append(dq)
             g["fp"].append(dfp)
+            g["dd"].append(dd)
             g["ref"].append(float(ref["ce_q"]))
             g["fpref"].append(float(ref.get("ce_fp") or math.nan))
     out = []
     for (fam, q, b, base), g in groups.items():
-        eff, fp = combine(g["q"]), combine(g["fp"])
+        eff, fp, dd = combine(g["q"]), combine(g["fp"]), combine(g["dd"])
         cost = g["cost"]
         out.append(finding_row(
             CLAIM, "interventions", q, f"{fam}: {b} − {base} (equal tokens)", "CE(quantized)", eff, -1, z, FIGURE,
             seed_family=fam, branch=b, intervention=parse_branch(b).intervention or f"nodecay {parse_branch(b).average}",
             baseline_branch=base, deployed_format=cost["fake_quant"] == q, d_ce_fp=fp.effect, d_ce_fp_se=fp.se,
+            d_delta_ce=dd.effect, d_delta_ce_se=dd.se,
             ce_q_baseline=statistics.fmean(g["ref"]), ce_fp_baseline=statistics.fmean(g["fpref"]),
             baseline=statistics.fmean(g["ref"]), baseline_of="the standard endpoint's CE(quantized)", **cost))
     out.sort(key=lambda f: (qs.index(f["quantizer"]), f["effect"]))
@@ -202,22 +206,26 @@ def warmdown_findings(rows: list[dict], runs: Sequence[str], quantizers: Sequenc
             dq = paired_difference(end, ref, "ce_q", fp_windows)
             dfp = _fp_difference(fp_rows.get((run, end.get("step"))) or end, fp_rows.get((base, ref.get("step"))) or ref,
                                  fp_windows)
+            dd = paired_difference(end, ref, "delta_ce")
             what = " ".join(f"{v}" for v in values)
             detail.append({"run": run, "baseline_run": base, "quantizer": q, "warmdown": what, "tokens": end.get("tokens"),
                            "ce_q": end["ce_q"], "ce_q_baseline": ref["ce_q"], "d_ce_q": dq.difference,
-                           "d_ce_q_se": dq.se, "paired": dq.paired, "d_ce_fp": dfp.difference, "d_ce_fp_se": dfp.se})
-            g = groups.setdefault((q, values), {"q": [], "fp": [], "ref": [], "fam": family_of(run),
+                           "d_ce_q_se": dq.se, "paired": dq.paired, "d_ce_fp": dfp.difference, "d_ce_fp_se": dfp.se,
+                           "d_delta_ce": dd.difference, "d_delta_ce_se": dd.se})
+            g = groups.setdefault((q, values), {"q": [], "fp": [], "dd": [], "ref": [], "fam": family_of(run),
                                                 "base": family_of(base)})
             g["q"].append(dq)
             g["fp"].append(dfp)
+            g["dd"].append(dd)
             g["ref"].append(float(ref["ce_q"]))
     out = []
     for (q, values), g in groups.items():
-        eff, fp = combine(g["q"]), combine(g["fp"])
+        eff, fp, dd = combine(g["q"]), combine(g["fp"]), combine(g["dd"])
         out.append(finding_row(
             WARMDOWN_CLAIM, "warmdown", q, f"{g['fam']} − {g['base']} (final checkpoints, equal tokens)",
             "CE(quantized)", eff, -1, z, WARMDOWN_FIGURE, seed_family=g["fam"],
             warmdown={k: v for k, v in zip(keys, values)}, d_ce_fp=fp.effect, d_ce_fp_se=fp.se,
+            d_delta_ce=dd.effect, d_delta_ce_se=dd.se,
             baseline=statistics.fmean(g["ref"]), baseline_of="the 20 % linear warmdown's CE(quantized)"))
     out.sort(key=lambda f: (qs.index(f["quantizer"]), f["effect"]))
     return out, {"warmdown": detail}

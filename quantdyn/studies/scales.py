@@ -120,7 +120,8 @@ def apply_scale(spec: dict, name: str) -> dict:
         for k in ("lawa_every",):
             _steps_key(averaging, k, f)
         mon = run.get("monitor") or {}
-        _steps_key(mon, "every", f)
+        for k in ("every", "warning_every"):
+            _steps_key(mon, k, f)
         cd = out.get("cooldowns") or {}
         if cd.get("from_steps"):
             cd["from_steps"] = [_scaled(s, f) for s in cd["from_steps"]]

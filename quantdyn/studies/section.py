@@ -39,7 +39,7 @@ from quantdyn.studies.families import FINDING_FAMILIES, FindingInputs, draw_figu
 from quantdyn.studies.spec import FindingsSpec
 
 COLUMNS = ("finding", "quantizer", "comparison", "metric", "effect ± uncertainty", "relative", "uncertainty parts",
-           "verdict", "figure", "expected", "effect", "se", "se_windows", "se_seeds", "se_run", "se_jitter",
+           "beside", "verdict", "figure", "expected", "effect", "se", "se_windows", "se_seeds", "se_run", "se_jitter",
            "baseline", "baseline_of", "interval_lo", "interval_hi", "n_seeds", "z")
 
 TITLE = "Findings: the papers' claims at this scale"
@@ -229,6 +229,26 @@ def summary_lines(a: Answer) -> list[str]:
 
 
 # ------------------------------------------------------------------ on the page
+def beside_text(f: Mapping) -> str:
+    """What a comparison of trained weights carries beside its effect (the league, the warmdown grid): the same
+    pair's FP CE difference, the quantization error's own (Δ CE) difference where the family gives it, and what one
+    step of the intervention costs beside the baseline's ('' for others)."""
+    parts = []
+    if f.get("d_ce_fp") is not None:
+        se = f.get("d_ce_fp_se")
+        parts.append(f"FP {f['d_ce_fp']:+.4f}" + (f" ± {se:.4f}" if se is not None else "") + " nats")
+    if f.get("d_delta_ce") is not None:  # what is left is the quantization error's own difference
+        se = f.get("d_delta_ce_se")
+        parts.append(f"Δ CE {f['d_delta_ce']:+.5f}" + (f" ± {se:.5f}" if se is not None else ""))
+    fb, fq = f.get("forward_backward_per_step"), f.get("fake_quant")
+    if fb is not None:
+        cost = f"{fb} forward/backward per step"
+        if fq:
+            cost += f", {fq} fake-quantized {f.get('fake_quant_per_step') or 1}x per step"
+        parts.append("cost " + cost)
+    return "; ".join(parts)
+
+
 def table_rows(found: Sequence[dict]) -> list[dict]:
     """The findings as flat rows (for CSV and the report's table): the readable columns first, then the numbers."""
     def cell(f, c):
@@ -238,6 +258,8 @@ def table_rows(found: Sequence[dict]) -> list[dict]:
             return fd.format_parts(f)
         if c == "relative":
             return relative_text(f) or None
+        if c == "beside":
+            return beside_text(f) or None
         return f.get(c)
 
     return [{c: cell(f, c) for c in COLUMNS} for f in found]
@@ -259,7 +281,7 @@ def _findings_page(lead: Section, drawn: Mapping[str, bool]) -> str:
     items = "".join(f"<li>{html.escape(c)} — {html.escape(s)}: <b>{html.escape(v)}</b></li>"
                     for c, s, v, _ in lead.sentences)
     head = ("finding", "quantizer", "comparison", "metric", "effect ± uncertainty", "relative", "uncertainty parts",
-            "verdict", "figure")
+            "beside", "verdict", "figure")
     body = "".join("<tr>" + "".join(f"<td>{html.escape(str(r.get(h) if r.get(h) is not None else '–'))}</td>"
                                     for h in head) + "</tr>" for r in lead.table)
     imgs = "".join(f"<img src='{html.escape(name)}' style='max-width:100%'>" for name, ok in drawn.items() if ok)
@@ -320,13 +342,13 @@ def ship_lines(shipped: Sequence[dict]) -> list[str]:
 
 def markdown_table(found: Sequence[dict]) -> str:
     """The findings as a Markdown table (finding, quantizer, comparison, metric, effect ± uncertainty, parts,
-    verdict, figure), for docs written from a study's findings.json."""
-    head = ("finding", "quantizer", "comparison", "metric", "effect ± uncertainty", "uncertainty parts", "verdict",
-            "figure")
+    beside: FP and cost where the family gives them, verdict, figure), for docs written from a study's findings.json."""
+    head = ("finding", "quantizer", "comparison", "metric", "effect ± uncertainty", "uncertainty parts", "beside",
+            "verdict", "figure")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in table_rows(found):
         cells = [str(r.get(h) if r.get(h) is not None else "–").replace("|", "\\|") for h in head]
-        cells[6] = f"**{cells[6]}**" if cells[6] != NOT_RESOLVED else cells[6]
+        cells[7] = f"**{cells[7]}**" if cells[7] != NOT_RESOLVED else cells[7]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -8,11 +8,12 @@ easily):
   outliers     weight_/act_ {mmr, mmr_token, kurtosis, max_abs} _mean/_max over linear layers
   propagation  per quantizer Q: prop_R_final__Q (R_L, paper B's predictor),
                prop_gain_mean__Q, prop_B_sum__Q (new error summed over blocks)
-  curvature    curvature_along_update: the early warning (issue 48.5), the held-out loss's curvature along the
-               update from the checkpoint's predecessor (runs.previous_checkpoint: the run's previous checkpoint,
-               a branch's branch point) to it, analysis/hessian.curvature_along as PTQMonitor.warn measures it in
-               training (float32, eval mode, held-out windows); curvature_from / _step / _hash name the
-               predecessor, update_norm |w - w_prev|; None with curvature_note saying why where there is none
+  curvature    curvature_along_update: the early warning (issue 48.5) after the fact, the held-out loss's curvature
+               along the update from the checkpoint the training reached it from (runs.predecessor: the run's
+               previous checkpoint, a branch's branch point) to it, analysis/hessian.curvature_along as
+               PTQMonitor.warn measures it in training (float32, eval mode, held-out windows, three forwards);
+               curvature_from (that checkpoint, or "no predecessor (why)"), curvature_from_step, update_norm
+               |w - w_prev|; None where the checkpoint has no predecessor
 """
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ import torch
 from quantdyn.analysis.hessian import HessianConfig, curvature_along, hessian_metrics, next_token_loss
 from quantdyn.analysis.outliers import outlier_metrics
 from quantdyn.engine.measure import MeasureConfig, measure
-from quantdyn.errors import QuantdynError, unknown_name
+from quantdyn.errors import unknown_name
 from quantdyn.models.hf_io import load_causal_lm
-from quantdyn.runs import checkpoint_info, previous_checkpoint
+from quantdyn.runs import checkpoint_info, predecessor
 
 ANALYSES = ("hessian", "outliers", "propagation", "curvature")
 
@@ -86,23 +87,24 @@ def propagation_row(weights, calib_ids: torch.Tensor, quantizers: dict, cfg: Ana
 
 def predecessor_of(ref) -> tuple[Path | None, str]:
     """The checkpoint ``ref`` (a directory, or hub-id@revision) was trained from, or None and why not
-    (runs.previous_checkpoint; a checkpoint that is not a local directory has none)."""
+    (runs.predecessor; a checkpoint that is not a local directory has none)."""
     path = Path(str(ref))
-    return previous_checkpoint(path) if path.is_dir() else (None, "not a local checkpoint of a quantdyn run")
+    return predecessor(path) if path.is_dir() else (None, "not a local checkpoint of a quantdyn run")
 
 
 def curvature_row(ckpt, eval_ids: torch.Tensor, cfg: AnalysisConfig, device="cpu", previous=None) -> dict:
-    """The curvature of the held-out loss along the update from ``ckpt``'s predecessor to ``ckpt`` (``previous``:
-    (path | None, why) as :func:`predecessor_of` gives it; found from the run directory when not given), on the
-    first ``cfg.windows`` evaluation windows, the model in float32 and eval mode: k = u^T H u, u = (w - w_prev) /
-    |w - w_prev| (analysis/hessian.curvature_along, three forward passes). No predecessor, or the same weights as
-    it: curvature_along_update None and curvature_note saying why."""
+    """The early warning (monitor ``warning_every``) of a stored checkpoint: the curvature of the held-out loss
+    along the update from ``ckpt``'s predecessor to ``ckpt`` (``previous``: (path | None, why) as
+    :func:`predecessor_of` gives it; found from the run directory when not given), on the first ``cfg.windows``
+    evaluation windows, the model in float32 and eval mode: k = u^T H u, u = (w - w_prev) / |w - w_prev|
+    (analysis/hessian.curvature_along, three forward passes). No predecessor: curvature_along_update None and
+    ``curvature_from`` says why; the same weights as it, or another architecture: None too."""
     prev, why = previous if previous is not None else predecessor_of(ckpt)
     ids = eval_ids[: cfg.windows]
-    out = {"curvature_along_update": None, "curvature_from": str(prev) if prev is not None else None,
-           "curvature_from_step": checkpoint_info(prev).step if prev is not None else None, "update_norm": None,
-           "curvature_slope": None, "curvature_h": None, "curvature_windows": len(ids), "curvature_seconds": None,
-           "curvature_note": why or None}
+    out = {"curvature_along_update": None, "curvature_from": str(prev) if prev is not None else f"no predecessor "
+           f"({why})", "curvature_from_step": checkpoint_info(prev).step if prev is not None else None,
+           "update_norm": None, "curvature_slope": None, "curvature_h": None, "curvature_windows": len(ids),
+           "curvature_seconds": None}
     if prev is None:
         return out
     t0 = time.perf_counter()
@@ -110,15 +112,13 @@ def curvature_row(ckpt, eval_ids: torch.Tensor, cfg: AnalysisConfig, device="cpu
     named = list(model.named_parameters())
     before = dict(load_causal_lm(prev, device=device).float().named_parameters())
     if [n for n, _ in named] != list(before) or any(p.shape != before[n].shape for n, p in named):
-        raise QuantdynError(f"'{ckpt}' and its predecessor '{prev}' have different parameters; the curvature along "
-                            "the update needs two checkpoints of one model")
+        return {**out, "curvature_from": f"{prev}: another architecture"}
     direction = [p.detach() - before[n].detach() for n, p in named]
     del before
     norm = math.sqrt(sum(float(d.double().pow(2).sum()) for d in direction))
     out["update_norm"] = norm
     if not norm > 0:
-        out["curvature_note"] = f"the same weights as its predecessor '{prev}' (no update)"
-        return out
+        return out  # the same weights as its predecessor: no update to measure along
     ids = ids.to(device)
     with torch.no_grad():
         r = curvature_along(lambda: next_token_loss(model, ids), [p for _, p in named], direction)

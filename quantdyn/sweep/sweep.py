@@ -569,7 +569,7 @@ def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
             continue
         vals = analysis_rows(name, weights, ctx.data, ctx.calib_draws[0], ctx.eval_ids, ctx.prop_q, cfg.analysis_budget,
                              device=ctx.device, mcfg=ctx.mcfg)
-        if name == "curvature" and vals["curvature_from"] is not None:
+        if name == "curvature" and vals["curvature_from_step"] is not None:
             vals["curvature_from_hash"] = _predecessor_hash(ctx, p)
         rows = [{"key": key, "kind": ANALYSIS.name, "analysis": name, **base, "measurement": mids[key], **vals,
                  **provenance()}]
