@@ -225,7 +225,8 @@ def test_the_documented_study_override_asks_for_the_family():
     from quantdyn.studies.spec import load_study_spec
 
     spec = Path(__file__).parents[1] / "configs" / "studies" / "sharpness.yaml"
-    s = load_study_spec(spec, ["sweep.analysis=[hessian,curvature]", "findings.compute=[decay,sharpness,early_warning]"])
+    s = load_study_spec(spec, ["sweep.analysis=[hessian,curvature]",
+                               "findings.compute=[decay,sharpness,early_warning]"])
     assert s.sweep.analysis == ("hessian", "curvature") and "early_warning" in s.finding_families
     with pytest.raises(QuantdynError, match="early_warning needs sweep.analysis with curvature"):
         load_study_spec(spec, ["findings.compute=[decay,sharpness,early_warning]"])

@@ -707,7 +707,8 @@ def early_warning_points(rows: list[dict], runs: Sequence[str], quantizer: str) 
                         "tokens": r.get("tokens"), "lr": r.get("lr"), "delta_ce": r["delta_ce"],
                         "delta_ce_se": total_se(r), WARNING_METRIC: k,
                         "update_norm": number(c.get("update_norm")),
-                        "curvature_from_step": c.get("curvature_from_step"), "hessian_trace": number(h.get("hessian_trace")),
+                        "curvature_from_step": c.get("curvature_from_step"),
+                        "hessian_trace": number(h.get("hessian_trace")),
                         PROPAGATION_METRIC: number(prop.get(f"{PROPAGATION_METRIC}__{quantizer}"))})
     return out
 

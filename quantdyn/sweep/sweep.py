@@ -453,7 +453,8 @@ def _point_keys(ctx: _SweepContext, p: Point):
         qat_cfg = None
     qat_key = key(f"qat:{config_hash(qat_cfg)}") if qat_cfg else None
     prop_hash = config_hash({k: to_dict(v) for k, v in sorted(ctx.prop_q.items())})
-    a_keys = {a: key(f"analysis:{a}:{config_hash(cfg.analysis_budget)}" + (f":{prop_hash}" if a == "propagation" else "")
+    a_keys = {a: key(f"analysis:{a}:{config_hash(cfg.analysis_budget)}"
+                     + (f":{prop_hash}" if a == "propagation" else "")
                      + (f":{_predecessor_hash(ctx, p)}" if a == "curvature" else ""))
               for a in cfg.analysis}
     # accuracy rows of one (point, quantizer) are appended together and carry this key, so a sweep that
