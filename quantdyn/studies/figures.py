@@ -21,7 +21,7 @@ from matplotlib.lines import Line2D
 
 from quantdyn.report.output import PAGE_WIDTH, save_figure, subplots
 from quantdyn.results.stats import NOT_RESOLVED, VERDICTS, format_estimate, format_interval, verdict_of
-from quantdyn.runs import MAIN, is_cooldown, parse_branch
+from quantdyn.runs import MAIN, is_control, is_cooldown, is_intervention, is_nodecay, parse_branch
 from quantdyn.studies.findings import relative_baseline
 
 _MARKERS = "osD^v<>pP*hX"
@@ -141,10 +141,18 @@ def sharpness(detail: list[dict], out: Path) -> bool:
     return True
 
 
+_OTHER_COLOURS = ("C1", "C2", "C4", "C5", "C6", "C8", "C9")  # neither main's black, the cooldown's red nor the control's blue
+
+
+def _standard_cooldown(b: str) -> bool:
+    return is_cooldown(b) and not is_intervention(b) and not is_nodecay(b)
+
+
 def early_warning(findings: list[dict], detail: list[dict], out: Path) -> bool:
     """The early warning (issue 48.5), first quantizer: Δ CE against the curvature along the update, one point per
-    checkpoint (Spearman ρ and its interval in the title); and the curvature against tokens: main run (black),
-    cooldown branches (red), constant-LR controls (blue, dashed)."""
+    checkpoint (Spearman ρ and its interval in the title); and the curvature against tokens, one line per run and
+    branch: main run (black), standard cooldowns (red), constant-LR controls (blue, dashed), interventions and
+    no-decay branches (other colours, dotted)."""
     qs = _quantizers(detail)
     if not qs:
         return False
@@ -154,19 +162,31 @@ def early_warning(findings: list[dict], detail: list[dict], out: Path) -> bool:
                None)
     fig, axes = subplots(1, 2, figsize=(PAGE_WIDTH, 3.2), squeeze=False)
     left, right = axes[0]
-    for b in sorted({d["branch"] for d in mine}, key=lambda b: (b != MAIN, b)):
-        seq = sorted((d for d in mine if d["branch"] == b), key=lambda d: d["tokens"] or 0)
-        style = dict(color="k", ls="-") if b == MAIN else \
-            dict(color="C3", ls="-") if is_cooldown(b) else dict(color="C0", ls="--")
-        left.errorbar([d["curvature_along_update"] for d in seq], [d["delta_ce"] for d in seq],
-                      yerr=[d.get("delta_ce_se") or 0 for d in seq], fmt="o", ms=3, capsize=1.5,
-                      color=style["color"], label=b)
-        parsed = parse_branch(b)
-        start = next((d for d in mine if parsed is not None and d["branch"] == MAIN and d["run"] == seq[0]["run"]
-                      and d["step"] == parsed.from_step), None)  # the branch point, where the branch leaves main
-        line = ([start] if start else []) + seq
-        right.plot([d["tokens"] for d in line], [d["curvature_along_update"] for d in line], marker="o", ms=2.5,
-                   lw=1, **style)
+    branches = sorted({d["branch"] for d in mine}, key=lambda b: (b != MAIN, b))
+    others = [b for b in branches if b != MAIN and not is_control(b) and not _standard_cooldown(b)]
+
+    def style(b: str) -> dict:  # main black, the standard cooldown red, its control blue dashed, the rest dotted
+        if b == MAIN:
+            return dict(color="k", ls="-")
+        if _standard_cooldown(b):
+            return dict(color="C3", ls="-")
+        if is_control(b):
+            return dict(color="C0", ls="--")
+        return dict(color=_OTHER_COLOURS[others.index(b) % len(_OTHER_COLOURS)], ls=":")
+
+    for b in branches:
+        pts = [d for d in mine if d["branch"] == b]
+        left.errorbar([d["curvature_along_update"] for d in pts], [d["delta_ce"] for d in pts],
+                      yerr=[d.get("delta_ce_se") or 0 for d in pts], fmt="o", ms=3, capsize=1.5,
+                      color=style(b)["color"], label=b)
+        for run in sorted({d["run"] for d in pts}):  # one line per run: seeds are not joined
+            seq = sorted((d for d in pts if d["run"] == run), key=lambda d: d["tokens"] or 0)
+            parsed = parse_branch(b)
+            start = next((d for d in mine if parsed is not None and d["branch"] == MAIN and d["run"] == run
+                          and d["step"] == parsed.from_step), None)  # the branch point, where the branch leaves main
+            line = ([start] if start else []) + seq
+            right.plot([d["tokens"] for d in line], [d["curvature_along_update"] for d in line], marker="o", ms=2.5,
+                       lw=1, **style(b))
     if rho is not None and rho.get("effect") is not None:
         rho_text = format_interval(rho["effect"], rho.get("interval_lo"), rho.get("interval_hi"))
         left.set_title(f"{q}: Spearman ρ {rho_text} over {rho.get('n')} checkpoints", fontsize=8)
@@ -177,8 +197,10 @@ def early_warning(findings: list[dict], detail: list[dict], out: Path) -> bool:
     for ax in (left, right):
         ax.grid(alpha=0.3)
         ax.tick_params(labelsize=7)
-    left.legend(fontsize=6)
-    save_figure(fig, out)
+    handles, labels = left.get_legend_handles_labels()  # below both panels: no point hidden behind it
+    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=6, frameon=False)
+    bottom = 0.12 + 0.07 * ((len(labels) + 3) // 4)
+    save_figure(fig, out, bottom=bottom)
     return True
 
 
