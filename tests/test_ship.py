@@ -119,6 +119,50 @@ def test_quantizations_that_fit_the_budget_on_this_model():
     assert {q.export_format for q in only} == {"gptq"}
 
 
+@pytest.mark.parametrize("width, budget, forced", [(128, 4.5, True), (128, 4.52, True), (128, 4.56, False),
+                                                   (128, 5.0, False),
+                                                   (32, 4.5, True), (256, 4.5, False)])
+def test_a_plan_the_budget_forces_is_exactly_what_the_allocator_makes_whatever_the_sensitivity(width, budget, forced):
+    """forced_assignment is exact: where it names one assignment, the allocator makes that one for any errors; where
+    it does not, some errors make the allocator choose otherwise than every tensor in its cheapest type."""
+    import math
+
+    from quantdyn.quantize.allocate import allocate
+    from quantdyn.quantize.catalogue import TensorSite
+    from quantdyn.quantize.plan import forced_assignment, type_bits_per_weight
+
+    types = ("q4_0", "q5_0", "q8_0", "q4_k", "q6_k")
+    entries = [(t.name, t.block, t.path, tuple(t.shape)) for t in _tensors(width=width)]
+    types = tuple(t for t in types if width % (256 if "_k" in t else 32) == 0)  # those every row holds
+    n = sum(s[0] * s[1] for *_, s in entries)
+    cost = {name: {t: round(type_bits_per_weight(t, s, TensorSite(p, b, 2, s)) * s[0] * s[1]) for t in types}
+            for name, b, p, s in entries}
+    got = forced_assignment(entries, 2, types, budget)
+    assert (got is not None) == forced
+    rng = np.random.default_rng(0)
+    total = math.floor(budget * n + 1e-9)
+    choices = set()
+    for _ in range(20):  # random sensitivities, richer types mostly better: the allocator spends what it may
+        curves = {name: {t: (c, float(rng.random()) / c) for t, c in cost[name].items()} for name in cost}
+        choices.add(tuple(allocate(curves, total).choice[name] for name, *_ in entries))
+    if forced:
+        assert choices == {got}
+    else:
+        cheapest = tuple(min(cost[name], key=cost[name].get) for name, *_ in entries)
+        assert any(c != cheapest for c in choices)
+
+
+def test_an_auto_plan_the_budget_forces_to_a_measured_uniform_type_is_left_out_with_a_note():
+    from quantdyn.ship.quantizations import plan_quantizations
+
+    qs, notes = plan_quantizations(4.5, _tensors(width=128), 2, "quantdyn-gpt")
+    assert "auto@4.5" not in {q.name for q in qs} and "q4_0" in {q.name for q in qs}
+    assert any(n.startswith("auto@4.5 left out") and "q4_0 on every tensor" in n for n in notes)
+    kept = plan_quantizations(4.5, _tensors(width=128), 2, "quantdyn-gpt", labels=("gptq4",))[0]
+    assert "auto@4.5" in {q.name for q in kept}  # q4_0 not measured: the plan is
+    assert "auto@5" in {q.name for q in plan_quantizations(5.0, _tensors(width=128), 2, "quantdyn-gpt")[0]}
+
+
 @pytest.mark.parametrize("kw, msg", [
     (dict(budget=1.0), "the smallest available is gptq2 at 2."),
     (dict(budget=5.0, formats=("ggml",)), "did you mean 'gguf'"),

@@ -412,6 +412,30 @@ def budget_range(tensors: list[tuple[str, int, str, tuple[int, int]]], n_blocks:
     return lo / n, hi / n
 
 
+def forced_assignment(tensors: list[tuple[str, int, str, tuple[int, int]]], n_blocks: int, types: tuple[str, ...],
+                      budget: float) -> tuple[str, ...] | None:
+    """The one assignment of ``types`` to ``tensors`` (name, block, path, shape) that an allocation under ``budget``
+    can make, when there is only one: every tensor's cheapest type is unique and no tensor can move to a richer one
+    within the bits the budget leaves above every tensor in its cheapest type (bits counted as a plan counts them:
+    integers per tensor, the budget floored over all weights). None when the allocation has a choice to make (or the
+    budget is below the cheapest assignment: check_plan_budget says so)."""
+    n = sum(shape[0] * shape[1] for _, _, _, shape in tensors)
+    cost = []
+    for _, block, path, shape in tensors:
+        site = TensorSite(path, block, n_blocks, shape)
+        cost.append([round(type_bits_per_weight(t, shape, site) * shape[0] * shape[1]) for t in types])
+    slack = math.floor(budget * n + 1e-9) - sum(min(c) for c in cost)
+    if slack < 0:
+        return None
+    out = []
+    for c in cost:
+        ranked = sorted(c)
+        if len(ranked) > 1 and (ranked[1] == ranked[0] or ranked[1] - ranked[0] <= slack):
+            return None
+        out.append(types[c.index(ranked[0])])
+    return tuple(out)
+
+
 def check_plan_budget(budget: float, low: float, high: float, types: tuple[str, ...]) -> None:
     """One line unless ``budget`` lies in [low, high] (what every tensor in its cheapest / richest type costs)."""
     if not math.isfinite(budget) or budget < low - 1e-12 or budget > high + 1e-12:

@@ -15,7 +15,7 @@ from typing import Sequence
 from quantdyn.errors import QuantdynError, unknown_name
 from quantdyn.export.layouts import EXPORT_FORMATS, check_exportable
 from quantdyn.quantize.catalogue import QuantConfig, TensorSite, config_for_tensor, parse_quantizer
-from quantdyn.quantize.plan import budget_range, check_types_fit, type_bits_per_weight
+from quantdyn.quantize.plan import budget_range, check_types_fit, forced_assignment, parse_auto, type_bits_per_weight
 
 DEPLOYMENT_TYPES = ("q8_0", "q6_k", "q5_k_m", "q5_1", "q5_0", "q4_k_m", "q4_1", "q4_0", "q3_k_m", "q2_k",
                     "gptq8", "gptq4", "gptq3", "gptq2", "nvfp4", "mxfp4", "fp8-channel")
@@ -130,11 +130,25 @@ def plan_quantizations(budget: float, tensors, n_blocks: int, model_type: str, *
                             f"available is {low} at {avail[low]:.3f}; raise the budget to at least {avail[low]:.3f}")
     if auto:
         a = auto_quantization(budget, tensors, n_blocks, fmts)
+        only = forced_type(a, tensors, n_blocks) if not isinstance(a, str) else None
+        same = seen.get(_resolved(parse_quantizer(only), tensors, n_blocks)) if only else None
         if isinstance(a, str):
             notes.append(a)
+        elif same:  # the plan cannot differ from a uniform type already measured: no sensitivity pass for it
+            notes.append(f"{a.name} left out: the budget leaves no tensor room for a type richer than {only}, so its "
+                         f"plan is {only} on every tensor, which is measured as {same}")
         else:
             out.append(a)
     return out, notes
+
+
+def forced_type(a: Quantization, tensors, n_blocks: int) -> str | None:
+    """The one type an ``auto@`` quantization's plan can give every tensor of this model, when the budget forces it
+    (quantize/plan.py forced_assignment) and it is the same type everywhere; else None."""
+    budget, types = parse_auto(parse_quantizer(a.label).method)
+    entries = [(t.name, t.block, t.path, tuple(t.shape)) for t in tensors]
+    forced = forced_assignment(entries, n_blocks, tuple(types), budget)
+    return forced[0] if forced and len(set(forced)) == 1 else None
 
 
 def auto_quantization(budget: float, tensors, n_blocks: int, fmts: Sequence[str]) -> Quantization | str:
