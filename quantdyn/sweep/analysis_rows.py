@@ -128,14 +128,15 @@ def curvature_row(ckpt, eval_ids: torch.Tensor, cfg: AnalysisConfig, device="cpu
 
 
 def analysis_rows(name: str, weights, data, calib_ids, eval_ids, quantizers: dict, cfg: AnalysisConfig,
-                  device="cpu", mcfg=None) -> dict:
+                  device="cpu", mcfg=None, previous=None) -> dict:
     """One analysis of a checkpoint (``weights``: a reference or CheckpointWeights). The Hessian and outlier
-    analyses need the whole model in memory (autograd, every layer's activations); propagation streams."""
+    analyses need the whole model in memory (autograd, every layer's activations); propagation streams.
+    ``previous``: curvature's predecessor as :func:`predecessor_of` gives it (found from the run when None)."""
     check_analysis_names([name])
     if name == "propagation":
         return propagation_row(weights, calib_ids, quantizers, cfg, device, mcfg)
     if name == "curvature":
-        return curvature_row(getattr(weights, "path", weights), eval_ids, cfg, device)
+        return curvature_row(getattr(weights, "path", weights), eval_ids, cfg, device, previous)
 
     model = load_causal_lm(getattr(weights, "path", weights), device=device)
     if name == "hessian":

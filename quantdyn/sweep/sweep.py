@@ -388,6 +388,8 @@ class _SweepContext:
     date): identical weights at several places of a trajectory are measured once (:func:`_copies`)."""
     hashes: dict = field(default_factory=dict)
     """checkpoint reference -> its weights' hash (hashing reads every weight file: once per reference)."""
+    predecessors: dict = field(default_factory=dict)
+    """checkpoint reference -> (the checkpoint it was trained from or None, why not): read once per reference."""
 
 
 def _stored_floor(ctx: _SweepContext, fp_key: str) -> dict:
@@ -469,10 +471,17 @@ def _point_keys(ctx: _SweepContext, p: Point):
     return h, base, fp_key, q_keys, qat_cfg, qat_key, a_keys, acc_keys, sens_key, todo, mids, done
 
 
+def _predecessor(ctx: _SweepContext, p: Point) -> tuple:
+    """(the checkpoint ``p`` was trained from or None, why not), as analysis_rows.predecessor_of says, once per point."""
+    if p.ref not in ctx.predecessors:
+        ctx.predecessors[p.ref] = predecessor_of(p.ref) if p.is_local else (None, "not a local checkpoint of a quantdyn run")
+    return ctx.predecessors[p.ref]
+
+
 def _predecessor_hash(ctx: _SweepContext, p: Point) -> str:
     """The weights' hash of the checkpoint ``p`` was trained from ('none' without one): the curvature along the
     update is a measurement of the pair, so identical weights reached from other weights are measured again."""
-    prev, _ = predecessor_of(p.ref) if p.is_local else (None, "")
+    prev, _ = _predecessor(ctx, p)
     if prev is None:
         return "none"
     return ctx.hashes.get(str(prev)) or ctx.hashes.setdefault(str(prev), checkpoint_hash(str(prev)))
@@ -569,7 +578,8 @@ def _sweep_point(ctx: _SweepContext, p: Point) -> tuple[int, int]:
             skipped += 1
             continue
         vals = analysis_rows(name, weights, ctx.data, ctx.calib_draws[0], ctx.eval_ids, ctx.prop_q, cfg.analysis_budget,
-                             device=ctx.device, mcfg=ctx.mcfg)
+                             device=ctx.device, mcfg=ctx.mcfg,
+                             previous=_predecessor(ctx, p) if name == "curvature" else None)
         if name == "curvature" and vals["curvature_from_step"] is not None:
             vals["curvature_from_hash"] = _predecessor_hash(ctx, p)
         rows = [{"key": key, "kind": ANALYSIS.name, "analysis": name, **base, "measurement": mids[key], **vals,
