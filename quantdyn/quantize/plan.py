@@ -403,13 +403,16 @@ def budget_range(tensors: list[tuple[str, int, str, tuple[int, int]]], n_blocks:
                  types: tuple[str, ...]) -> tuple[float, float]:
     """(fewest, most) bits per weight any assignment of ``types`` to ``tensors`` (name, block, path, shape) reaches:
     every tensor in its cheapest type, every tensor in its richest."""
-    lo = hi = 0
-    n = 0
-    for _, block, path, shape in tensors:
-        site = TensorSite(path, block, n_blocks, shape)
-        bits = [type_bits_per_weight(t, shape, site) * shape[0] * shape[1] for t in types]
-        lo, hi, n = lo + round(min(bits)), hi + round(max(bits)), n + shape[0] * shape[1]
-    return lo / n, hi / n
+    cost, n = _tensor_type_bits(tensors, n_blocks, types)
+    return sum(min(c) for c in cost) / n, sum(max(c) for c in cost) / n
+
+
+def _tensor_type_bits(tensors: list[tuple[str, int, str, tuple[int, int]]], n_blocks: int,
+                      types: tuple[str, ...]) -> tuple[list[list[int]], int]:
+    """Each tensor's storage bits in each of ``types`` (integers, as a plan counts them), and the number of weights."""
+    cost = [[round(type_bits_per_weight(t, shape, TensorSite(path, block, n_blocks, shape)) * shape[0] * shape[1])
+             for t in types] for _, block, path, shape in tensors]
+    return cost, sum(shape[0] * shape[1] for _, _, _, shape in tensors)
 
 
 def forced_assignment(tensors: list[tuple[str, int, str, tuple[int, int]]], n_blocks: int, types: tuple[str, ...],
@@ -419,11 +422,7 @@ def forced_assignment(tensors: list[tuple[str, int, str, tuple[int, int]]], n_bl
     within the bits the budget leaves above every tensor in its cheapest type (bits counted as a plan counts them:
     integers per tensor, the budget floored over all weights). None when the allocation has a choice to make (or the
     budget is below the cheapest assignment: check_plan_budget says so)."""
-    n = sum(shape[0] * shape[1] for _, _, _, shape in tensors)
-    cost = []
-    for _, block, path, shape in tensors:
-        site = TensorSite(path, block, n_blocks, shape)
-        cost.append([round(type_bits_per_weight(t, shape, site) * shape[0] * shape[1]) for t in types])
+    cost, n = _tensor_type_bits(tensors, n_blocks, types)
     slack = math.floor(budget * n + 1e-9) - sum(min(c) for c in cost)
     if slack < 0:
         return None

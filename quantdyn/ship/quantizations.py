@@ -130,15 +130,16 @@ def plan_quantizations(budget: float, tensors, n_blocks: int, model_type: str, *
                             f"available is {low} at {avail[low]:.3f}; raise the budget to at least {avail[low]:.3f}")
     if auto:
         a = auto_quantization(budget, tensors, n_blocks, fmts)
-        only = forced_type(a, tensors, n_blocks) if not isinstance(a, str) else None
-        same = seen.get(_resolved(parse_quantizer(only), tensors, n_blocks)) if only else None
         if isinstance(a, str):
             notes.append(a)
-        elif same:  # the plan cannot differ from a uniform type already measured: no sensitivity pass for it
-            notes.append(f"{a.name} left out: the budget leaves no tensor room for a type richer than {only}, so its "
-                         f"plan is {only} on every tensor, which is measured as {same}")
         else:
-            out.append(a)
+            only = forced_type(a, tensors, n_blocks)
+            same = seen.get(_resolved(parse_quantizer(only), tensors, n_blocks)) if only else None
+            if same:  # the plan cannot differ from a uniform type already measured: no sensitivity pass for it
+                notes.append(f"{a.name} left out: the budget leaves no tensor room for a type richer than {only}, so "
+                             f"its plan is {only} on every tensor, which is measured as {same}")
+            else:
+                out.append(a)
     return out, notes
 
 

@@ -474,7 +474,7 @@ def _point_keys(ctx: _SweepContext, p: Point):
 def _predecessor(ctx: _SweepContext, p: Point) -> tuple:
     """(the checkpoint ``p`` was trained from or None, why not), as analysis_rows.predecessor_of says, once per point."""
     if p.ref not in ctx.predecessors:
-        ctx.predecessors[p.ref] = predecessor_of(p.ref) if p.is_local else (None, "not a local checkpoint of a quantdyn run")
+        ctx.predecessors[p.ref] = predecessor_of(p.ref)  # a reference that is no local directory has none
     return ctx.predecessors[p.ref]
 
 
