@@ -358,11 +358,6 @@ def predecessor(ckpt: Path) -> tuple[Path | None, str]:
     return point, ""
 
 
-def previous_checkpoint(ckpt: Path) -> Path | None:
-    """The checkpoint the training reached ``ckpt`` from, or None (:func:`predecessor` says why)."""
-    return predecessor(ckpt)[0]
-
-
 def _stale(directory: Path) -> list[Path]:
     if not directory.is_dir():
         return []

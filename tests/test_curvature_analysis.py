@@ -1,6 +1,6 @@
 """Issue 48.5 as a first-class analysis: `quantdyn analyze --metrics curvature` / ``sweep.analysis: [curvature]``
 (sweep/analysis_rows.py curvature_row) measures the held-out loss's curvature along the update from each checkpoint's
-predecessor (runs.previous_checkpoint), and the ``early_warning`` finding family correlates it with Δ CE."""
+predecessor (runs.predecessor), and the ``early_warning`` finding family correlates it with Δ CE."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,7 @@ from conftest import tiny_run_dict
 from quantdyn.analysis.hessian import curvature_along, next_token_loss
 from quantdyn.config import from_dict
 from quantdyn.models.hf_io import load_causal_lm
-from quantdyn.runs import RunDir, predecessor, previous_checkpoint
+from quantdyn.runs import RunDir, predecessor
 from quantdyn.train.branches import cooldown
 from quantdyn.train.config import RunConfig
 from quantdyn.train.trainer import train
@@ -49,7 +49,7 @@ def test_predecessors_from_the_run_layout(run_with_branch):
     main4, main8 = RunDir(run).checkpoint(4), RunDir(run).checkpoint(8)
     cool8 = RunDir(run).branch("cooldown-s4-d4-linear").checkpoint(8)
     assert predecessor(main8) == (main8.parent / "step-0000004", "")
-    assert previous_checkpoint(cool8) == run / "checkpoints" / "step-0000004"  # the branch point
+    assert predecessor(cool8)[0] == run / "checkpoints" / "step-0000004"  # the branch point
     prev, why = predecessor(main4)
     assert prev is None and "first checkpoint" in why
     prev, why = predecessor(run)  # not a checkpoint of a run
@@ -57,7 +57,7 @@ def test_predecessors_from_the_run_layout(run_with_branch):
 
 
 def _layout(root, steps, parent=None):
-    """A run directory with empty weight files at ``steps`` (what previous_checkpoint reads: names, run.json)."""
+    """A run directory with empty weight files at ``steps`` (what predecessor reads: names, run.json)."""
     (root / "config.yaml").parent.mkdir(parents=True, exist_ok=True)
     (root / "config.yaml").write_text("name: x\n")
     (root / "run.json").write_text(json.dumps({"name": root.name, **({"parent": parent} if parent else {})}))
@@ -85,7 +85,7 @@ def test_a_branch_copy_of_its_branch_point_and_a_missing_branch_point(tmp_path):
     avg = exp.average("ema-0.9", 0)  # an average counts as the run's checkpoint at its step: here the first
     avg.mkdir(parents=True)
     (avg / "model.safetensors").write_bytes(b"")
-    assert previous_checkpoint(avg) is None
+    assert predecessor(avg)[0] is None
 
 
 def test_analyze_curvature_equals_curvature_along_the_update(run_with_branch, kjv_small, cli, tmp_path):

@@ -175,7 +175,7 @@ def test_the_curvature_analysis_measures_the_update_from_each_checkpoints_predec
     from conftest import tiny_run_dict
     from quantdyn.config import from_dict
     from quantdyn.models.hf_io import load_causal_lm
-    from quantdyn.runs import RunDir, previous_checkpoint
+    from quantdyn.runs import RunDir, predecessor
     from quantdyn.sweep.analysis_rows import AnalysisConfig, analysis_rows
     from quantdyn.train.branches import cooldown
     from quantdyn.train.config import RunConfig
@@ -188,11 +188,11 @@ def test_the_curvature_analysis_measures_the_update_from_each_checkpoints_predec
     rd = RunDir(run)
     branch = rd.branch("cooldown-s4-d4-linear")
     main4, main8, end = rd.checkpoint(4), rd.checkpoint(8), branch.checkpoint(8)
-    assert previous_checkpoint(main4) is None and previous_checkpoint(main8) == main4
-    assert previous_checkpoint(end) == main4  # the branch point
+    assert predecessor(main4)[0] is None and predecessor(main8)[0] == main4
+    assert predecessor(end)[0] == main4  # the branch point
     avg = rd.average("lawa-k2-p4", 8)
     avg.mkdir(parents=True)
-    assert previous_checkpoint(avg) == main4 and previous_checkpoint(tmp_path) is None
+    assert predecessor(avg)[0] == main4 and predecessor(tmp_path)[0] is None
 
     ev = torch.as_tensor(windows(8, 33, 7)).long()
     cfg = AnalysisConfig(windows=6)
